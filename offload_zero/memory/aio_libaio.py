@@ -1,0 +1,163 @@
+"""Fast swap backend: Linux native AIO (io_submit / io_getevents) through the ``libaio`` bindings.
+
+[Note: libaio backend flow]
+``submit`` appends requests to a pending queue and, under one lock, hands as many as fit
+(``queue_depth - in_flight``) to the kernel with a single ``io_submit``; it returns without
+waiting for any transfer. A daemon *reaper* thread blocks in ``io_getevents`` (ctypes releases
+the GIL there, so the caller keeps computing), finishes each completed request and refills the
+kernel queue from the pending queue. So the caller only ever pays for the first
+``queue_depth`` submissions; the rest of a large transfer is submitted by the reaper.
+
+Every result is checked: ``io_submit`` raising for a block (e.g. EBADF, EINVAL) finishes that
+request with ``-errno``; a completion with a negative ``res`` is ``-errno``; a ``res`` other than
+the requested length is a short transfer, judged by ``request.finish``.
+"""
+from __future__ import annotations
+
+import collections
+import errno
+import threading
+
+import libaio
+
+__all__ = ["LibaioBackend"]
+
+_REAP_TIMEOUT_S = 0.5  # wake up now and then even if the kernel is slow, to notice shutdown
+
+
+def _signed(res: int) -> int:
+    """io_event.res is an unsigned long in the C struct; errors are -errno in two's complement."""
+    return res - (1 << 64) if res >= (1 << 63) else res
+
+
+class LibaioBackend:
+    """Keeps up to ``queue_depth`` requests in flight in one kernel AIO context.
+
+    Args:
+        queue_depth: the most requests handed to the kernel at once (>= 1).
+
+    Raises:
+        OSError: the kernel refused to create the AIO context (io_setup), e.g. because
+            ``/proc/sys/fs/aio-max-nr`` is exhausted or a sandbox forbids the syscall.
+    """
+
+    name = "libaio"
+
+    def __init__(self, queue_depth: int) -> None:
+        self._queue_depth = queue_depth
+        self._ctx = libaio.AIOContext(queue_depth)
+        self._lock = threading.Lock()
+        self._work = threading.Condition(self._lock)
+        self._pending: collections.deque = collections.deque()
+        self._in_flight = 0
+        self._blocks: set = set()  # AIOBlocks handed to the kernel and not yet reaped
+        self._closing = False
+        self._reaper = threading.Thread(target=self._reap_loop, name="oz-aio-reaper", daemon=True)
+        self._reaper.start()
+
+    # ---- submission -------------------------------------------------------------------------
+
+    def submit(self, requests) -> None:
+        """Queue ``requests`` and start as many as fit; returns without waiting for transfers."""
+        with self._lock:
+            if self._closing:
+                failed = [(r, -errno.ECANCELED) for r in requests]
+            else:
+                self._pending.extend(requests)
+                failed = self._pump_locked()
+                self._work.notify()
+        for request, res in failed:
+            request.finish(res)
+
+    def _pump_locked(self) -> list:
+        """Move pending requests into the kernel while there is room. Returns [(request, -errno)]
+        for requests the kernel rejected at submission; the caller finishes them (lock released)."""
+        failed = []
+        while self._pending and self._in_flight < self._queue_depth:
+            count = min(self._queue_depth - self._in_flight, len(self._pending))
+            batch = [self._pending.popleft() for _ in range(count)]
+            blocks = [self._make_block(r) for r in batch]
+            try:
+                submitted = self._ctx.submit(blocks)
+            except OSError as exc:
+                if exc.errno == errno.EAGAIN and self._in_flight > 0:
+                    # Kernel queue momentarily full: retry after the next completion.
+                    self._pending.extendleft(reversed(batch))
+                    break
+                # io_submit fails as a whole only when its first block is bad.
+                failed.append((batch[0], -(exc.errno or errno.EIO)))
+                self._pending.extendleft(reversed(batch[1:]))
+                continue
+            self._in_flight += submitted
+            self._blocks.update(blocks[:submitted])
+            if submitted < len(batch):  # kernel took a prefix; the rest waits for a completion
+                self._pending.extendleft(reversed(batch[submitted:]))
+                break
+        return failed
+
+    @staticmethod
+    def _make_block(request) -> "libaio.AIOBlock":
+        mode = libaio.AIOBLOCK_MODE_WRITE if request.is_write else libaio.AIOBLOCK_MODE_READ
+        block = libaio.AIOBlock(mode, request.fd, [request.buffer()], request.offset)
+        block.oz_request = request  # the buffer travels with its completion
+        return block
+
+    # ---- completion -------------------------------------------------------------------------
+
+    def _reap_loop(self) -> None:
+        try:
+            self._reap_until_closed()
+        except BaseException:  # noqa: BLE001 - never leave a waiter hanging
+            with self._lock:
+                self._closing = True
+                orphans = [b.oz_request for b in self._blocks] + list(self._pending)
+                self._blocks.clear()
+                self._pending.clear()
+                self._in_flight = 0
+                self._work.notify_all()
+            for request in orphans:
+                request.finish(-errno.EIO)
+            raise
+
+    def _reap_until_closed(self) -> None:
+        while True:
+            with self._lock:
+                while self._in_flight == 0:
+                    if self._closing:
+                        return
+                    self._work.wait()
+            try:
+                events = self._ctx.getEvents(min_nr=1, nr=self._queue_depth, timeout=_REAP_TIMEOUT_S)
+            except OSError as exc:
+                if exc.errno == errno.EINTR:
+                    continue
+                raise
+            if not events:
+                continue
+            with self._lock:
+                self._in_flight -= len(events)
+                self._blocks.difference_update(block for block, _, _ in events)
+                failed = [] if self._closing else self._pump_locked()
+                self._work.notify_all()
+            for block, res, _res2 in events:
+                block.oz_request.finish(_signed(res))
+            for request, res in failed:
+                request.finish(res)
+
+    # ---- shutdown ---------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Cancel requests not yet handed to the kernel (they finish with ECANCELED), wait for
+        the in-flight ones to complete, stop the reaper and destroy the AIO context."""
+        with self._lock:
+            if self._closing:
+                return
+            self._closing = True
+            cancelled = list(self._pending)
+            self._pending.clear()
+            self._work.notify_all()
+        for request in cancelled:
+            request.finish(-errno.ECANCELED)
+        if threading.current_thread() is not self._reaper:
+            self._reaper.join()
+        self._ctx.close()
