@@ -1,0 +1,75 @@
+"""Command-line entry point: ``offload-zero <command> [flags]``.
+
+Commands are registered in :data:`COMMANDS` as ``(name, help, module)``; a command module
+provides ``DESCRIPTION`` (text for its ``--help``),
+``add_arguments(parser)`` and ``run(args)``. Only ``train`` exists today; ``estimate``
+(memory per rank for a model, world size, stage and offload choice) and ``bench`` (throughput
+against peers) will be added here the same way.
+
+Exit status: 0 on success, 2 on bad flags (argparse) or on a ``ValueError`` /
+``NotImplementedError`` raised by the run (printed as one line, no traceback), 130 on Ctrl-C.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+from typing import List, Optional
+
+PROG = "offload-zero"
+
+# (name, one-line help, module providing DESCRIPTION, add_arguments(parser) and run(args))
+COMMANDS = [
+    ("train", "train a Llama-style model from scratch, or fine-tune a local Hugging Face "
+              "checkpoint, with ZeRO stage 1/2/3 and CPU/NVMe offload",
+     "offload_zero.train"),
+]
+
+_EPILOG = """\
+examples:
+  offload-zero train                                   # default preset, stdlib corpus, CPU offload
+  offload-zero train --offload nvme --path /mnt/nvme/swap --json run.json
+  offload-zero train --model ./my-checkpoint --data notes/ --steps 200 --dtype bf16
+  torchrun --nproc-per-node 2 -m offload_zero.cli train --stage 3
+
+Run 'offload-zero <command> --help' for a command's flags.
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The top-level parser with one sub-parser per entry of :data:`COMMANDS`."""
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description="ZeRO stage 1/2/3 training for PyTorch with parameters, gradients and "
+                    "optimizer state offloaded to host memory or NVMe.",
+        epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", metavar="<command>", required=True)
+    for name, help_text, module_name in COMMANDS:
+        module = importlib.import_module(module_name)
+        cmd = sub.add_parser(name, help=help_text, description=module.DESCRIPTION,
+                             formatter_class=argparse.RawDescriptionHelpFormatter)
+        module.add_arguments(cmd)
+        cmd.set_defaults(_module=module)
+    return parser
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """Parse ``argv`` (default ``sys.argv[1:]``), run the command, return the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format=f"{PROG}: %(levelname)s: %(message)s")
+    try:
+        args._module.run(args)
+    except (ValueError, NotImplementedError) as exc:
+        message = " ".join(str(exc).split()) or type(exc).__name__
+        print(f"{PROG} {args.command}: error: {message}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"{PROG} {args.command}: interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

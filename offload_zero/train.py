@@ -1,0 +1,411 @@
+"""``offload-zero train``: train or fine-tune a causal LM with :class:`OffloadEngine`.
+
+The model is either a Llama-style causal LM built from ``transformers.LlamaConfig`` (size from
+a named preset, optionally overridden per field) with the byte tokenizer of
+:mod:`offload_zero.data`, or a local Hugging Face checkpoint (``--model DIR``) with its own
+tokenizer. Text comes from ``--data`` files/directories, or by default from the Python standard
+library's sources. The run ends with a summary (losses, peak bytes per tier, NVMe traffic,
+time, throughput) printed to stdout and optionally written as JSON.
+
+:func:`add_arguments` fills the ``train`` sub-parser; :func:`run` executes a parsed namespace
+and returns the summary. Bad user input raises ``ValueError`` (the CLI turns it into a
+one-line message and exit status 2).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+from offload_zero import data as data_lib
+
+log = logging.getLogger("offload_zero.train")
+
+# File names whose presence in a checkpoint folder means it ships a tokenizer.
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json",
+                    "spiece.model", "vocab.txt")
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class ModelSize:
+    """Shape of a Llama-style model built from scratch.
+
+    Fields: ``hidden_size`` (model width), ``layers`` (decoder blocks), ``heads`` (attention
+    heads, which must divide ``hidden_size``; key/value heads are the same number) and
+    ``intermediate_size`` (MLP width).
+    """
+
+    hidden_size: int
+    layers: int
+    heads: int
+    intermediate_size: int
+
+    def describe(self) -> str:
+        """One-line human description, e.g. ``hidden 256, 4 layers, 4 heads, mlp 688``."""
+        return (f"hidden {self.hidden_size}, {self.layers} layers, {self.heads} heads, "
+                f"mlp {self.intermediate_size}")
+
+
+# Parameter counts are with the byte tokenizer's 259-token vocabulary and untied embeddings.
+PRESETS: Dict[str, ModelSize] = {
+    "tiny": ModelSize(64, 4, 4, 172),        # ~0.23M params: tests
+    "mini": ModelSize(256, 4, 4, 688),       # ~3.3M params: the default, ~1 min on 2 CPU cores
+    "small": ModelSize(512, 6, 8, 1376),     # ~19M params
+    "base": ModelSize(768, 12, 12, 3072),    # ~113M params
+}
+DEFAULT_PRESET = "mini"
+DEFAULTS = dict(offload="cpu", stage=3, steps=50, seq_len=128, batch_size=8, lr=2e-3,
+                weight_decay=0.0, seed=0, dtype="fp32", log_every=10)
+DESCRIPTION = f"""\
+Train a Llama-style causal LM from scratch (default: preset {DEFAULT_PRESET!r}, byte-level
+tokenizer) or fine-tune a local Hugging Face checkpoint (--model DIR), with ZeRO stage 1/2/3
+and parameters/optimizer state offloaded to host memory or NVMe files.
+
+Text comes from --data files or directories, or by default from the Python standard library's
+*.py sources (read lazily, only as much as the run needs). Each step feeds --batch-size windows
+of --seq-len tokens per rank; under torchrun every rank gets a disjoint share of the windows.
+
+Shows a progress bar (loss, tokens/s) and ends with a summary on stdout: first and last loss,
+peak bytes per tier (device, host, nvme), NVMe bytes read and written, wall time and tokens/s.
+--json FILE writes the same summary as JSON.
+
+Defaults: preset {DEFAULT_PRESET!r} (~3M parameters), {DEFAULTS['steps']} steps of {DEFAULTS['batch_size']} x {DEFAULTS['seq_len']} tokens, --offload {DEFAULTS['offload']},
+--stage {DEFAULTS['stage']}, fp32: about a minute on two CPU cores.
+"""
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def _nonnegative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0 or not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add every ``train`` flag (with its default shown in ``--help``) to ``parser``."""
+    d = DEFAULTS
+    model = parser.add_argument_group("model (a preset built from scratch, or --model DIR)")
+    presets = "; ".join(f"{k}: {v.describe()}" for k, v in PRESETS.items())
+    model.add_argument("--preset", choices=list(PRESETS), default=None,
+                       help=f"model size preset (default: {DEFAULT_PRESET}). {presets}")
+    for flag, field in (("--hidden-size", "hidden_size"), ("--layers", "layers"),
+                        ("--heads", "heads"), ("--intermediate-size", "intermediate_size")):
+        model.add_argument(flag, type=_positive_int, default=None, metavar="N",
+                           help=f"override the preset's {field.replace('_', ' ')}")
+    model.add_argument("--model", metavar="DIR", default=None,
+                       help="fine-tune a local Hugging Face causal-LM checkpoint instead "
+                            "(uses its tokenizer; the byte tokenizer if it has none)")
+
+    data = parser.add_argument_group("data")
+    data.add_argument("--data", nargs="+", metavar="PATH", default=None,
+                      help="text files or directories (walked for text files); default: the "
+                           "Python standard library's *.py sources, read lazily")
+    data.add_argument("--seq-len", type=_positive_int, default=d["seq_len"], metavar="T",
+                      help="tokens per sequence (default: %(default)s)")
+    data.add_argument("--batch-size", type=_positive_int, default=d["batch_size"], metavar="B",
+                      help="sequences per step on each rank (default: %(default)s)")
+    data.add_argument("--seed", type=int, default=d["seed"],
+                      help="seeds model init and data order (default: %(default)s)")
+
+    engine = parser.add_argument_group("engine")
+    engine.add_argument("--offload", choices=["none", "cpu", "nvme"], default=d["offload"],
+                        help="where optimizer state and parameter shards live "
+                             "(default: %(default)s)")
+    engine.add_argument("--path", metavar="DIR", default=None,
+                        help="NVMe swap folder for --offload nvme (default: a fresh temporary "
+                             "folder under the system temp dir, removed at exit)")
+    engine.add_argument("--stage", type=int, choices=[1, 2, 3], default=d["stage"],
+                        help="ZeRO stage (default: %(default)s)")
+    engine.add_argument("--dtype", choices=sorted(_DTYPES), default=d["dtype"],
+                        help="compute dtype; master weights stay fp32 (default: %(default)s)")
+
+    optim = parser.add_argument_group("optimization")
+    optim.add_argument("--steps", type=_positive_int, default=d["steps"],
+                       help="optimizer steps (default: %(default)s)")
+    optim.add_argument("--lr", type=_positive_float, default=d["lr"],
+                       help="peak learning rate of AdamW (default: %(default)s)")
+    optim.add_argument("--warmup", type=_nonnegative_int, default=None, metavar="STEPS",
+                       help="linear warmup steps before cosine decay to lr/10 "
+                            "(default: steps/10, at most 100)")
+    optim.add_argument("--weight-decay", type=float, default=d["weight_decay"], metavar="WD",
+                       help="AdamW weight decay (default: %(default)s)")
+
+    out = parser.add_argument_group("output")
+    out.add_argument("--log-every", type=_nonnegative_int, default=d["log_every"], metavar="N",
+                     help="log a line every N steps, 0 for never (default: %(default)s)")
+    out.add_argument("--json", metavar="FILE", default=None,
+                     help="also write the summary as JSON to FILE")
+    out.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+
+
+def lr_at(step: int, steps: int, peak_lr: float, warmup: int) -> float:
+    """Learning rate for 0-based ``step``: linear warmup, then cosine decay to ``peak_lr/10``."""
+    if step < warmup:
+        return peak_lr * (step + 1) / warmup
+    span = max(1, steps - warmup)
+    progress = min(1.0, (step - warmup) / span)
+    floor = 0.1 * peak_lr
+    return floor + (peak_lr - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def resolve_size(args: argparse.Namespace) -> ModelSize:
+    """The preset named by ``args.preset`` (or the default) with per-field flag overrides.
+
+    Raises ``ValueError`` if ``heads`` does not divide ``hidden_size`` or the head size is odd
+    (rotary embeddings need an even head size).
+    """
+    base = PRESETS[args.preset or DEFAULT_PRESET]
+    size = ModelSize(
+        hidden_size=args.hidden_size or base.hidden_size,
+        layers=args.layers or base.layers,
+        heads=args.heads or base.heads,
+        intermediate_size=args.intermediate_size or base.intermediate_size,
+    )
+    if size.hidden_size % size.heads or (size.hidden_size // size.heads) % 2:
+        raise ValueError(f"--heads {size.heads} must divide --hidden-size {size.hidden_size} "
+                         f"into an even head size")
+    return size
+
+
+def build_model(args: argparse.Namespace) -> Tuple[torch.nn.Module, Any, str]:
+    """Build or load the model and its tokenizer.
+
+    Returns ``(model, tokenizer, description)``: an fp32 causal LM in train mode, a tokenizer
+    with ``encode``/``eos_id``/``vocab_size`` (see :mod:`offload_zero.data`), and a one-line
+    description. Raises ``ValueError`` on conflicting flags, a missing checkpoint, a tokenizer
+    that does not fit the model's vocabulary, or a sequence length beyond the model's.
+    """
+    import transformers  # deferred: importing transformers takes seconds
+
+    torch.manual_seed(args.seed)
+    if args.model is None:
+        size = resolve_size(args)
+        tokenizer = data_lib.ByteTokenizer()
+        config = transformers.LlamaConfig(
+            vocab_size=tokenizer.vocab_size, hidden_size=size.hidden_size,
+            num_hidden_layers=size.layers, num_attention_heads=size.heads,
+            num_key_value_heads=size.heads, intermediate_size=size.intermediate_size,
+            max_position_embeddings=max(args.seq_len, 512),
+            bos_token_id=tokenizer.bos_id, eos_token_id=tokenizer.eos_id,
+            pad_token_id=tokenizer.pad_id)
+        model = transformers.LlamaForCausalLM(config)
+        return model.train(), tokenizer, f"preset {args.preset or DEFAULT_PRESET} ({size.describe()})"
+
+    size_flags = [f for f in ("preset", "hidden_size", "layers", "heads", "intermediate_size")
+                  if getattr(args, f) is not None]
+    if size_flags:
+        names = ", ".join("--" + f.replace("_", "-") for f in size_flags)
+        raise ValueError(f"{names} cannot be combined with --model (the checkpoint fixes the size)")
+    folder = Path(args.model)
+    if not (folder / "config.json").is_file():
+        raise ValueError(f"--model {str(folder)!r} is not a Hugging Face checkpoint folder "
+                         f"(no config.json)")
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+    vocab_rows = model.get_input_embeddings().num_embeddings
+    if any((folder / name).is_file() for name in _TOKENIZER_FILES):
+        tokenizer = data_lib.HFTokenizer(transformers.AutoTokenizer.from_pretrained(str(folder)))
+        if tokenizer.vocab_size > vocab_rows:
+            raise ValueError(f"the tokenizer in {str(folder)!r} has {tokenizer.vocab_size} tokens "
+                             f"but the model's embedding has only {vocab_rows} rows")
+    elif vocab_rows >= data_lib.ByteTokenizer.NUM_BYTES:
+        log.warning("no tokenizer files in %s; using the byte tokenizer (model vocabulary: %d)",
+                    folder, vocab_rows)
+        tokenizer = data_lib.ByteTokenizer(with_specials=vocab_rows >= 259)
+    else:
+        raise ValueError(f"{str(folder)!r} has no tokenizer files and its vocabulary "
+                         f"({vocab_rows} tokens) is too small for the byte tokenizer (256)")
+    max_pos = getattr(model.config, "max_position_embeddings", None)
+    if max_pos is not None and args.seq_len > max_pos:
+        raise ValueError(f"--seq-len {args.seq_len} exceeds the model's "
+                         f"max_position_embeddings {max_pos}")
+    return model.train(), tokenizer, f"checkpoint {folder}"
+
+
+def _tokenizer_name(tokenizer) -> str:
+    if isinstance(tokenizer, data_lib.HFTokenizer):
+        return type(tokenizer.tokenizer).__name__
+    return "byte" if tokenizer.eos_id is not None else "byte (no specials)"
+
+
+def _mean(values: List[float]) -> float:
+    return sum(values) / len(values)
+
+
+def _peak(report: Dict[str, Any], tier: str) -> int:
+    return int(report.get(tier, {}).get("peak_bytes", 0))
+
+
+def summarize(losses: List[float], report: Dict[str, Any], *, wall_s: float, tokens: int,
+              extra: Dict[str, Any]) -> Dict[str, Any]:
+    """Build the run summary (a JSON-ready dict).
+
+    ``losses`` are per-step training losses (nats/token); ``first_loss``/``last_loss`` average
+    the first/last ``max(1, min(5, steps // 3))`` of them. ``report`` is
+    ``engine.memory_report()``; peak bytes per tier and NVMe read/written bytes are taken from
+    it. ``wall_s`` is the training loop's wall time in seconds and ``tokens`` the number of
+    tokens it consumed on all ranks. ``extra`` entries are copied in first.
+    """
+    k = max(1, min(5, len(losses) // 3))
+    nvme = report.get("nvme", {})
+    summary = dict(extra)
+    summary.update(
+        first_loss=_mean(losses[:k]),
+        last_loss=_mean(losses[-k:]),
+        loss_window_steps=k,
+        losses=losses,
+        peak_bytes={tier: _peak(report, tier) for tier in ("device", "host", "nvme")},
+        nvme_read_bytes=int(nvme.get("read_bytes", 0)),
+        nvme_written_bytes=int(nvme.get("written_bytes", 0)),
+        wall_s=wall_s,
+        tokens=tokens,
+        tokens_per_s=tokens / wall_s if wall_s > 0 else 0.0,
+        memory_report=report,
+    )
+    return summary
+
+
+def _fmt_bytes(n: int) -> str:
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def format_summary(s: Dict[str, Any]) -> str:
+    """Render a :func:`summarize` dict as the human-readable block printed at the end."""
+    peak = s["peak_bytes"]
+    k = s["loss_window_steps"]
+    return "\n".join([
+        "offload-zero train: summary",
+        f"  model        {s['model']}, {s['params'] / 1e6:.2f}M params, tokenizer {s['tokenizer']}",
+        f"  engine       offload {s['offload']}, stage {s['stage']}, dtype {s['dtype']}, "
+        f"world size {s['world_size']}",
+        f"  loss         first {s['first_loss']:.4f} -> last {s['last_loss']:.4f} "
+        f"(mean of {k} step(s) each)",
+        f"  peak memory  device {_fmt_bytes(peak['device'])} | host {_fmt_bytes(peak['host'])}"
+        f" | nvme {_fmt_bytes(peak['nvme'])}",
+        f"  nvme i/o     read {_fmt_bytes(s['nvme_read_bytes'])} | "
+        f"written {_fmt_bytes(s['nvme_written_bytes'])}",
+        f"  time         {s['wall_s']:.1f} s for {s['steps']} steps "
+        f"(+{s['setup_s']:.1f} s setup), {s['tokens_per_s']:,.0f} tokens/s",
+    ])
+
+
+def _train_loop(engine, batches, args, warmup: int, tokens_per_step: int,
+                show_progress: bool) -> Tuple[List[float], float]:
+    """Run ``args.steps`` steps; return ``(per-step losses, wall seconds)``."""
+    from tqdm import tqdm
+
+    device = getattr(engine, "device", None)
+    losses: List[float] = []
+    bar = tqdm(total=args.steps, unit="step", disable=not show_progress, dynamic_ncols=True)
+    start = time.perf_counter()
+    try:
+        for step in range(args.steps):
+            lr = lr_at(step, args.steps, args.lr, warmup)
+            engine.set_lr(lr)
+            input_ids, labels = next(batches)  # (B, T) int64 each
+            if device is not None:
+                input_ids, labels = input_ids.to(device), labels.to(device)
+            out = engine(input_ids=input_ids, labels=labels)
+            engine.backward(out.loss)
+            engine.step()
+            loss = float(out.loss.detach().float().item())
+            if not math.isfinite(loss):
+                raise ValueError(f"loss became {loss} at step {step + 1}; try a lower --lr")
+            losses.append(loss)
+            elapsed = time.perf_counter() - start
+            tok_s = tokens_per_step * (step + 1) / elapsed
+            bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tok_s:,.0f}", refresh=False)
+            bar.update(1)
+            if show_progress and args.log_every and ((step + 1) % args.log_every == 0
+                                                     or step + 1 == args.steps):
+                bar.write(f"step {step + 1}/{args.steps}  loss {loss:.4f}  lr {lr:.2e}  "
+                          f"{tok_s:,.0f} tokens/s")
+    finally:
+        bar.close()
+    return losses, time.perf_counter() - start
+
+
+def run(args: argparse.Namespace) -> Dict[str, Any]:
+    """Run ``offload-zero train`` for parsed ``args``; return the summary dict.
+
+    Only rank 0 shows progress, prints the summary and writes ``--json``. Raises ``ValueError``
+    on bad input (from this module, the data pipeline or the engine).
+    """
+    from offload_zero import OffloadEngine
+
+    setup_start = time.perf_counter()
+    if args.path is not None and args.offload != "nvme":
+        raise ValueError(f"--path is only used with --offload nvme (got --offload {args.offload})")
+    files = data_lib.find_text_files(args.data) if args.data else data_lib.stdlib_files()
+    model, tokenizer, description = build_model(args)
+    params = sum(p.numel() for p in model.parameters())
+    warmup = args.warmup if args.warmup is not None else min(100, args.steps // 10)
+
+    temp_dir = None
+    path = args.path
+    if args.offload == "nvme" and path is None:
+        temp_dir = path = tempfile.mkdtemp(prefix="offload-zero-swap-")
+    elif path is not None:
+        os.makedirs(path, exist_ok=True)
+    try:
+        with OffloadEngine(model, offload=args.offload, path=path, stage=args.stage, lr=args.lr,
+                           weight_decay=args.weight_decay, dtype=_DTYPES[args.dtype]) as engine:
+            rank, world_size = engine.rank, engine.world_size
+            batches = data_lib.TokenWindows(files, tokenizer, args.seq_len, seed=args.seed,
+                                            world_size=world_size, rank=rank
+                                            ).batches(args.batch_size)
+            engine.train()
+            tokens_per_step = args.batch_size * args.seq_len * world_size
+            setup_s = time.perf_counter() - setup_start
+            losses, wall_s = _train_loop(engine, batches, args, warmup, tokens_per_step,
+                                         show_progress=rank == 0 and not args.no_progress)
+            report = engine.memory_report()
+    finally:
+        if temp_dir is not None:
+            shutil.rmtree(temp_dir, ignore_errors=True)
+
+    summary = summarize(losses, report, wall_s=wall_s, tokens=tokens_per_step * args.steps,
+                        extra=dict(
+                            model=description, params=params,
+                            tokenizer=_tokenizer_name(tokenizer),
+                            corpus="data" if args.data else "stdlib",
+                            files=len(files), offload=args.offload, stage=args.stage,
+                            dtype=args.dtype, steps=args.steps, seq_len=args.seq_len,
+                            batch_size=args.batch_size, world_size=world_size, rank=rank,
+                            lr=args.lr, warmup=warmup, seed=args.seed, setup_s=setup_s))
+    if rank == 0:
+        print(format_summary(summary), flush=True)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(summary, f, indent=2)
+                f.write("\n")
+    return summary
