@@ -146,15 +146,16 @@ def _is_text_file(path: Path) -> bool:
     if b"\0" in head:
         return False
     try:
-        # final=False: a multi-byte character cut at the sniff boundary is not an error.
-        codecs.getincrementaldecoder("utf-8")().decode(head, final=False)
+        # A multi-byte character cut at the sniff boundary is not an error; at EOF it is.
+        codecs.getincrementaldecoder("utf-8")().decode(head, final=len(head) < _SNIFF_BYTES)
     except UnicodeDecodeError:
         return False
     return True
 
 
-def _walk_sorted(root: Path, suffixes: Optional[Tuple[str, ...]]) -> Iterator[Path]:
-    """Yield files under ``root`` in sorted order, skipping hidden and ``_SKIP_DIRS`` folders."""
+def _walk(root: Path, suffixes: Optional[Tuple[str, ...]]) -> Iterator[Path]:
+    """Yield files under ``root`` (ending in ``suffixes`` if given), skipping hidden entries
+    and ``_SKIP_DIRS`` folders."""
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS and not d.startswith("."))
         for name in sorted(filenames):
@@ -172,7 +173,7 @@ def stdlib_files() -> List[Path]:
     ``__pycache__`` folders are skipped. Raises ``ValueError`` if no file is found.
     """
     root = Path(sysconfig.get_paths()["stdlib"])
-    files = list(_walk_sorted(root, (".py",)))
+    files = sorted(_walk(root, (".py",)))
     if not files:
         raise ValueError(f"no *.py files found in the standard library folder {root}")
     return files
@@ -181,8 +182,8 @@ def stdlib_files() -> List[Path]:
 def find_text_files(paths: Sequence[os.PathLike]) -> List[Path]:
     """Expand ``--data`` arguments to a list of text files.
 
-    A file argument is kept as given (in argument order). A directory is walked recursively,
-    in sorted order, keeping files that look like UTF-8 text (no NUL byte, valid UTF-8 in the
+    A file argument is kept as given (in argument order). A directory is walked recursively
+    and its files are sorted by path, keeping files that look like UTF-8 text (no NUL byte, valid UTF-8 in the
     first 8 KiB); hidden entries and ``__pycache__``/``site-packages``/test folders are
     skipped. Raises ``ValueError`` if a path does not exist or nothing usable is found.
     """
@@ -190,7 +191,7 @@ def find_text_files(paths: Sequence[os.PathLike]) -> List[Path]:
     for raw in paths:
         p = Path(raw)
         if p.is_dir():
-            found = [f for f in _walk_sorted(p, None) if _is_text_file(f)]
+            found = [f for f in sorted(_walk(p, None)) if _is_text_file(f)]
             if not found:
                 raise ValueError(f"--data directory {str(p)!r} contains no text files")
             out.extend(found)
