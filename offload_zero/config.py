@@ -1,0 +1,164 @@
+"""One validated configuration object for :class:`offload_zero.OffloadEngine`.
+
+Every knob, its default and its unit lives in :class:`EngineConfig`. Validation happens once, in
+``EngineConfig.__post_init__``; bad user input raises ``ValueError`` naming the bad value and the
+valid choices.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import os
+from typing import Optional, Tuple
+
+import torch
+
+OFFLOAD_CHOICES = ("none", "cpu", "nvme")
+STAGE_CHOICES = (1, 2, 3)
+DTYPE_CHOICES = (torch.float32, torch.bfloat16, torch.float16)
+AIO_BACKENDS = ("auto", "libaio", "threads")
+
+
+class Tier(enum.Enum):
+    """Where a piece of training state lives."""
+
+    DEVICE = "device"
+    """The accelerator's memory (the CPU itself when there is no accelerator)."""
+    HOST = "host"
+    """Host RAM (pinned when an accelerator is present)."""
+    NVME = "nvme"
+    """Files under the engine's swap folder, read and written with O_DIRECT async I/O."""
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Configuration of one engine; all fields are validated on construction.
+
+    Fields:
+        offload: where fp32 master weights, Adam moments and gradient shards live.
+            ``"none"``: on the device; ``"cpu"``: host RAM; ``"nvme"``: master weights and moments
+            in files under ``path`` (gradient shards in host RAM). Default ``"none"``.
+        path: folder for NVMe swap files (required for ``offload="nvme"``; must exist and be
+            writable). Each rank uses its own sub-folder ``rank<r>``. Default ``None``.
+        stage: ZeRO stage, 1 (optimizer state partitioned), 2 (+ gradients) or 3 (+ parameters).
+            Default 3.
+        lr: learning rate, > 0. Default 1e-3.
+        betas: Adam (beta1, beta2), each in [0, 1). Default (0.9, 0.999).
+        eps: term added to the denominator, >= 0. Default 1e-8.
+        weight_decay: >= 0; decoupled (AdamW) when ``adamw`` else L2 added to the gradient.
+        adamw: AdamW (Loshchilov & Hutter, 2019) when True, Adam (Kingma & Ba, 2015) when False.
+        dtype: compute dtype of parameters and gradients on the device: float32, bfloat16 or
+            float16. Master weights and moments are always float32. Default float32.
+        device: the accelerator; default ``cuda:<LOCAL_RANK>`` when CUDA is present, else CPU.
+        prefetch: how many units ahead (forward) or behind (backward) are gathered before they
+            run, >= 0. Live units never exceed ``prefetch + 1`` blocks plus the root. Default 1.
+        unit_classes: module classes whose instances become units; empty means each block of
+            the model's largest ``nn.ModuleList``. Default ``()``.
+        max_grad_norm: clip the global gradient 2-norm to this value before the update; ``None``
+            disables clipping. Default ``None``.
+        aio_backend: NVMe I/O backend, ``"auto"``, ``"libaio"`` or ``"threads"``. Default auto.
+        aio_block_size: bytes per NVMe request, positive multiple of 4096. Default 1 MiB.
+        aio_queue_depth: NVMe requests in flight, >= 1. Default 8.
+    """
+
+    offload: str = "none"
+    path: Optional[str] = None
+    stage: int = 3
+    lr: float = 1e-3
+    betas: Tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    adamw: bool = True
+    dtype: torch.dtype = torch.float32
+    device: Optional[torch.device] = None
+    prefetch: int = 1
+    unit_classes: Tuple[type, ...] = ()
+    max_grad_norm: Optional[float] = None
+    aio_backend: str = "auto"
+    aio_block_size: int = 1 << 20
+    aio_queue_depth: int = 8
+
+    def __post_init__(self):
+        if self.offload not in OFFLOAD_CHOICES:
+            raise ValueError(f"offload={self.offload!r} is not valid; choose one of {OFFLOAD_CHOICES}")
+        if isinstance(self.stage, bool) or self.stage not in STAGE_CHOICES:
+            raise ValueError(f"stage={self.stage!r} is not valid; choose one of {STAGE_CHOICES}")
+        _check_float("lr", self.lr, low=0.0, low_inclusive=False)
+        if len(tuple(self.betas)) != 2:
+            raise ValueError(f"betas={self.betas!r} must be a pair (beta1, beta2), each in [0, 1)")
+        object.__setattr__(self, "betas", tuple(float(b) for b in self.betas))
+        for i, b in enumerate(self.betas):
+            if not 0.0 <= b < 1.0:
+                raise ValueError(f"betas[{i}]={b!r} is not valid; it must be in [0, 1)")
+        _check_float("eps", self.eps, low=0.0)
+        _check_float("weight_decay", self.weight_decay, low=0.0)
+        if self.dtype not in DTYPE_CHOICES:
+            raise ValueError(f"dtype={self.dtype!r} is not valid; choose one of {DTYPE_CHOICES}")
+        if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or self.prefetch < 0:
+            raise ValueError(f"prefetch={self.prefetch!r} is not valid; it must be an int >= 0")
+        if self.max_grad_norm is not None:
+            _check_float("max_grad_norm", self.max_grad_norm, low=0.0, low_inclusive=False)
+        if self.aio_backend not in AIO_BACKENDS:
+            raise ValueError(f"aio_backend={self.aio_backend!r} is not valid; choose one of {AIO_BACKENDS}")
+        if self.aio_block_size <= 0 or self.aio_block_size % 4096:
+            raise ValueError(f"aio_block_size={self.aio_block_size!r} must be a positive multiple of 4096 bytes")
+        if self.aio_queue_depth < 1:
+            raise ValueError(f"aio_queue_depth={self.aio_queue_depth!r} must be >= 1")
+        object.__setattr__(self, "unit_classes", tuple(self.unit_classes))
+        for cls in self.unit_classes:
+            if not (isinstance(cls, type) and issubclass(cls, torch.nn.Module)):
+                raise ValueError(f"unit_classes entry {cls!r} is not a torch.nn.Module subclass")
+        object.__setattr__(self, "device", _resolve_device(self.device))
+        if self.offload == "nvme":
+            _check_swap_path(self.path)
+
+    @property
+    def optimizer_tier(self) -> Tier:
+        """Tier of the fp32 master weights and moments."""
+        return {"none": Tier.DEVICE, "cpu": Tier.HOST, "nvme": Tier.NVME}[self.offload]
+
+    @property
+    def grad_tier(self) -> Tier:
+        """Tier of the reduced gradient shards (fp32 on the host when offloading)."""
+        return Tier.DEVICE if self.offload == "none" else Tier.HOST
+
+
+def _check_float(name, value, low, low_inclusive=True):
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    ok = ok and value == value and (value >= low if low_inclusive else value > low)
+    if not ok:
+        rel = ">=" if low_inclusive else ">"
+        raise ValueError(f"{name}={value!r} is not valid; it must be a number {rel} {low}")
+
+
+def _resolve_device(device) -> torch.device:
+    if device is None:
+        if torch.cuda.is_available():
+            return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        return torch.device("cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"device={device!r} is not a valid torch device: {exc}") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device={device!r} is not supported; use 'cpu' or 'cuda[:N]'")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r} asks for CUDA, but CUDA is not available here")
+    return dev
+
+
+def _check_swap_path(path) -> None:
+    if path is None:
+        raise ValueError("offload='nvme' needs path=<folder for swap files>; got path=None")
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        raise ValueError(f"path={path!r} does not exist or is not a folder; offload='nvme' needs an existing writable folder")
+    if not os.access(path, os.W_OK | os.X_OK) or _is_read_only_mount(path):
+        raise ValueError(f"path={path!r} is not writable; offload='nvme' needs an existing writable folder")
+
+
+def _is_read_only_mount(path: str) -> bool:
+    try:
+        return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False

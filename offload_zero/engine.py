@@ -1,0 +1,390 @@
+"""``OffloadEngine``: the user-facing training loop — forward, backward, step, state export.
+
+It implements ZeRO-DP (Rajbhandari et al., 2019) stages 1-3 over the data-parallel ranks, with
+the partitioned fp32 optimizer state placed on the device, in host memory (ZeRO-Offload) or in
+NVMe files (ZeRO-Infinity). See DESIGN.md for the memory arithmetic and
+:mod:`offload_zero.partition.schedule` for when units are gathered and freed.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+import weakref
+from typing import Dict, List, Optional
+
+import torch
+import torch.nn as nn
+
+from offload_zero.comm import Comm, init_from_env
+from offload_zero.config import EngineConfig, Tier
+from offload_zero.memory.accounting import StateKind, TierAccountant
+from offload_zero.memory.aligned import aligned_empty
+from offload_zero.memory.tiers import DeviceStore, HostStore, NVMeStore
+from offload_zero.partition.flat_param import FlatParam, build_entries
+from offload_zero.partition.grads import GradientShards
+from offload_zero.partition.schedule import UnitScheduler
+from offload_zero.partition.units import Unit, find_unit_modules, group_parameters
+
+log = logging.getLogger("offload_zero")
+
+
+class OffloadEngine:
+    """Wrap ``model`` for ZeRO training with optional CPU or NVMe offload of optimizer state.
+
+    Args:
+        model: any ``torch.nn.Module`` with its parameters on the CPU (or the device). Its
+            parameters are moved into flat shards owned by the engine: afterwards the module's
+            parameter attributes are views while their unit runs and placeholders otherwise;
+            use :meth:`full_state_dict` to read the weights.
+        offload: ``"none"``, ``"cpu"`` or ``"nvme"`` — where fp32 master weights and Adam
+            moments live (see :class:`offload_zero.config.EngineConfig`).
+        path: existing writable folder for NVMe swap files (``offload="nvme"``); files go to
+            ``path/rank<r>/`` with mode 0600 and are removed by :meth:`close`.
+        stage: ZeRO stage 1, 2 or 3.
+        lr, betas, eps, weight_decay, adamw: the optimizer (AdamW when ``adamw`` else Adam with
+            L2), with torch's exact semantics.
+        dtype: compute dtype of parameters and gradients on the device (float32, bfloat16,
+            float16); master weights and moments are float32.
+        device: the accelerator (default: CUDA when present, else the CPU).
+        process_group: the data-parallel group (default: the world; none needed at world size 1).
+        timeout_s: collective timeout in seconds when the engine initialises the process group.
+        **kwargs: further :class:`EngineConfig` fields (prefetch, unit_classes, max_grad_norm,
+            aio_backend, aio_block_size, aio_queue_depth).
+
+    Raises:
+        ValueError: any invalid argument, naming the value and the valid choices; a missing or
+            read-only ``path``; a model without parameters.
+
+    Memory per rank (Ψ parameters, N ranks, bf16 compute): 4Ψ + 12Ψ/N at stage 1, 2Ψ + 14Ψ/N at
+    stage 2, 16Ψ/N at stage 3, split over the tiers as ``offload`` says; :meth:`memory_report`
+    gives the measured bytes.
+    """
+
+    def __init__(self, model: nn.Module, offload: str = "none", path: Optional[str] = None,
+                 stage: int = 3, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.0, adamw: bool = True, dtype: torch.dtype = torch.float32,
+                 device=None, process_group=None, timeout_s: float = 300.0, **kwargs):
+        if not isinstance(model, nn.Module):
+            raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        self.config = EngineConfig(offload=offload, path=path, stage=stage, lr=lr, betas=betas,
+                                   eps=eps, weight_decay=weight_decay, adamw=adamw, dtype=dtype,
+                                   device=device, **kwargs)
+        cfg = self.config
+        self.device = cfg.device
+        init_from_env(timeout_s, self.device)
+        self.comm = Comm(process_group)
+        self.rank, self.world_size = self.comm.rank, self.comm.world_size
+        self.module = model
+        self.lr = cfg.lr
+        self._closed = False
+        self._acct = TierAccountant(self.rank)
+        self._live_peak = 0
+        self._step_count: Dict[FlatParam, int] = {}
+        self.skipped_steps = 0
+        pin = self.device.type == "cuda"
+        self._host_alloc = lambda n, dt: aligned_empty(n, dt, pin=pin)
+
+        self.blocks, self.root = self._build_units(model)
+        self.units: List[Unit] = self.blocks + [self.root]
+        self.flat_params = [fp for u in self.units for fp in u.flat_params]
+        self.trainable = [fp for fp in self.flat_params if fp.requires_grad]
+        if not self.flat_params:
+            raise ValueError("model has no parameters to train")
+        for mod in model.modules():  # buffers are not sharded; they follow the device
+            for k, b in list(mod._buffers.items()):
+                if b is not None:
+                    mod._buffers[k] = b.to(self.device)
+
+        self.grads = GradientShards(self.trainable, cfg.grad_tier, self.comm, cfg.stage,
+                                    self._acct, self._host_alloc)
+        self.store = self._build_store()
+        for fp in self.trainable:
+            master = self._initial_master.pop(fp)
+            alias = fp.sharded if (cfg.offload == "none" and fp.dtype == torch.float32) else None
+            self.store.add(fp, master, alias=alias)
+            self._step_count[fp] = 0
+        del self._initial_master
+        self._staging = None
+        if self.device.type != "cpu" and cfg.offload != "none" and self.trainable:
+            n = max(fp.shard_numel for fp in self.trainable)
+            self._staging = self._host_alloc(n, cfg.dtype)
+            self._acct.add(Tier.HOST, StateKind.BUFFERS, n * self._staging.element_size())
+
+        self.scheduler = UnitScheduler(self.blocks, self.root, self.comm, cfg.prefetch,
+                                       reshard_after_forward=cfg.stage == 3,
+                                       on_grad=self.grads.on_full_grad,
+                                       on_live_change=self._on_live_change)
+        self._finalizer = weakref.finalize(self, _release, self.store)
+
+    # -- construction ------------------------------------------------------------------------
+    def _build_units(self, model: nn.Module):
+        cfg = self.config
+        block_mods = find_unit_modules(model, cfg.unit_classes)
+        names = [n for n, _ in block_mods]
+        groups, users = group_parameters(model, names)
+        blocks = [Unit(i, n, m, is_root=False) for i, (n, m) in enumerate(block_mods)]
+        root = Unit(len(blocks), "", model, is_root=True)
+        units = blocks + [root]
+        self._initial_master: Dict[FlatParam, torch.Tensor] = {}
+        owner_of = {}
+        for unit, group in zip(units, groups):
+            for trainable in (True, False):
+                members = [(p, refs) for p, refs in group if p.requires_grad == trainable]
+                if not members:
+                    continue
+                entries = build_entries(members)
+                values = [p.detach() for p, _ in members]
+                tag = "root" if unit.is_root else f"unit{unit.index}"
+                fp = FlatParam(f"{tag}.{'trainable' if trainable else 'frozen'}", entries, values,
+                               trainable, cfg.dtype, self.device, self.rank, self.world_size,
+                               keep_unsharded=cfg.stage < 3, accountant=self._acct)
+                if trainable:
+                    self._initial_master[fp] = _flat_shard_fp32(fp, values)
+                unit.flat_params.append(fp)
+                for p, refs in members:
+                    owner_of[id(p)] = unit
+                    for mod, attr, _ in refs:
+                        mod._parameters.pop(attr, None)
+                    p.data = torch.empty(0, dtype=p.dtype)  # the engine holds the only copy now
+        for unit_index, unit in enumerate(units):
+            deps = {owner_of[k] for k, us in users.items() if unit_index in us} - {unit, root}
+            unit.deps = sorted(deps, key=lambda u: u.index)
+        for unit in units:
+            for fp in unit.flat_params:
+                fp.set_views() if fp.keep_unsharded else fp.set_placeholders()
+        return blocks, root
+
+    def _build_store(self):
+        cfg = self.config
+        if cfg.offload == "none":
+            return DeviceStore(self._acct, self.device)
+        if cfg.offload == "cpu":
+            return HostStore(self._acct, self._host_alloc)
+        folder = os.path.join(os.fspath(cfg.path), f"rank{self.rank}")
+        max_n = max((fp.shard_numel for fp in self.trainable), default=1024)
+        return NVMeStore(folder, self._acct, self._host_alloc, max_n, backend=cfg.aio_backend,
+                         block_size=cfg.aio_block_size, queue_depth=cfg.aio_queue_depth)
+
+    def _on_live_change(self, live: int) -> None:
+        self._live_peak = max(self._live_peak, live)
+
+    # -- training loop -----------------------------------------------------------------------
+    def __call__(self, *args, **kwargs):
+        """Run the model's forward on ``args``/``kwargs`` and return its output unchanged.
+
+        Tensor arguments are moved to the engine's device.
+        """
+        self._check_open()
+        args, kwargs = _to_device((args, kwargs), self.device)
+        return self.module(*args, **kwargs)
+
+    forward = __call__
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backpropagate ``loss`` (a scalar tensor); gradients land in this rank's shards.
+
+        Calling it several times before :meth:`step` accumulates gradients.
+        Raises ValueError if ``loss`` is not a scalar tensor that requires grad.
+        """
+        self._check_open()
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
+            raise ValueError(f"backward needs a scalar loss tensor that requires grad, got {_describe(loss)}")
+        loss.backward()
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """Update every trainable flat parameter with Adam/AdamW, then zero the gradients.
+
+        The update runs on this rank's shard: the C++ kernel for master weights on the host
+        (or NVMe, streamed through host buffers), torch ops for master weights on an accelerator.
+        New compute-dtype parameters are written back to the device shards (and all-gathered
+        into the full parameters at stages 1 and 2). If a gradient holds inf/nan the update is
+        skipped for that flat parameter (``skipped_steps`` counts such steps).
+        """
+        self._check_open()
+        cfg = self.config
+        if cfg.stage == 1:
+            self.grads.reduce_all_full(self.trainable)
+        coef = 1.0
+        if cfg.max_grad_norm is not None:
+            sq = self.comm.all_reduce_sum(self.grads.sum_of_squares().to(self.device)).item()
+            norm = math.sqrt(sq)
+            coef = min(1.0, cfg.max_grad_norm / (norm + 1e-6))
+            self.last_grad_norm = norm
+        with_grad = [fp for fp in self.trainable if self.grads.has_grad[fp]]
+        overflow = False
+        for fp, master, m, v in self.store.iter_states(with_grad):
+            self._step_count[fp] += 1
+            overflow |= self._update(fp, master, m, v, coef)
+        if overflow:
+            self.skipped_steps += 1
+        if cfg.stage < 3:
+            for fp in self.trainable:
+                self.comm.all_gather_into(fp.full_values(), fp.sharded)
+        self.grads.zero()
+        self.comm.end_step()
+
+    def _update(self, fp: FlatParam, master, m, v, coef: float) -> bool:
+        from offload_zero.optim.kernel import adam_step_
+        cfg = self.config
+        grad = self.grads.buf[fp]
+        step = self._step_count[fp]
+        if master.device.type == "cpu":
+            out = None
+            if master.data_ptr() != fp.sharded.data_ptr():
+                out = fp.sharded if fp.sharded.device.type == "cpu" else self._staging[:fp.shard_numel]
+            overflow = adam_step_(master, grad, m, v, step=step, lr=self.lr, betas=cfg.betas,
+                                  eps=cfg.eps, weight_decay=cfg.weight_decay, adamw=cfg.adamw,
+                                  grad_scale=coef, out=out)
+            if out is not None and out.data_ptr() != fp.sharded.data_ptr() and not overflow:
+                fp.sharded.copy_(out)
+        else:
+            overflow = _torch_adam_(master, grad, m, v, step, self.lr, cfg.betas, cfg.eps,
+                                    cfg.weight_decay, cfg.adamw, coef)
+            if not overflow and master.data_ptr() != fp.sharded.data_ptr():
+                fp.sharded.copy_(master)
+        if overflow:
+            self._step_count[fp] -= 1
+        return bool(overflow)
+
+    def set_lr(self, lr: float) -> None:
+        """Set the learning rate used by the next :meth:`step` (for schedules). lr > 0."""
+        if not isinstance(lr, (int, float)) or not lr > 0:
+            raise ValueError(f"lr={lr!r} is not valid; it must be a number > 0")
+        self.lr = float(lr)
+
+    def train(self, mode: bool = True) -> "OffloadEngine":
+        """Put the model in training mode (``mode=False``: evaluation)."""
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> "OffloadEngine":
+        """Put the model in evaluation mode."""
+        return self.train(False)
+
+    # -- reports and state ---------------------------------------------------------------------
+    def memory_report(self) -> dict:
+        """Bytes held per tier, now and at peak, by state kind; and live units.
+
+        Returns ``{"device"|"host"|"nvme": {"current_bytes", "peak_bytes", "by_kind": {...}},
+        "live_units": {"current", "peak"}}``; ``"nvme"`` also has ``"read_bytes"`` and
+        ``"written_bytes"`` (cumulative bytes moved through the swapper). Units: bytes.
+        """
+        rep = self._acct.report()
+        rep["nvme"]["read_bytes"] = getattr(self.store, "read_bytes", 0)
+        rep["nvme"]["written_bytes"] = getattr(self.store, "written_bytes", 0)
+        rep["live_units"] = {"current": self.scheduler.live_units(), "peak": self._live_peak}
+        return rep
+
+    def comm_report(self) -> dict:
+        """Bytes this rank moved per collective kind, for the last step and in total (ring
+        accounting; see :mod:`offload_zero.comm`)."""
+        return self.comm.report()
+
+    def full_state_dict(self, rank0_only: bool = False) -> Dict[str, torch.Tensor]:
+        """Every parameter as a full fp32 CPU tensor under the model's own names, plus buffers.
+
+        Trainable parameters come from the fp32 master weights (all-gathered over ranks);
+        frozen ones from the compute-dtype shards. A tied parameter appears under each of its
+        names. With ``rank0_only`` other ranks return ``{}`` (they still take part in the
+        gathers). Shapes: the original parameter shapes.
+        """
+        self._check_open()
+        out: Dict[str, torch.Tensor] = {}
+        for fp in self.flat_params:
+            if fp.requires_grad:
+                shard = self.store.read_master(fp).to(self.device)
+            else:
+                shard = fp.sharded.float()
+            full = torch.empty(fp.padded_numel, dtype=torch.float32, device=self.device)
+            self.comm.all_gather_into(full, shard)
+            full = full.cpu()
+            for e in fp.entries:
+                value = full[e.offset:e.offset + e.numel].view(e.shape).clone()
+                for name in e.names:
+                    out[name] = value
+        for name, buf in self.module.named_buffers():
+            out[name] = buf.detach().cpu().clone()
+        if rank0_only and self.rank != 0:
+            return {}
+        return out
+
+    # -- lifetime ------------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"[rank {self.rank}] this OffloadEngine is closed")
+
+    def close(self) -> None:
+        """Release buffers, remove swap files and hooks; idempotent. Also runs on garbage
+        collection, at interpreter exit, and when leaving a ``with`` block (also on error)."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._finalizer()
+        finally:
+            self.scheduler.remove_hooks()
+            self.grads.release()
+            for fp in self.flat_params:
+                fp.release()
+
+    def __enter__(self) -> "OffloadEngine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _release(store) -> None:
+    store.close()
+
+
+def _flat_shard_fp32(fp: FlatParam, values: List[torch.Tensor]) -> torch.Tensor:
+    """This rank's slice of the padded flat layout of ``values`` in fp32, shape (shard_numel,)."""
+    lo, hi = fp.rank * fp.shard_numel, (fp.rank + 1) * fp.shard_numel
+    shard = torch.zeros(fp.shard_numel, dtype=torch.float32)
+    for e, v in zip(fp.entries, values):
+        a, b = max(lo, e.offset), min(hi, e.offset + e.numel)
+        if a < b:
+            shard[a - lo:b - lo].copy_(v.reshape(-1)[a - e.offset:b - e.offset].float())
+    return shard
+
+
+def _torch_adam_(param, grad, exp_avg, exp_avg_sq, step, lr, betas, eps, weight_decay, adamw,
+                 grad_scale) -> bool:
+    """Adam/AdamW on accelerator tensors with torch's single-tensor semantics; returns overflow."""
+    g = grad.float()
+    if grad_scale != 1.0:
+        g = g * grad_scale
+    if not torch.isfinite(g).all():
+        return True
+    beta1, beta2 = betas
+    if weight_decay:
+        if adamw:
+            param.mul_(1 - lr * weight_decay)
+        else:
+            g = g.add(param, alpha=weight_decay)
+    exp_avg.lerp_(g, 1 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+    bc1 = 1 - beta1 ** step
+    bc2 = 1 - beta2 ** step
+    denom = (exp_avg_sq.sqrt() / math.sqrt(bc2)).add_(eps)
+    param.addcdiv_(exp_avg, denom, value=-lr / bc1)
+    return False
+
+
+def _to_device(obj, device):
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device) if obj.device != device else obj
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_device(o, device) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _to_device(v, device) for k, v in obj.items()}
+    return obj
+
+
+def _describe(x) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"tensor of shape {tuple(x.shape)} (requires_grad={x.requires_grad})"
+    return repr(type(x).__name__)

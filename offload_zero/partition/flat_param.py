@@ -1,0 +1,214 @@
+"""Flat parameters: one contiguous, padded, sharded buffer per group of module parameters.
+
+[Note: flat parameter layout]
+A unit's parameters of one ``requires_grad`` value are laid end to end in one 1-D buffer of
+``numel`` elements, padded to ``padded_numel = N * shard_numel`` where ``shard_numel`` is a
+multiple of ``4096 / itemsize(compute dtype)``: every rank's shard starts on a 4096-byte
+boundary in the compute dtype and in fp32 (O_DIRECT needs that for the NVMe tier). Rank r
+owns elements ``[r * shard_numel, (r + 1) * shard_numel)``.
+
+[Note: unsharded storage]
+The gathered buffer ``full`` is a leaf tensor (``requires_grad`` for trainable groups) whose
+storage is resized to 0 bytes when resharded and back to ``padded_numel`` elements when
+unsharded. Autograd saves views of ``full`` in forward; because the storage object is the same,
+the saved views see the re-gathered values in backward. Data is written through ``_full_alias``,
+a tensor that shares the storage but not the version counter, so refilling it is invisible to
+autograd's in-place checks. Module attributes point at views of ``full`` while the unit is
+unsharded, and at zero-element placeholders that raise a clear error when used otherwise.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+from typing import List, Optional, Tuple
+
+import torch
+import torch.nn as nn
+
+from offload_zero.config import Tier
+from offload_zero.memory.accounting import StateKind, TierAccountant
+
+ALIGN_BYTES = 4096
+
+
+class ShardedState(enum.Enum):
+    """Whether a flat parameter's gathered buffer holds storage."""
+
+    SHARDED = "sharded"
+    """Only this rank's shard exists; ``full`` has 0 bytes of storage."""
+    UNSHARDED = "unsharded"
+    """``full`` holds every rank's shard; module attributes are views into it."""
+
+
+@dataclasses.dataclass
+class ParamEntry:
+    """One original ``nn.Parameter`` inside a flat parameter.
+
+    ``refs`` lists every (module, attribute name, fully qualified name) that referred to it:
+    a tied parameter has several refs and one slot in the flat buffer.
+    """
+
+    shape: torch.Size
+    numel: int
+    offset: int
+    refs: List[Tuple[nn.Module, str, str]]
+
+    @property
+    def names(self) -> List[str]:
+        """Every fully qualified name of this parameter in the model."""
+        return [fqn for _, _, fqn in self.refs]
+
+
+class _FreedParam(torch.Tensor):
+    """Zero-element placeholder for a parameter whose unit is resharded.
+
+    Metadata (dtype, device, requires_grad) reads work; any computation raises ``RuntimeError``
+    naming the parameter, instead of silently broadcasting garbage.
+    """
+
+    _ALLOWED = {"dtype", "device", "is_cuda", "is_cpu", "requires_grad", "is_floating_point",
+                "__repr__", "__format__", "dim", "ndim", "size", "shape", "numel", "element_size",
+                "is_complex", "layout", "__get__", "__bool__", "is_meta", "data_ptr", "type"}
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "") or ""
+        owner = getattr(getattr(func, "__self__", None), "__name__", "")
+        if name in cls._ALLOWED or owner in cls._ALLOWED or name == "__get__":
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {}))
+        freed = next((a for a in args if isinstance(a, _FreedParam)), None)
+        label = getattr(freed, "_oz_label", "a parameter")
+        raise RuntimeError(
+            f"{label} is sharded: its unit is not gathered while {name or func} runs. Parameters "
+            "are only available inside the forward of the unit that owns them; access a parameter "
+            "of another unit only from modules that run inside that unit, or name the module "
+            "classes with unit_classes= so both share one unit.")
+
+
+def _placeholder(dtype, device, label: str) -> torch.Tensor:
+    t = torch.Tensor._make_subclass(_FreedParam, torch.empty(0, dtype=dtype, device=device))
+    t._oz_label = label
+    return t
+
+
+class FlatParam:
+    """One flat parameter: its layout, this rank's shard, and the gathered buffer.
+
+    Args:
+        name: label used in messages and file names (e.g. ``"unit3.trainable"``).
+        entries: the parameters it holds, in layout order (offsets already assigned).
+        values: the original fp32/any-dtype tensors for ``entries`` (same order), copied in.
+        requires_grad: whether the group is trainable.
+        dtype: compute dtype of the shard and the gathered buffer.
+        device: the accelerator.
+        rank, world_size: this rank and the data-parallel world size N.
+        keep_unsharded: True at stages 1 and 2 (parameters are never freed).
+        accountant: records bytes of the shard and gathered buffer on the device tier.
+
+    Attributes:
+        numel: real elements; shard_numel: elements per rank (aligned); padded_numel = N * shard_numel.
+        sharded: this rank's shard, shape (shard_numel,), compute dtype, on the device.
+        full: the gathered buffer, shape (padded_numel,), 0 bytes while SHARDED.
+    """
+
+    def __init__(self, name: str, entries: List[ParamEntry], values: List[torch.Tensor],
+                 requires_grad: bool, dtype: torch.dtype, device: torch.device, rank: int,
+                 world_size: int, keep_unsharded: bool, accountant: TierAccountant):
+        self.name = name
+        self.entries = entries
+        self.requires_grad = requires_grad
+        self.dtype = dtype
+        self.device = device
+        self.rank, self.world_size = rank, world_size
+        self.keep_unsharded = keep_unsharded
+        self._acct = accountant
+        self.numel = sum(e.numel for e in entries)
+        align = ALIGN_BYTES // torch.empty(0, dtype=dtype).element_size()
+        self.shard_numel = max(1, math.ceil(self.numel / (world_size * align))) * align
+        self.padded_numel = self.shard_numel * world_size
+        self.itemsize = torch.empty(0, dtype=dtype).element_size()
+
+        self.full = torch.zeros(self.padded_numel, dtype=dtype, device=device)
+        self._full_alias = torch.empty(0, dtype=dtype, device=device).set_(
+            self.full.untyped_storage(), 0, (self.padded_numel,), (1,))
+        if requires_grad:
+            self.full.requires_grad_(True)
+        lo = rank * self.shard_numel
+        with torch.no_grad():
+            for e, v in zip(entries, values):
+                self._full_alias[e.offset:e.offset + e.numel].copy_(v.reshape(-1))
+        if keep_unsharded:
+            # stage 1/2: the shard is a window of the persistent gathered buffer.
+            self.sharded = self._full_alias[lo:lo + self.shard_numel]
+            self.state = ShardedState.UNSHARDED
+            self._acct.add(Tier.DEVICE, StateKind.PARAMS, self.padded_numel * self.itemsize)
+        else:
+            self.sharded = self._full_alias[lo:lo + self.shard_numel].clone()
+            self._acct.add(Tier.DEVICE, StateKind.PARAMS, self.shard_numel * self.itemsize)
+            self.full.untyped_storage().resize_(0)
+            self.state = ShardedState.SHARDED
+
+    # -- state transitions (the only places ``state`` changes) ---------------------------------
+    def to_unsharded(self, comm) -> None:
+        """SHARDED -> UNSHARDED: allocate ``full`` and all-gather every rank's shard into it."""
+        if self.state is ShardedState.UNSHARDED:
+            return
+        self.full.untyped_storage().resize_(self.padded_numel * self.itemsize)
+        self._acct.add(Tier.DEVICE, StateKind.PARAMS, self.padded_numel * self.itemsize)
+        with torch.no_grad():
+            comm.all_gather_into(self._full_alias, self.sharded)
+        self.state = ShardedState.UNSHARDED
+
+    def to_sharded(self) -> None:
+        """UNSHARDED -> SHARDED: release ``full``'s storage and point modules at placeholders.
+
+        A no-op for flat parameters that are never freed (stages 1 and 2).
+        """
+        if self.state is ShardedState.SHARDED or self.keep_unsharded:
+            return
+        self.full.untyped_storage().resize_(0)
+        self._acct.sub(Tier.DEVICE, StateKind.PARAMS, self.padded_numel * self.itemsize)
+        self.state = ShardedState.SHARDED
+        self.set_placeholders()
+
+    # -- module attributes -------------------------------------------------------------------
+    def set_views(self) -> None:
+        """Point every module attribute at its view of ``full`` (must be UNSHARDED).
+
+        Called before each forward so autograd records a fresh view per use.
+        """
+        if self.state is not ShardedState.UNSHARDED:
+            raise RuntimeError(f"[rank {self.rank}] {self.name}: set_views while {self.state.value}")
+        for e in self.entries:
+            view = self.full[e.offset:e.offset + e.numel].view(e.shape)
+            for module, attr, _ in e.refs:
+                setattr(module, attr, view)
+
+    def set_placeholders(self) -> None:
+        """Point every module attribute at a zero-element placeholder naming the parameter."""
+        for e in self.entries:
+            for module, attr, fqn in e.refs:
+                setattr(module, attr, _placeholder(self.dtype, self.device, f"parameter {fqn!r}"))
+
+    def full_values(self) -> torch.Tensor:
+        """The gathered compute-dtype values (must be UNSHARDED), shape (padded_numel,), no grad."""
+        return self._full_alias
+
+    def release(self) -> None:
+        """Free every tensor this flat parameter holds (engine close)."""
+        if self.state is ShardedState.UNSHARDED and not self.keep_unsharded:
+            self.to_sharded()
+        self.full.untyped_storage().resize_(0)
+        self.sharded = torch.empty(0, dtype=self.dtype, device=self.device)
+
+
+def build_entries(params: List[Tuple[nn.Parameter, List[Tuple[nn.Module, str, str]]]]
+                  ) -> List[ParamEntry]:
+    """Assign offsets in order; returns one :class:`ParamEntry` per distinct parameter."""
+    entries, offset = [], 0
+    for p, refs in params:
+        entries.append(ParamEntry(shape=p.shape, numel=p.numel(), offset=offset, refs=refs))
+        offset += p.numel()
+    return entries

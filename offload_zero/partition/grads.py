@@ -1,0 +1,106 @@
+"""Gradient shards: reduce each flat parameter's gradient to this rank's shard and keep it.
+
+Stage 2/3: as soon as a flat parameter's gradient is accumulated in backward, it is
+reduce-scattered (averaged over ranks), added into this rank's gradient shard, and the full
+gradient is freed. Stage 1: the full gradient stays on the device until ``step()``, which
+reduce-scatters it then (the same bytes as an all-reduce: Rajbhandari et al., 2019, sec. 7.2.1).
+
+The shard buffer is fp32 in host memory when offloading (ZeRO-Offload keeps fp32 gradient
+partitions on the CPU), else compute dtype on the device. Shapes: (shard_numel,).
+"""
+from __future__ import annotations
+
+from typing import Dict, List
+
+import torch
+
+from offload_zero.config import Tier
+from offload_zero.memory.accounting import StateKind, TierAccountant
+from offload_zero.partition.flat_param import FlatParam
+
+
+class GradientShards:
+    """Per-flat-parameter gradient shards and their reduction.
+
+    Args:
+        flat_params: the trainable flat parameters.
+        tier: ``Tier.HOST`` (fp32, aligned host memory) or ``Tier.DEVICE`` (compute dtype).
+        comm: the :class:`offload_zero.comm.Comm` of the data-parallel group.
+        stage: ZeRO stage (1 keeps full gradients until :meth:`reduce_all_full`).
+        accountant: byte accounting.
+        host_alloc: ``f(numel, dtype) -> Tensor`` for host buffers (aligned/pinned).
+    """
+
+    def __init__(self, flat_params: List[FlatParam], tier: Tier, comm, stage: int,
+                 accountant: TierAccountant, host_alloc):
+        self.comm, self.stage, self.tier, self._acct = comm, stage, tier, accountant
+        self.buf: Dict[FlatParam, torch.Tensor] = {}
+        self.has_grad: Dict[FlatParam, bool] = {}
+        self._full_grad_held: Dict[FlatParam, int] = {}
+        for fp in flat_params:
+            if tier is Tier.HOST:
+                b = host_alloc(fp.shard_numel, torch.float32)
+            else:
+                b = torch.empty(fp.shard_numel, dtype=fp.dtype, device=fp.device)
+            self.buf[fp] = b
+            self.has_grad[fp] = False
+            accountant.add(tier, StateKind.GRADS, b.numel() * b.element_size())
+
+    def on_full_grad(self, fp: FlatParam) -> None:
+        """Called when ``fp.full.grad`` has been accumulated in backward."""
+        g = fp.full.grad
+        if g is None:
+            return
+        nbytes = g.numel() * g.element_size()
+        if self.stage == 1:
+            if fp not in self._full_grad_held:  # the full gradient persists until step()
+                self._full_grad_held[fp] = nbytes
+                self._acct.add(Tier.DEVICE, StateKind.GRADS, nbytes)
+            return
+        self._acct.add(Tier.DEVICE, StateKind.GRADS, nbytes)
+        self._reduce_into_shard(fp, g)
+        fp.full.grad = None
+        self._acct.sub(Tier.DEVICE, StateKind.GRADS, nbytes)
+
+    def reduce_all_full(self, flat_params: List[FlatParam]) -> None:
+        """Stage 1: reduce-scatter every held full gradient into its shard and free it."""
+        for fp in flat_params:
+            g = fp.full.grad
+            if g is not None:
+                self._reduce_into_shard(fp, g)
+                fp.full.grad = None
+            nbytes = self._full_grad_held.pop(fp, 0)
+            if nbytes:
+                self._acct.sub(Tier.DEVICE, StateKind.GRADS, nbytes)
+
+    def _reduce_into_shard(self, fp: FlatParam, g: torch.Tensor) -> None:
+        if self.comm.world_size == 1:
+            shard = g.detach()
+        else:
+            shard = torch.empty(fp.shard_numel, dtype=g.dtype, device=g.device)
+            self.comm.reduce_scatter_avg(shard, g.detach())
+        buf = self.buf[fp]
+        if self.has_grad[fp]:
+            buf.add_(shard.to(buf.device, buf.dtype))
+        else:
+            buf.copy_(shard)
+            self.has_grad[fp] = True
+
+    def sum_of_squares(self) -> torch.Tensor:
+        """Sum of squared gradient elements of this rank's shards, fp64 scalar on the host."""
+        total = torch.zeros((), dtype=torch.float64)
+        for fp, b in self.buf.items():
+            if self.has_grad[fp]:
+                total += b.double().pow(2).sum().cpu()
+        return total
+
+    def zero(self) -> None:
+        """Forget the accumulated gradients (the next backward overwrites the buffers)."""
+        for fp in self.has_grad:
+            self.has_grad[fp] = False
+
+    def release(self) -> None:
+        """Free the buffers (engine close)."""
+        for fp, b in self.buf.items():
+            self._acct.sub(self.tier, StateKind.GRADS, b.numel() * b.element_size())
+        self.buf.clear()

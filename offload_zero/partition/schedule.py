@@ -1,0 +1,184 @@
+"""When units are gathered and freed: forward/backward hooks, prefetch and end-of-backward.
+
+[Note: unit schedule]
+forward, unit k:  pre-forward hook: unshard k (+ its deps), prefetch the next ``prefetch`` units in
+                  the recorded order, point module attributes at the gathered views;
+                  post-forward hook: reshard k (stage 3), hook k's outputs for backward.
+backward, unit k: the first gradient reaching k's outputs unshards k (+ deps) and prefetches the
+                  ``prefetch`` units that run before it in forward; once k's flat parameters'
+                  gradients are accumulated they are reduced to shards and k is resharded.
+end of backward:  a callback queued on the autograd engine reshards whatever is still gathered.
+The root unit (everything outside the blocks) is gathered for the whole forward and from the
+first gradient of backward to its end. The forward order is recorded on the first training
+forward and replayed for prefetch; it is re-recorded if a later forward runs another order.
+"""
+from __future__ import annotations
+
+from typing import Callable, List, Optional
+
+import torch
+import torch.nn as nn
+from torch.utils._pytree import tree_flatten
+
+from offload_zero.partition.units import Unit, UnitState
+
+
+class UnitScheduler:
+    """Owns the hooks that gather and free units around their forward and backward.
+
+    Args:
+        blocks: block units, in construction order; root: the root unit.
+        comm: the data-parallel :class:`offload_zero.comm.Comm`.
+        prefetch: units gathered ahead of use (>= 0).
+        reshard_after_forward: True at stage 3 (free parameters after each unit's forward).
+        on_grad: ``f(flat_param)`` called once a flat parameter's gradient is accumulated.
+        on_live_change: ``f(number_of_live_units)`` called after every change.
+    """
+
+    def __init__(self, blocks: List[Unit], root: Unit, comm, prefetch: int,
+                 reshard_after_forward: bool, on_grad: Callable, on_live_change: Callable):
+        self.blocks, self.root, self.comm = blocks, root, comm
+        self.prefetch = prefetch
+        self.reshard_after_forward = reshard_after_forward
+        self._on_grad, self._on_live_change = on_grad, on_live_change
+        self.order: List[Unit] = []          # recorded forward order of block units
+        self._recording: Optional[List[Unit]] = None
+        self._in_backward = False
+        self._pending = {}                   # unit -> trainable flat params awaiting gradients
+        self._handles = []
+        for unit in blocks:
+            self._handles.append(unit.module.register_forward_pre_hook(self._make_pre_forward(unit)))
+            self._handles.append(unit.module.register_forward_hook(self._make_post_forward(unit)))
+        self._handles.append(root.module.register_forward_pre_hook(self._root_pre_forward))
+        self._handles.append(root.module.register_forward_hook(self._root_post_forward))
+        for unit in blocks + [root]:
+            for fp in unit.flat_params:
+                if fp.requires_grad:
+                    self._handles.append(fp.full.register_post_accumulate_grad_hook(
+                        self._make_grad_hook(unit, fp)))
+
+    # -- gathering ---------------------------------------------------------------------------
+    def live_units(self) -> int:
+        """Units whose parameters are gathered now (root included)."""
+        return sum(u.state is UnitState.UNSHARDED for u in self.blocks + [self.root])
+
+    def unshard(self, unit: Unit) -> None:
+        """Gather ``unit``'s flat parameters (no-op if gathered)."""
+        if unit.state is UnitState.UNSHARDED:
+            return
+        for fp in unit.flat_params:
+            fp.to_unsharded(self.comm)
+        unit.state = UnitState.UNSHARDED
+        self._on_live_change(self.live_units())
+
+    def reshard(self, unit: Unit) -> None:
+        """Free ``unit``'s gathered parameters (stage 3 only; no-op otherwise or if sharded)."""
+        if unit.state is UnitState.SHARDED or not self.reshard_after_forward:
+            return
+        for fp in unit.flat_params:
+            fp.to_sharded()
+        unit.state = UnitState.SHARDED
+        self._on_live_change(self.live_units())
+
+    def reshard_all(self) -> None:
+        """Free every gathered unit."""
+        for u in self.blocks + [self.root]:
+            self.reshard(u)
+
+    def _activate(self, unit: Unit) -> None:
+        for u in [unit] + unit.deps:
+            self.unshard(u)
+            for fp in u.flat_params:
+                fp.set_views()
+
+    def _prefetch(self, unit: Unit, step: int) -> None:
+        if not self.prefetch or unit not in self.order:
+            return
+        i = self.order.index(unit)
+        for j in range(1, self.prefetch + 1):
+            k = i + step * j
+            if 0 <= k < len(self.order):
+                self.unshard(self.order[k])
+
+    # -- forward -----------------------------------------------------------------------------
+    def _root_pre_forward(self, module, args):
+        if torch.is_grad_enabled() and module.training:
+            self._recording = []
+        self._activate(self.root)
+
+    def _root_post_forward(self, module, args, output):
+        if self._recording is not None:
+            if self._recording != self.order:
+                self.order = self._recording
+            self._recording = None
+        if self.reshard_after_forward:
+            self.reshard_all()
+        self._register_pre_backward(self.root, output)
+
+    def _make_pre_forward(self, unit: Unit):
+        def hook(module, args):
+            if self._recording is not None and unit not in self._recording:
+                self._recording.append(unit)
+            self._activate(unit)
+            if not self._in_backward:
+                self._prefetch(unit, +1)
+        return hook
+
+    def _make_post_forward(self, unit: Unit):
+        def hook(module, args, output):
+            if self.reshard_after_forward and not self._in_backward:
+                self.reshard(unit)
+            self._register_pre_backward(unit, output)
+        return hook
+
+    # -- backward ----------------------------------------------------------------------------
+    def _register_pre_backward(self, unit: Unit, output) -> None:
+        if not torch.is_grad_enabled():
+            return
+        leaves, _ = tree_flatten(output)
+        if hasattr(output, "values") and not leaves:  # ModelOutput-like dicts
+            leaves = list(output.values())
+        for t in leaves:
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                t.register_hook(self._make_pre_backward(unit))
+
+    def _make_pre_backward(self, unit: Unit):
+        def hook(grad):
+            if not self._in_backward:
+                self._in_backward = True
+                torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            self._activate(unit)
+            if unit.is_root:
+                if self.order and self.prefetch:
+                    for u in self.order[-self.prefetch:]:
+                        self.unshard(u)
+            else:
+                self._prefetch(unit, -1)
+            return None
+        return hook
+
+    def _make_grad_hook(self, unit: Unit, fp):
+        def hook(tensor):
+            self._on_grad(fp)
+            if unit.is_root or not self.reshard_after_forward:
+                return
+            if any(not f.requires_grad for f in unit.flat_params):
+                return  # frozen weights may still be needed later in this backward
+            done = self._pending.setdefault(unit, set())
+            done.add(fp)
+            if len(done) == sum(f.requires_grad for f in unit.flat_params):
+                self._pending.pop(unit, None)
+                self.reshard(unit)
+        return hook
+
+    def _end_of_backward(self) -> None:
+        self._in_backward = False
+        self._pending.clear()
+        if self.reshard_after_forward:
+            self.reshard_all()
+
+    def remove_hooks(self) -> None:
+        """Detach every hook from the model (engine close)."""
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()

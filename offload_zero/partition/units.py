@@ -1,0 +1,120 @@
+"""Cutting a model into units and grouping each unit's parameters into flat parameters.
+
+A *unit* is the granularity of gathering: by default each block of the model's largest
+``nn.ModuleList`` (the transformer layers), plus one root unit for every parameter outside
+them; ``unit_classes`` names module classes to use instead. A parameter referenced from several
+modules (tied embeddings) is one entry in exactly one unit: the root unit if any reference lies
+outside the blocks (the root is gathered for the whole forward), else the first block that uses
+it, and the other units that use it list that unit in ``deps``.
+"""
+from __future__ import annotations
+
+import enum
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn as nn
+
+from offload_zero.partition.flat_param import FlatParam, ParamEntry
+
+
+class UnitState(enum.Enum):
+    """Gathering state of a unit (all its flat parameters move together)."""
+
+    SHARDED = "sharded"
+    """Parameters freed; only shards exist."""
+    UNSHARDED = "unsharded"
+    """Parameters gathered and visible to the unit's modules."""
+
+
+class Unit:
+    """A group of modules whose parameters are gathered and freed together.
+
+    Attributes:
+        index: position in construction order (root is last); name: module path ("" for root).
+        module: the unit's module (the whole model for the root unit).
+        flat_params: at most two :class:`FlatParam` (trainable, frozen).
+        deps: other units owning parameters this unit's modules also use.
+    """
+
+    def __init__(self, index: int, name: str, module: nn.Module, is_root: bool):
+        self.index, self.name, self.module, self.is_root = index, name, module, is_root
+        self.flat_params: List[FlatParam] = []
+        self.deps: List["Unit"] = []
+        self.state = UnitState.SHARDED
+
+    @property
+    def label(self) -> str:
+        """Human-readable name for messages."""
+        return "root" if self.is_root else f"unit {self.index} ({self.name})"
+
+    def __repr__(self):
+        return f"Unit({self.label}, {self.state.value})"
+
+
+def find_unit_modules(model: nn.Module, unit_classes: Sequence[type] = ()) -> List[Tuple[str, nn.Module]]:
+    """Return ``[(qualified name, module)]`` of the block units, in module order.
+
+    With ``unit_classes``: every outermost module that is an instance of one of them.
+    Otherwise: the children of the ``nn.ModuleList`` holding the most parameter elements
+    (ties broken by length). A model with no ``ModuleList`` has no block units (root only).
+    """
+    if unit_classes:
+        found, taken = [], []
+        for name, mod in model.named_modules():
+            if mod is model or not isinstance(mod, tuple(unit_classes)):
+                continue
+            if any(name.startswith(t + ".") for t in taken):
+                continue
+            found.append((name, mod))
+            taken.append(name)
+        return found
+    best, best_key = None, (0, 0)
+    for name, mod in model.named_modules():
+        if isinstance(mod, nn.ModuleList) and len(mod) > 0:
+            key = (sum(p.numel() for p in mod.parameters()), len(mod))
+            if key > best_key:
+                best, best_key = (name, mod), key
+    if best is None:
+        return []
+    prefix = best[0]
+    return [(f"{prefix}.{i}" if prefix else str(i), child) for i, child in enumerate(best[1])]
+
+
+def group_parameters(model: nn.Module, block_names: List[str]
+                     ) -> Tuple[List[List[Tuple[nn.Parameter, list]]], Dict[int, set]]:
+    """Assign every distinct parameter to one unit.
+
+    Returns ``(groups, users)``: ``groups[u]`` lists ``(param, refs)`` owned by unit ``u`` (block
+    units first in ``block_names`` order, the root last), each ``refs`` a list of
+    ``(module, attr, fqn)``; ``users[id(param)]`` is the set of unit indices referencing it.
+    """
+    root = len(block_names)
+
+    def unit_of(mod_name: str) -> int:
+        for i, b in enumerate(block_names):
+            if mod_name == b or mod_name.startswith(b + "."):
+                return i
+        return root
+
+    refs: Dict[int, list] = {}
+    params: Dict[int, nn.Parameter] = {}
+    users: Dict[int, set] = {}
+    order: List[int] = []
+    for mod_name, mod in model.named_modules(remove_duplicate=False):
+        for attr, p in list(mod._parameters.items()):
+            if p is None:
+                continue
+            fqn = f"{mod_name}.{attr}" if mod_name else attr
+            key = id(p)
+            if key not in refs:
+                refs[key], params[key], users[key] = [], p, set()
+                order.append(key)
+            if all(r[0] is not mod or r[1] != attr for r in refs[key]):
+                refs[key].append((mod, attr, fqn))
+            users[key].add(unit_of(mod_name))
+    groups: List[list] = [[] for _ in range(root + 1)]
+    for key in order:
+        owner = root if root in users[key] else min(users[key])
+        groups[owner].append((params[key], refs[key]))
+    return groups, users
