@@ -1,0 +1,214 @@
+"""End-to-end tests of ``offload-zero train`` and unit tests of its helpers.
+
+The end-to-end cases run the real entry point in a subprocess (``python -m offload_zero.cli``)
+with tiny models, short sequences and few steps, so the file stays well under two minutes on
+two CPU cores.
+"""
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from offload_zero import cli, train
+
+REPO = Path(__file__).resolve().parents[1]
+FAST = ["--seq-len", "64", "--batch-size", "4", "--log-every", "0"]
+
+
+def _run(args, cwd, timeout=240):
+    """Run ``python -m offload_zero.cli ARGS`` in ``cwd`` with the repo importable."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), str(REPO)) if p)
+    env.setdefault("OMP_NUM_THREADS", "2")
+    return subprocess.run([sys.executable, "-m", "offload_zero.cli", *map(str, args)], cwd=cwd,
+                          env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def _files_under(path: Path):
+    return sorted(p for p in path.rglob("*") if not p.is_dir())
+
+
+def _tiny_checkpoint(folder: Path, vocab_size: int) -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=32, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=2, intermediate_size=64,
+                         max_position_embeddings=128)
+    LlamaForCausalLM(config).save_pretrained(folder)
+
+
+def _train_bpe_tokenizer(text: str, folder: Path) -> int:
+    """Train a small byte-level BPE offline, save it as a HF tokenizer, return its size."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE(unk_token="<unk>"))
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    bpe.train_from_iterator([text], trainers.BpeTrainer(
+        vocab_size=320, special_tokens=["<unk>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, unk_token="<unk>",
+                                        bos_token="<s>", eos_token="</s>")
+    tokenizer.save_pretrained(folder)
+    return len(tokenizer)
+
+
+# --- end to end -------------------------------------------------------------------------------
+
+def test_train_nvme_on_stdlib(tmp_path):
+    swap = tmp_path / "swap"
+    out = tmp_path / "out.json"
+    proc = _run(["train", "--preset", "tiny", "--steps", "30", "--offload", "nvme",
+                 "--path", swap, "--json", out, *FAST], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "summary" in proc.stdout and "tokens/s" in proc.stdout
+    summary = json.loads(out.read_text())
+    assert summary["offload"] == "nvme" and summary["stage"] == 3
+    assert summary["corpus"] == "stdlib" and summary["steps"] == 30
+    assert len(summary["losses"]) == 30
+    assert summary["last_loss"] < summary["first_loss"]
+    assert set(summary["peak_bytes"]) == {"device", "host", "nvme"}
+    assert summary["nvme_written_bytes"] > 0
+    assert summary["wall_s"] > 0 and summary["tokens_per_s"] > 0
+    assert summary["tokens"] == 30 * 4 * 64
+    assert _files_under(swap) == [], "swap files left behind"
+
+
+def test_finetune_local_checkpoint_with_its_tokenizer(tmp_path):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(Path(argparse.__file__).read_text()[:60_000])
+    ckpt = tmp_path / "ckpt"
+    vocab = _train_bpe_tokenizer(corpus.read_text(), ckpt)
+    _tiny_checkpoint(ckpt, vocab)
+    out = tmp_path / "out.json"
+    proc = _run(["train", "--model", ckpt, "--data", corpus, "--steps", "4", "--offload", "cpu",
+                 "--stage", "2", "--json", out, "--no-progress", *FAST], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads(out.read_text())
+    assert summary["model"] == f"checkpoint {ckpt}"
+    assert not summary["tokenizer"].startswith("byte")
+    assert summary["corpus"] == "data" and len(summary["losses"]) == 4
+
+
+def test_checkpoint_without_tokenizer_uses_bytes(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    _tiny_checkpoint(ckpt, vocab_size=300)
+    out = tmp_path / "out.json"
+    proc = _run(["train", "--model", ckpt, "--steps", "2", "--offload", "none", "--json", out,
+                 "--no-progress", *FAST], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "no tokenizer files" in proc.stderr
+    assert json.loads(out.read_text())["tokenizer"] == "byte"
+
+
+def test_run_error_is_one_line_exit_2(tmp_path):
+    proc = _run(["train", "--data", tmp_path / "missing.txt"], cwd=tmp_path)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "missing.txt" in lines[0] and "error" in lines[0]
+
+
+@pytest.mark.skipif(shutil.which("offload-zero") is None, reason="console script not installed")
+def test_console_script_help():
+    proc = subprocess.run(["offload-zero", "train", "--help"], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0 and "--offload" in proc.stdout
+
+
+# --- flags and help, in process ---------------------------------------------------------------
+
+@pytest.mark.parametrize("argv, word", [
+    (["train", "--offload", "tape"], "tape"),
+    (["train", "--stage", "4"], "4"),
+    (["train", "--dtype", "fp8"], "fp8"),
+    (["train", "--steps", "0"], "0"),
+    (["train", "--preset", "huge"], "huge"),
+    (["fly"], "fly"),
+    ([], "command"),
+])
+def test_bad_flags_exit_nonzero_naming_the_value(argv, word, capsys):
+    with pytest.raises(SystemExit) as info:
+        cli.main(argv)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "usage:" in err and word in err
+
+
+def test_help_lists_commands_and_defaults(capsys):
+    with pytest.raises(SystemExit) as info:
+        cli.main(["--help"])
+    assert info.value.code == 0
+    assert "train" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        cli.main(["train", "--help"])
+    text = capsys.readouterr().out
+    for needle in ("--offload", "(default: cpu)", "--stage", "(default: 3)", "--preset",
+                   "tiny", "--json", "--model", "standard library"):
+        assert needle in text
+
+
+def test_value_errors_exit_2(tmp_path, capsys):
+    assert cli.main(["train", "--offload", "cpu", "--path", str(tmp_path)]) == 2
+    assert "--path is only used with --offload nvme" in capsys.readouterr().err
+    assert cli.main(["train", "--hidden-size", "64", "--heads", "3"]) == 2
+    assert "--heads 3" in capsys.readouterr().err
+
+
+def test_model_flags_conflict_and_small_vocab(tmp_path, capsys):
+    ckpt = tmp_path / "ckpt"
+    _tiny_checkpoint(ckpt, vocab_size=100)
+    assert cli.main(["train", "--model", str(ckpt), "--preset", "tiny"]) == 2
+    assert "--preset cannot be combined with --model" in capsys.readouterr().err
+    assert cli.main(["train", "--model", str(ckpt)]) == 2
+    assert "too small for the byte tokenizer" in capsys.readouterr().err
+    assert cli.main(["train", "--model", str(tmp_path / "nope")]) == 2
+    assert "no config.json" in capsys.readouterr().err
+
+
+# --- helpers ----------------------------------------------------------------------------------
+
+def test_presets_parameter_counts():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    def params(name):
+        s = train.PRESETS[name]
+        config = LlamaConfig(vocab_size=259, hidden_size=s.hidden_size, num_hidden_layers=s.layers,
+                             num_attention_heads=s.heads, num_key_value_heads=s.heads,
+                             intermediate_size=s.intermediate_size)
+        with __import__("torch").device("meta"):
+            return sum(p.numel() for p in LlamaForCausalLM(config).parameters())
+
+    assert 1e5 < params("tiny") < 1e6
+    assert 1e7 < params("small") < 3e7
+    assert params("base") > 1e8
+
+
+def test_lr_schedule():
+    lrs = [train.lr_at(s, 100, 1.0, 10) for s in range(100)]
+    assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
+    assert all(a >= b for a, b in zip(lrs[9:], lrs[10:]))
+    assert lrs[-1] >= 0.1 and lrs[-1] < 0.11
+    assert train.lr_at(0, 5, 1.0, 0) == pytest.approx(1.0)
+
+
+def test_summary_averages_first_and_last_steps():
+    report = {"device": {"current_bytes": 1, "peak_bytes": 10},
+              "host": {"current_bytes": 2, "peak_bytes": 20},
+              "nvme": {"current_bytes": 0, "peak_bytes": 30, "read_bytes": 40,
+                       "written_bytes": 50}}
+    losses = [float(v) for v in range(30, 0, -1)]
+    s = train.summarize(losses, report, wall_s=2.0, tokens=1000, extra={"steps": 30})
+    assert s["first_loss"] == pytest.approx(28.0) and s["last_loss"] == pytest.approx(3.0)
+    assert s["peak_bytes"] == {"device": 10, "host": 20, "nvme": 30}
+    assert (s["nvme_read_bytes"], s["nvme_written_bytes"]) == (40, 50)
+    assert s["tokens_per_s"] == pytest.approx(500.0)
+    s = train.summarize([4.0, 2.0], report, wall_s=1.0, tokens=1, extra={})
+    assert (s["first_loss"], s["last_loss"], s["loss_window_steps"]) == (4.0, 2.0, 1)
+    json.dumps(s)
