@@ -1,0 +1,162 @@
+// AVX-512 Adam/AdamW: 16 fp32 lanes per step, scalar reference for the tail.
+// Compiled with -mavx512f -mavx512bw -mavx512vl -mavx512dq -mavx512bf16 -mfma -mf16c
+// (setup.py); only called after dispatch.cpp has checked CPU and OS support. The bf16 output
+// uses AVX512-BF16 vcvtneps2bf16 only in the variant dispatch.cpp selects when the CPU has it;
+// the other variant rounds with integer ops. Math: [Note: Adam math] in adam_scalar.h.
+// GCC 12 warns about its own _mm512_undefined_* helpers when they are inlined here.
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#include <immintrin.h>
+
+#include "adam_common.h"
+#include "adam_scalar.h"
+
+namespace oz {
+namespace {
+
+constexpr int64_t kLanes = 16;
+
+template <DType G>
+inline __m512 load_grad16(const void* grad, int64_t i) {
+  if constexpr (G == DType::kF32) {
+    return _mm512_loadu_ps(static_cast<const float*>(grad) + i);
+  } else {
+    const __m256i h = _mm256_loadu_si256(
+        reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(grad) + i));
+    if constexpr (G == DType::kBF16) {
+      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    } else {
+      return _mm512_cvtph_ps(h);
+    }
+  }
+}
+
+// fp32 -> bf16, round to nearest even, NaN -> 0xFFFF: the bits torch's vectorized conversion
+// produces. vcvtneps2bf16 rounds the same way for normal numbers but flushes denormal inputs
+// and keeps NaN payloads, so lanes holding those take the integer path.
+template <bool kBf16Insn>
+inline __m256i f32_to_bf16_16(__m512 x) {
+  const __m512i u = _mm512_castps_si512(x);
+  const __m512i abs = _mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff));
+  const __mmask16 nan = _mm512_cmpgt_epu32_mask(abs, _mm512_set1_epi32(0x7f800000));
+  if constexpr (kBf16Insn) {
+    const __mmask16 denormal = _mm512_cmplt_epu32_mask(
+        _mm512_sub_epi32(abs, _mm512_set1_epi32(1)), _mm512_set1_epi32(0x7fffff));
+    if ((nan | denormal) == 0) return (__m256i)_mm512_cvtneps_pbh(x);
+  }
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(
+      _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
+  r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0xffff));
+  return _mm512_cvtepi32_epi16(r);
+}
+
+template <DType O, bool kStream, bool kBf16Insn>
+inline void store_out16(void* out, int64_t i, __m512 p) {
+  if constexpr (O == DType::kF32) {
+    float* dst = static_cast<float*>(out) + i;
+    if constexpr (kStream) _mm512_stream_ps(dst, p); else _mm512_storeu_ps(dst, p);
+  } else if constexpr (O == DType::kBF16 || O == DType::kF16) {
+    __m256i h;
+    if constexpr (O == DType::kBF16) h = f32_to_bf16_16<kBf16Insn>(p);
+    else h = _mm512_cvtps_ph(p, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    auto* dst = reinterpret_cast<__m256i*>(static_cast<uint16_t*>(out) + i);
+    if constexpr (kStream) _mm256_stream_si256(dst, h); else _mm256_storeu_si256(dst, h);
+  }
+}
+
+template <DType G>
+bool nonfinite_impl(const AdamBuffers& b, const AdamHyper& h, int64_t begin, int64_t end) {
+  const __m512 scale = _mm512_set1_ps(h.grad_scale);
+  const __m512i abs_mask = _mm512_set1_epi32(0x7fffffff);
+  __m512i acc = _mm512_setzero_si512();
+  int64_t i = begin;
+  for (; i + kLanes <= end; i += kLanes) {
+    __m512 g = load_grad16<G>(b.grad, i);
+    if (h.scale_grad) g = _mm512_mul_ps(g, scale);
+    acc = _mm512_max_epu32(acc, _mm512_and_si512(_mm512_castps_si512(g), abs_mask));
+  }
+  bool any = _mm512_cmpgt_epu32_mask(acc, _mm512_set1_epi32(0x7f7fffff)) != 0;
+  for (; i < end; ++i) any |= element_nonfinite(b, h, i);
+  return any;
+}
+
+template <DType G, DType O, bool kStream, bool kBf16Insn>
+void update_impl(const AdamBuffers& b, const AdamHyper& h, int64_t begin, int64_t end) {
+  const __m512 scale = _mm512_set1_ps(h.grad_scale);
+  const __m512 l2_decay = _mm512_set1_ps(h.l2_decay);
+  const __m512 decay_factor = _mm512_set1_ps(h.decay_factor);
+  const __m512 lerp_coeff = _mm512_set1_ps(h.lerp_coeff);
+  const __m512 beta2 = _mm512_set1_ps(h.beta2);
+  const __m512 one_minus_beta2 = _mm512_set1_ps(h.one_minus_beta2);
+  const __m512 bc2_sqrt = _mm512_set1_ps(h.bc2_sqrt);
+  const __m512 eps = _mm512_set1_ps(h.eps);
+  const __m512 neg_step_size = _mm512_set1_ps(h.neg_step_size);
+  int64_t i = begin;
+  for (; i + kLanes <= end; i += kLanes) {
+    __m512 g = load_grad16<G>(b.grad, i);
+    __m512 p = _mm512_loadu_ps(b.param + i);
+    __m512 m = _mm512_loadu_ps(b.exp_avg + i);
+    __m512 v = _mm512_loadu_ps(b.exp_avg_sq + i);
+    if (h.scale_grad) g = _mm512_mul_ps(g, scale);
+    if (h.l2) g = _mm512_fmadd_ps(p, l2_decay, g);
+    if (h.decoupled) p = _mm512_mul_ps(p, decay_factor);
+    m = _mm512_fmadd_ps(lerp_coeff, _mm512_sub_ps(g, m), h.lerp_small ? m : g);
+    v = _mm512_mul_ps(v, beta2);
+    v = _mm512_fmadd_ps(_mm512_mul_ps(one_minus_beta2, g), g, v);
+    const __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(v), bc2_sqrt), eps);
+    p = _mm512_add_ps(p, _mm512_div_ps(_mm512_mul_ps(neg_step_size, m), denom));
+    _mm512_storeu_ps(b.param + i, p);
+    _mm512_storeu_ps(b.exp_avg + i, m);
+    _mm512_storeu_ps(b.exp_avg_sq + i, v);
+    store_out16<O, kStream, kBf16Insn>(b.out, i, p);
+  }
+  for (; i < end; ++i) adam_element(b, h, i);
+  if constexpr (kStream) _mm_sfence();
+}
+
+template <DType G, DType O, bool kBf16Insn>
+void update_stream(const AdamBuffers& b, const AdamHyper& h, int64_t begin, int64_t end,
+                   bool streaming) {
+  if (streaming) update_impl<G, O, true, kBf16Insn>(b, h, begin, end);
+  else update_impl<G, O, false, kBf16Insn>(b, h, begin, end);
+}
+
+template <DType G, bool kBf16Insn>
+void update_out(const AdamBuffers& b, const AdamHyper& h, int64_t begin, int64_t end,
+                bool streaming) {
+  switch (b.out_dtype) {
+    case DType::kF32: return update_stream<G, DType::kF32, kBf16Insn>(b, h, begin, end, streaming);
+    case DType::kBF16: return update_stream<G, DType::kBF16, kBf16Insn>(b, h, begin, end, streaming);
+    case DType::kF16: return update_stream<G, DType::kF16, kBf16Insn>(b, h, begin, end, streaming);
+    default: return update_stream<G, DType::kNone, kBf16Insn>(b, h, begin, end, streaming);
+  }
+}
+
+template <bool kBf16Insn>
+void avx512_update(const AdamBuffers& b, const AdamHyper& h, int64_t begin, int64_t end,
+                   bool streaming) {
+  switch (b.grad_dtype) {
+    case DType::kBF16: return update_out<DType::kBF16, kBf16Insn>(b, h, begin, end, streaming);
+    case DType::kF16: return update_out<DType::kF16, kBf16Insn>(b, h, begin, end, streaming);
+    default: return update_out<DType::kF32, kBf16Insn>(b, h, begin, end, streaming);
+  }
+}
+
+bool avx512_has_nonfinite(const AdamBuffers& b, const AdamHyper& h, int64_t begin,
+                          int64_t end) {
+  switch (b.grad_dtype) {
+    case DType::kBF16: return nonfinite_impl<DType::kBF16>(b, h, begin, end);
+    case DType::kF16: return nonfinite_impl<DType::kF16>(b, h, begin, end);
+    default: return nonfinite_impl<DType::kF32>(b, h, begin, end);
+  }
+}
+
+}  // namespace
+
+const AdamKernels& avx512_kernels(bool has_bf16_insn) {
+  static const AdamKernels with_insn{"avx512", &avx512_has_nonfinite, &avx512_update<true>};
+  static const AdamKernels without_insn{"avx512", &avx512_has_nonfinite, &avx512_update<false>};
+  return has_bf16_insn ? with_insn : without_insn;
+}
+
+}  // namespace oz

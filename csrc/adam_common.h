@@ -1,0 +1,67 @@
+// Shared declarations for the host-side Adam/AdamW kernels.
+//
+// Every instruction set (scalar, AVX2, AVX-512) is its own translation unit and exposes the
+// same two entry points through an `AdamKernels` table; dispatch.cpp picks one table at run
+// time from cpuid and splits the work over threads. Nothing in this header depends on the
+// instruction set it is compiled for.
+#pragma once
+
+#include <cstdint>
+
+namespace oz {
+
+// Element type of a gradient input or of the optional weight output.
+enum class DType : int {
+  kNone = 0,  // no tensor (only legal for the output)
+  kF32 = 1,
+  kBF16 = 2,
+  kF16 = 3,
+};
+
+// Per-call scalars, already reduced to float the way torch.optim.Adam reduces its Python
+// doubles (see [Note: Adam math] in adam_scalar.h). Built once on the host by dispatch.cpp.
+struct AdamHyper {
+  bool scale_grad;       // multiply the gradient by grad_scale first
+  float grad_scale;      // 1/loss_scale times a clip coefficient
+  bool l2;               // Adam: grad += weight_decay * param
+  float l2_decay;        // weight_decay
+  bool decoupled;        // AdamW: param *= 1 - lr * weight_decay
+  float decay_factor;    // (float)(1 - lr * weight_decay), computed in double
+  bool lerp_small;       // torch's lerp branch: |1 - beta1| < 0.5
+  float lerp_coeff;      // (1 - beta1) if lerp_small else (1 - beta1) - 1
+  float beta2;           // beta2
+  float one_minus_beta2; // (float)(1 - beta2)
+  float bc2_sqrt;        // (float)sqrt(1 - beta2**step), 1 without bias correction
+  float eps;             // eps
+  float neg_step_size;   // (float)-(lr / (1 - beta1**step)), -lr without bias correction
+};
+
+// The buffers of one call; all hold `numel` elements. param/exp_avg/exp_avg_sq are fp32.
+struct AdamBuffers {
+  float* param;
+  const void* grad;
+  DType grad_dtype;
+  float* exp_avg;
+  float* exp_avg_sq;
+  void* out;          // may be null when out_dtype == kNone
+  DType out_dtype;
+};
+
+// One instruction set's kernels. Both work on the half-open element range [begin, end).
+struct AdamKernels {
+  const char* name;
+  // True when any grad[i] * grad_scale (scaled only if h.scale_grad) is inf or nan.
+  bool (*has_nonfinite)(const AdamBuffers& b, const AdamHyper& h, int64_t begin, int64_t end);
+  // One Adam/AdamW step in place. `streaming` asks for non-temporal stores; the caller only
+  // sets it when every pointer at `begin` is 64-byte aligned.
+  void (*update)(const AdamBuffers& b, const AdamHyper& h, int64_t begin, int64_t end,
+                 bool streaming);
+};
+
+// Defined in adam_scalar.cpp / adam_avx2.cpp / adam_avx512.cpp.
+const AdamKernels& scalar_kernels();
+const AdamKernels& avx2_kernels();
+// has_bf16_insn selects the variant that converts to bf16 with AVX512-BF16 vcvtneps2bf16.
+const AdamKernels& avx512_kernels(bool has_bf16_insn);
+
+}  // namespace oz

@@ -1,0 +1,138 @@
+// Scalar reference of one Adam/AdamW element, plus the fp16/bf16 conversions.
+//
+// This header is included by every instruction-set translation unit: the scalar TU loops over
+// it, the SIMD TUs use it for the tail that does not fill a vector. Everything here has
+// internal linkage (anonymous namespace) so that each TU keeps the copy compiled with its own
+// flags and the linker can never hand the AVX-512 copy to the scalar path.
+//
+// [Note: Adam math]
+// We follow torch/optim/adam.py `_single_tensor_adam` (non-capturable) operation by operation,
+// with each Python double reduced to float exactly as torch does when it passes a Python
+// scalar into a float32 kernel, so results match torch.optim.Adam/AdamW(foreach=False):
+//   g  = grad * grad_scale                          (only when grad_scale != 1)
+//   g  = fma(param, wd, g)                          Adam, L2:   grad.add(param, alpha=wd)
+//   p  = p * (1 - lr*wd)                            AdamW:      param.mul_(1 - lr*wd)
+//   m  = fma(c, g - m, m)   (c = 1-beta1 < 0.5)     exp_avg.lerp_(grad, 1-beta1)
+//      = fma(c - 1, g - m, g) otherwise
+//   v  = v * beta2;  v = fma((1-beta2) * g, g, v)   exp_avg_sq.mul_(beta2).addcmul_(g, g, 1-beta2)
+//   d  = sqrt(v) / sqrt(1 - beta2^t) + eps          (exp_avg_sq.sqrt() / bc2_sqrt).add_(eps)
+//   p  = p + (-(lr / (1 - beta1^t)) * m) / d        param.addcdiv_(exp_avg, denom, -step_size)
+// (Kingma & Ba 2015, "Adam"; Loshchilov & Hutter 2019, "Decoupled Weight Decay
+// Regularization".) sqrt, / and fma are correctly rounded, so every instruction set produces
+// the same bits as this reference.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "adam_common.h"
+
+namespace oz {
+namespace {
+
+inline uint32_t f32_bits(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof u);
+  return u;
+}
+
+inline float bits_f32(uint32_t u) {
+  float x;
+  std::memcpy(&x, &u, sizeof x);
+  return x;
+}
+
+inline float bf16_to_f32(uint16_t h) { return bits_f32(static_cast<uint32_t>(h) << 16); }
+
+// Round to nearest even, as torch's vectorized fp32 -> bf16 conversion: every NaN becomes
+// 0xFFFF, denormals are rounded (not flushed).
+inline uint16_t f32_to_bf16(float x) {
+  const uint32_t u = f32_bits(x);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return 0xffffu;
+  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+// IEEE binary16 -> binary32, exact (same as F16C vcvtph2ps).
+inline float f16_to_f32(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t exp = (h >> 10) & 0x1fu;
+  uint32_t mant = h & 0x3ffu;
+  if (exp == 0x1f) return bits_f32(sign | 0x7f800000u | (mant << 13));  // inf / nan
+  if (exp != 0) return bits_f32(sign | ((exp + 112u) << 23) | (mant << 13));
+  if (mant == 0) return bits_f32(sign);                                   // +-0
+  // Subnormal half: value = mant * 2^-24, exact in fp32.
+  const float mag = static_cast<float>(mant) * 5.9604644775390625e-8f;    // 2^-24
+  return bits_f32(sign | f32_bits(mag));
+}
+
+// IEEE binary32 -> binary16, round to nearest even (same bits as F16C vcvtps2ph with
+// _MM_FROUND_TO_NEAREST_INT): NaNs are quieted keeping the sign and top payload bits.
+inline uint16_t f32_to_f16(float x) {
+  const uint32_t u = f32_bits(x);
+  const uint16_t sign = static_cast<uint16_t>((u >> 16) & 0x8000u);
+  const uint32_t abs = u & 0x7fffffffu;
+  if (abs > 0x7f800000u) return sign | 0x7e00u | static_cast<uint16_t>((abs >> 13) & 0x3ffu);
+  if (abs >= 0x477ff000u) return sign | 0x7c00u;        // rounds to >= 65520: inf
+  if (abs >= 0x38800000u) {                             // normal half (>= 2^-14)
+    const uint32_t r = abs + 0xfffu + ((abs >> 13) & 1u) - 0x38000000u;
+    return sign | static_cast<uint16_t>(r >> 13);
+  }
+  if (abs < 0x33000000u) return sign;                   // < 2^-25 rounds to 0 (ties: even 0)
+  // Subnormal half: shift the full significand right and round to nearest even.
+  const uint32_t e = abs >> 23;                         // 102..112
+  const uint32_t sig = (abs & 0x7fffffu) | 0x800000u;
+  const uint32_t shift = 126u - e;                      // 14..24
+  const uint32_t keep = sig >> shift;
+  const uint32_t rest = sig & ((1u << shift) - 1u);
+  const uint32_t half = 1u << (shift - 1u);
+  const uint32_t rounded = keep + ((rest > half || (rest == half && (keep & 1u))) ? 1u : 0u);
+  return sign | static_cast<uint16_t>(rounded);
+}
+
+inline float load_grad_scalar(const void* grad, DType dt, int64_t i) {
+  switch (dt) {
+    case DType::kBF16: return bf16_to_f32(static_cast<const uint16_t*>(grad)[i]);
+    case DType::kF16: return f16_to_f32(static_cast<const uint16_t*>(grad)[i]);
+    default: return static_cast<const float*>(grad)[i];
+  }
+}
+
+inline void store_out_scalar(void* out, DType dt, int64_t i, float x) {
+  switch (dt) {
+    case DType::kF32: static_cast<float*>(out)[i] = x; break;
+    case DType::kBF16: static_cast<uint16_t*>(out)[i] = f32_to_bf16(x); break;
+    case DType::kF16: static_cast<uint16_t*>(out)[i] = f32_to_f16(x); break;
+    default: break;
+  }
+}
+
+// The reference: one element of one step (see [Note: Adam math]).
+inline void adam_element(const AdamBuffers& b, const AdamHyper& h, int64_t i) {
+  float g = load_grad_scalar(b.grad, b.grad_dtype, i);
+  float p = b.param[i];
+  float m = b.exp_avg[i];
+  float v = b.exp_avg_sq[i];
+  if (h.scale_grad) g = g * h.grad_scale;
+  if (h.l2) g = std::fma(p, h.l2_decay, g);
+  if (h.decoupled) p = p * h.decay_factor;
+  m = std::fma(h.lerp_coeff, g - m, h.lerp_small ? m : g);
+  v = v * h.beta2;
+  v = std::fma(h.one_minus_beta2 * g, g, v);
+  const float denom = std::sqrt(v) / h.bc2_sqrt + h.eps;
+  p = p + (h.neg_step_size * m) / denom;
+  b.param[i] = p;
+  b.exp_avg[i] = m;
+  b.exp_avg_sq[i] = v;
+  store_out_scalar(b.out, b.out_dtype, i, p);
+}
+
+// True when grad[i] (scaled as the update will scale it) is inf or nan.
+inline bool element_nonfinite(const AdamBuffers& b, const AdamHyper& h, int64_t i) {
+  float g = load_grad_scalar(b.grad, b.grad_dtype, i);
+  if (h.scale_grad) g = g * h.grad_scale;
+  return (f32_bits(g) & 0x7fffffffu) >= 0x7f800000u;
+}
+
+}  // namespace
+}  // namespace oz

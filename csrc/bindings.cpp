@@ -1,0 +1,118 @@
+// pybind11 face of the Adam kernels: validates every pointer, size, dtype and scalar at the
+// boundary, releases the GIL, and hands off to dispatch.cpp. No maths here.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cmath>
+#include <cstdint>
+#include <string>
+
+#include "adam_common.h"
+#include "dispatch.h"
+
+namespace py = pybind11;
+
+namespace oz {
+namespace {
+
+DType parse_dtype(const std::string& name, const char* what) {
+  if (name == "float32") return DType::kF32;
+  if (name == "bfloat16") return DType::kBF16;
+  if (name == "float16") return DType::kF16;
+  throw py::value_error(std::string(what) + " dtype '" + name +
+                        "' is not one of float32, bfloat16, float16");
+}
+
+size_t dtype_size(DType dt) { return dt == DType::kF32 ? 4 : 2; }
+
+void* checked_ptr(uintptr_t ptr, int64_t numel, DType dt, const char* what) {
+  if (numel > 0 && ptr == 0) {
+    throw py::value_error(std::string(what) + " pointer is null for numel=" + std::to_string(numel));
+  }
+  if (ptr % dtype_size(dt) != 0) {
+    throw py::value_error(std::string(what) + " pointer " + std::to_string(ptr) +
+                          " is not aligned to its element size " +
+                          std::to_string(dtype_size(dt)));
+  }
+  return reinterpret_cast<void*>(ptr);
+}
+
+void check_finite_range(double x, double lo, double hi, bool hi_open, const char* what) {
+  const bool ok = std::isfinite(x) && x >= lo && (hi_open ? x < hi : x <= hi);
+  if (!ok) {
+    throw py::value_error(std::string(what) + "=" + std::to_string(x) + " is outside [" +
+                          std::to_string(lo) + ", " + std::to_string(hi) + (hi_open ? ")" : "]"));
+  }
+}
+
+bool adam_step(uintptr_t param_ptr, uintptr_t grad_ptr, uintptr_t exp_avg_ptr,
+               uintptr_t exp_avg_sq_ptr, int64_t numel, const std::string& grad_dtype,
+               uintptr_t out_ptr, const py::object& out_dtype, int64_t step, double lr,
+               double beta1, double beta2, double eps, double weight_decay, bool adamw,
+               bool bias_correction, double grad_scale, int num_threads) {
+  if (numel < 0) throw py::value_error("numel=" + std::to_string(numel) + " is negative");
+  if (step < 1) throw py::value_error("step=" + std::to_string(step) + " must be >= 1");
+  if (num_threads < 0) {
+    throw py::value_error("num_threads=" + std::to_string(num_threads) +
+                          " must be >= 0 (0: default)");
+  }
+  const double inf = HUGE_VAL;
+  check_finite_range(lr, 0.0, inf, true, "lr");
+  check_finite_range(beta1, 0.0, 1.0, true, "beta1");
+  check_finite_range(beta2, 0.0, 1.0, true, "beta2");
+  check_finite_range(eps, 0.0, inf, true, "eps");
+  check_finite_range(weight_decay, 0.0, inf, true, "weight_decay");
+  if (!std::isfinite(grad_scale)) {
+    throw py::value_error("grad_scale=" + std::to_string(grad_scale) + " is not finite");
+  }
+
+  AdamBuffers b{};
+  b.grad_dtype = parse_dtype(grad_dtype, "grad");
+  b.out_dtype = out_dtype.is_none() ? DType::kNone
+                                    : parse_dtype(py::cast<std::string>(out_dtype), "out");
+  b.param = static_cast<float*>(checked_ptr(param_ptr, numel, DType::kF32, "param"));
+  b.grad = checked_ptr(grad_ptr, numel, b.grad_dtype, "grad");
+  b.exp_avg = static_cast<float*>(checked_ptr(exp_avg_ptr, numel, DType::kF32, "exp_avg"));
+  b.exp_avg_sq =
+      static_cast<float*>(checked_ptr(exp_avg_sq_ptr, numel, DType::kF32, "exp_avg_sq"));
+  if (b.out_dtype != DType::kNone) {
+    b.out = checked_ptr(out_ptr, numel, b.out_dtype, "out");
+  } else if (out_ptr != 0) {
+    throw py::value_error("out pointer " + std::to_string(out_ptr) +
+                          " given without an out dtype");
+  }
+
+  AdamOptions o{step, lr, beta1, beta2, eps, weight_decay, adamw, bias_correction, grad_scale};
+  const AdamHyper h = make_hyper(o);
+  // Environment variables are read while we still hold the GIL.
+  const AdamKernels& k = select_kernels();
+  const int threads = num_threads > 0 ? num_threads : default_num_threads();
+  py::gil_scoped_release release;
+  return run_adam_step(k, b, h, numel, threads);
+}
+
+std::string selected_isa() { return select_kernels().name; }
+
+}  // namespace
+}  // namespace oz
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "offload-zero host kernels: Adam/AdamW over flat fp32 buffers (raw pointers).";
+  m.def("adam_step", &oz::adam_step, py::arg("param_ptr"), py::arg("grad_ptr"),
+        py::arg("exp_avg_ptr"), py::arg("exp_avg_sq_ptr"), py::arg("numel"),
+        py::arg("grad_dtype"), py::arg("out_ptr"), py::arg("out_dtype"), py::arg("step"),
+        py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),
+        py::arg("weight_decay"), py::arg("adamw"), py::arg("bias_correction"),
+        py::arg("grad_scale"), py::arg("num_threads"),
+        "One Adam/AdamW step in place over raw buffers of `numel` elements.\n\n"
+        "param/exp_avg/exp_avg_sq: fp32; grad: grad_dtype ('float32'|'bfloat16'|'float16');\n"
+        "out: optional copy of the new weight in out_dtype (None: no copy, out_ptr must be 0).\n"
+        "num_threads=0 uses OFFLOAD_ZERO_ADAM_THREADS or all CPUs. Returns True (nothing\n"
+        "written) when any gradient times grad_scale is inf or nan. Raises ValueError for bad\n"
+        "pointers, sizes, dtypes or hyperparameters.");
+  m.def("selected_isa", &oz::selected_isa,
+        "Instruction set adam_step uses now: 'scalar', 'avx2' or 'avx512' "
+        "(honours OFFLOAD_ZERO_ADAM_ISA, re-read on every call).");
+  m.def("available_isas", &oz::available_isas,
+        "Instruction sets this CPU and OS support, 'scalar' first.");
+}

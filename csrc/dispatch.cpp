@@ -1,0 +1,190 @@
+// Chooses the Adam kernel for this CPU and runs it over threads. No maths here beyond turning
+// the step's doubles into the kernels' floats.
+#include "dispatch.h"
+
+#include <cpuid.h>
+#include <sched.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <cmath>
+#include <cstdlib>
+#include <stdexcept>
+#include <system_error>
+#include <thread>
+
+namespace oz {
+namespace {
+
+// Work below this many elements per thread is not worth a thread (~1.8 MB of traffic).
+constexpr int64_t kMinNumelPerThread = 1 << 16;
+// Thread chunks start on multiples of this many elements: 64 bytes of bf16, 128 of fp32.
+constexpr int64_t kChunkAlignNumel = 32;
+// Non-temporal stores for the weight copy only pay off once it no longer fits in cache.
+constexpr int64_t kStreamMinNumel = 1 << 18;
+
+uint64_t read_xcr0() {
+  uint32_t eax = 0, edx = 0;
+  __asm__ volatile("xgetbv" : "=a"(eax), "=d"(edx) : "c"(0));
+  return (static_cast<uint64_t>(edx) << 32) | eax;
+}
+
+struct CpuSupport {
+  bool avx2 = false;
+  bool avx512 = false;
+  bool avx512_bf16 = false;
+};
+
+CpuSupport detect_cpu() {
+  CpuSupport s;
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  if (!__get_cpuid(1, &eax, &ebx, &ecx, &edx)) return s;
+  const bool osxsave = (ecx >> 27) & 1u;
+  if (!osxsave) return s;  // the OS does not save vector state: only scalar is safe
+  const uint64_t xcr0 = read_xcr0();
+  const bool os_ymm = (xcr0 & 0x6u) == 0x6u;             // SSE + AVX state
+  const bool os_zmm = os_ymm && (xcr0 & 0xe0u) == 0xe0u;  // opmask + ZMM0-15 hi + ZMM16-31
+  __builtin_cpu_init();
+  s.avx2 = os_ymm && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+           ((ecx >> 29) & 1u) /* F16C */;
+  s.avx512 = s.avx2 && os_zmm && __builtin_cpu_supports("avx512f") &&
+             __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+             __builtin_cpu_supports("avx512dq");
+  s.avx512_bf16 = s.avx512 && __builtin_cpu_supports("avx512bf16");
+  return s;
+}
+
+const CpuSupport& cpu() {
+  static const CpuSupport s = detect_cpu();
+  return s;
+}
+
+int cpus_available() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (sched_getaffinity(0, sizeof set, &set) == 0) {
+    const int n = CPU_COUNT(&set);
+    if (n > 0) return n;
+  }
+  const unsigned hc = std::thread::hardware_concurrency();
+  return hc > 0 ? static_cast<int>(hc) : 1;
+}
+
+// Runs fn(0..n-1), fn(0) on the calling thread. A thread that cannot be started has its chunk
+// run on the calling thread instead, so the work is always done exactly once.
+template <class Fn>
+void parallel_chunks(int n, const Fn& fn) {
+  std::vector<std::thread> threads;
+  threads.reserve(static_cast<size_t>(n > 1 ? n - 1 : 0));
+  int started = 1;
+  for (; started < n; ++started) {
+    try {
+      threads.emplace_back(fn, started);
+    } catch (const std::system_error&) {
+      break;
+    }
+  }
+  fn(0);
+  for (int t = started; t < n; ++t) fn(t);
+  for (std::thread& th : threads) th.join();
+}
+
+}  // namespace
+
+std::vector<std::string> available_isas() {
+  std::vector<std::string> isas{"scalar"};
+  if (cpu().avx2) isas.emplace_back("avx2");
+  if (cpu().avx512) isas.emplace_back("avx512");
+  return isas;
+}
+
+const AdamKernels& select_kernels() {
+  const char* forced = std::getenv("OFFLOAD_ZERO_ADAM_ISA");
+  const std::string name = forced ? forced : "";
+  if (name.empty()) {
+    if (cpu().avx512) return avx512_kernels(cpu().avx512_bf16);
+    if (cpu().avx2) return avx2_kernels();
+    return scalar_kernels();
+  }
+  std::string have;
+  for (const std::string& isa : available_isas()) have += (have.empty() ? "" : ", ") + isa;
+  if (name != "scalar" && name != "avx2" && name != "avx512") {
+    throw std::invalid_argument("OFFLOAD_ZERO_ADAM_ISA='" + name +
+                                "' is not one of scalar, avx2, avx512");
+  }
+  if ((name == "avx2" && !cpu().avx2) || (name == "avx512" && !cpu().avx512)) {
+    throw std::runtime_error("OFFLOAD_ZERO_ADAM_ISA='" + name +
+                             "' is not supported by this CPU/OS (available: " + have + ")");
+  }
+  if (name == "avx512") return avx512_kernels(cpu().avx512_bf16);
+  if (name == "avx2") return avx2_kernels();
+  return scalar_kernels();
+}
+
+int default_num_threads() {
+  const char* env = std::getenv("OFFLOAD_ZERO_ADAM_THREADS");
+  if (env && *env) {
+    char* end = nullptr;
+    errno = 0;
+    const long n = std::strtol(env, &end, 10);
+    if (errno != 0 || end == env || *end != '\0' || n < 1 || n > 4096) {
+      throw std::invalid_argument(std::string("OFFLOAD_ZERO_ADAM_THREADS='") + env +
+                                  "' is not an integer in [1, 4096]");
+    }
+    return static_cast<int>(n);
+  }
+  return cpus_available();
+}
+
+AdamHyper make_hyper(const AdamOptions& o) {
+  AdamHyper h{};
+  h.scale_grad = o.grad_scale != 1.0;
+  h.grad_scale = static_cast<float>(o.grad_scale);
+  h.l2 = !o.adamw && o.weight_decay != 0.0;
+  h.l2_decay = static_cast<float>(o.weight_decay);
+  h.decoupled = o.adamw && o.weight_decay != 0.0;
+  h.decay_factor = static_cast<float>(1.0 - o.lr * o.weight_decay);
+  // torch's lerp picks its formula from the float weight: |w| < 0.5.
+  const float w = static_cast<float>(1.0 - o.beta1);
+  h.lerp_small = std::fabs(w) < 0.5f;
+  h.lerp_coeff = h.lerp_small ? w : w - 1.0f;
+  h.beta2 = static_cast<float>(o.beta2);
+  h.one_minus_beta2 = static_cast<float>(1.0 - o.beta2);
+  const double t = static_cast<double>(o.step);
+  const double bc1 = o.bias_correction ? 1.0 - std::pow(o.beta1, t) : 1.0;
+  const double bc2 = o.bias_correction ? 1.0 - std::pow(o.beta2, t) : 1.0;
+  h.bc2_sqrt = static_cast<float>(std::sqrt(bc2));
+  h.eps = static_cast<float>(o.eps);
+  h.neg_step_size = static_cast<float>(-(o.lr / bc1));
+  return h;
+}
+
+bool run_adam_step(const AdamKernels& k, const AdamBuffers& b, const AdamHyper& h,
+                   int64_t numel, int num_threads) {
+  if (numel <= 0) return false;
+  int64_t threads = num_threads > 0 ? num_threads : default_num_threads();
+  const int64_t useful = (numel + kMinNumelPerThread - 1) / kMinNumelPerThread;
+  if (threads > useful) threads = useful;
+  if (threads < 1) threads = 1;
+  int64_t per = (numel + threads - 1) / threads;
+  per = (per + kChunkAlignNumel - 1) / kChunkAlignNumel * kChunkAlignNumel;
+  const int nchunks = static_cast<int>((numel + per - 1) / per);
+  auto begin_of = [&](int c) { return static_cast<int64_t>(c) * per; };
+  auto end_of = [&](int c) { return std::min<int64_t>(numel, static_cast<int64_t>(c + 1) * per); };
+
+  // Phase 1: look at every gradient before writing anything (overflow leaves state intact).
+  std::atomic<bool> overflow{false};
+  parallel_chunks(nchunks, [&](int c) {
+    if (k.has_nonfinite(b, h, begin_of(c), end_of(c))) overflow.store(true, std::memory_order_relaxed);
+  });
+  if (overflow.load()) return true;
+
+  // Phase 2: the update.
+  const bool streaming = b.out_dtype != DType::kNone && numel >= kStreamMinNumel &&
+                         (reinterpret_cast<uintptr_t>(b.out) % 64) == 0;
+  parallel_chunks(nchunks, [&](int c) { k.update(b, h, begin_of(c), end_of(c), streaming); });
+  return false;
+}
+
+}  // namespace oz

@@ -1,0 +1,46 @@
+// Run-time choice of the Adam kernel (cpuid + OS support + OFFLOAD_ZERO_ADAM_ISA) and the
+// threaded driver that runs one step over a flat buffer.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "adam_common.h"
+
+namespace oz {
+
+// Instruction sets this CPU and OS can run, best last; always starts with "scalar".
+std::vector<std::string> available_isas();
+
+// The kernels to use now. Reads OFFLOAD_ZERO_ADAM_ISA on every call (so tests can switch in
+// one process). Throws std::invalid_argument for an unknown name and std::runtime_error when
+// the named instruction set is not supported by this CPU/OS.
+const AdamKernels& select_kernels();
+
+// Threads used when the caller passes 0: OFFLOAD_ZERO_ADAM_THREADS if set (a positive
+// integer, else std::invalid_argument), otherwise the CPUs this process may run on.
+int default_num_threads();
+
+// The scalars of one step, as the user gives them (doubles, like Python floats).
+struct AdamOptions {
+  int64_t step;        // 1-based step count after the increment, >= 1
+  double lr;
+  double beta1;
+  double beta2;
+  double eps;
+  double weight_decay;
+  bool adamw;          // decoupled weight decay (AdamW) instead of L2 (Adam)
+  bool bias_correction;
+  double grad_scale;
+};
+
+// Reduces the options to the floats the kernels use, in double first like torch does.
+AdamHyper make_hyper(const AdamOptions& o);
+
+// One step over `numel` elements with `num_threads` threads (0: default_num_threads()).
+// Returns true, having written nothing, when any scaled gradient is inf or nan.
+bool run_adam_step(const AdamKernels& k, const AdamBuffers& b, const AdamHyper& h,
+                   int64_t numel, int num_threads);
+
+}  // namespace oz

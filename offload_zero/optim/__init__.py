@@ -1,0 +1,10 @@
+"""Host-side optimizer: the C++ Adam/AdamW kernel and its ``torch.optim`` facade.
+
+- :func:`adam_step_` — one Adam/AdamW step over flat CPU buffers (what the engine calls).
+- :class:`CPUAdam` — the same kernel as a drop-in ``torch.optim.Optimizer``.
+- :func:`selected_isa` — which instruction set the kernel runs (scalar, avx2, avx512).
+"""
+from offload_zero.optim.cpu_adam import CPUAdam
+from offload_zero.optim.kernel import adam_step_, available_isas, selected_isa
+
+__all__ = ["CPUAdam", "adam_step_", "selected_isa", "available_isas"]

@@ -1,0 +1,156 @@
+"""``CPUAdam``: the C++ host Adam/AdamW as a ``torch.optim.Optimizer``.
+
+A drop-in for ``torch.optim.AdamW`` (``adamw_mode=True``) or ``torch.optim.Adam``
+(``adamw_mode=False``) on CPU fp32 parameters: param groups, LR schedulers (``group['lr']`` is
+read on every step) and ``state_dict``/``load_state_dict`` with torch's state keys (``step``,
+``exp_avg``, ``exp_avg_sq``) all work, so states move between this class and torch's.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, Iterable, Optional, Tuple
+
+import torch
+
+from offload_zero.optim.kernel import adam_step_
+
+__all__ = ["CPUAdam"]
+
+
+def _describe(group_index: int, param_index: int, p: torch.Tensor) -> str:
+    return (f"param_groups[{group_index}]['params'][{param_index}] (shape={tuple(p.shape)}, "
+            f"dtype={p.dtype}, device={p.device})")
+
+
+class CPUAdam(torch.optim.Optimizer):
+    """Adam/AdamW on CPU fp32 parameters, one fused SIMD pass per parameter.
+
+    Per element, with t the parameter's step count (Kingma & Ba 2015; Loshchilov & Hutter
+    2019)::
+
+        g = grad + weight_decay * p              (adamw_mode=False: Adam with L2)
+        p = p * (1 - lr * weight_decay)          (adamw_mode=True: AdamW)
+        m = beta1 * m + (1 - beta1) * g
+        v = beta2 * v + (1 - beta2) * g * g
+        p = p - lr / (1 - beta1**t) * m / (sqrt(v) / sqrt(1 - beta2**t) + eps)
+
+    (the bias-correction terms are 1 when ``bias_correction=False``). Results match
+    ``torch.optim.AdamW``/``Adam`` with ``foreach=False`` to float rounding.
+
+    Args:
+        params: iterable of tensors or of param-group dicts, as for any torch optimizer. Each
+            parameter must be a contiguous CPU float32 tensor; its ``.grad`` may be float32,
+            bfloat16 or float16 (any shape matching the parameter).
+        lr: learning rate, >= 0.
+        betas: (beta1, beta2) in [0, 1).
+        eps: denominator term, >= 0.
+        weight_decay: >= 0; decoupled for ``adamw_mode=True``, an L2 term otherwise.
+        adamw_mode: AdamW (True) or Adam (False).
+        bias_correction: apply Adam's bias correction (True, as torch) or not.
+
+    Parameters whose ``.grad`` is None are skipped. If a parameter's gradient holds an inf or
+    nan, that parameter and its moments are left unchanged and its step count is not advanced;
+    ``last_step_overflow`` is then True after :meth:`step`.
+
+    Raises:
+        ValueError: a hyperparameter is out of range, or a parameter is not a contiguous CPU
+            float32 tensor (the message names the group, index, shape, dtype and device).
+    """
+
+    def __init__(self, params: Iterable, lr: float = 1e-3,
+                 betas: Tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.0, adamw_mode: bool = True,
+                 bias_correction: bool = True) -> None:
+        _check_hyper(lr, betas, eps, weight_decay)
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+                        adamw_mode=bool(adamw_mode), bias_correction=bool(bias_correction))
+        super().__init__(params, defaults)
+        self.last_step_overflow = False
+        for gi, group in enumerate(self.param_groups):
+            _check_hyper(group["lr"], group["betas"], group["eps"], group["weight_decay"])
+            for pi, p in enumerate(group["params"]):
+                _check_param(gi, pi, p)
+
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
+        """Perform one optimization step over every parameter that has a gradient.
+
+        Args:
+            closure: optional callable that re-evaluates the model and returns the loss; it
+                runs with gradients enabled before the update.
+
+        Returns:
+            The closure's loss, or None.
+
+        Raises:
+            ValueError: a parameter or its gradient has the wrong device, dtype, layout or
+                shape, or a group's hyperparameter is out of range.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        overflow = False
+        for gi, group in enumerate(self.param_groups):
+            lr = float(group["lr"])
+            beta1, beta2 = (float(b) for b in group["betas"])
+            eps = float(group["eps"])
+            weight_decay = float(group["weight_decay"])
+            _check_hyper(lr, (beta1, beta2), eps, weight_decay)
+            adamw = bool(group.get("adamw_mode", True))
+            bias_correction = bool(group.get("bias_correction", True))
+            for pi, p in enumerate(group["params"]):
+                if p.grad is None:
+                    continue
+                _check_param(gi, pi, p)
+                grad = p.grad
+                if grad.is_sparse:
+                    raise ValueError(f"{_describe(gi, pi, p)} has a sparse gradient; "
+                                     "CPUAdam supports dense gradients only")
+                if grad.shape != p.shape:
+                    raise ValueError(f"{_describe(gi, pi, p)} has a gradient of shape "
+                                     f"{tuple(grad.shape)}")
+                state = self.state[p]
+                if len(state) == 0:
+                    state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+                    state["exp_avg_sq"] = torch.zeros_like(
+                        p, memory_format=torch.contiguous_format)
+                step = int(state["step"].item()) + 1
+                skipped = adam_step_(
+                    p, grad.contiguous(), state["exp_avg"], state["exp_avg_sq"], step=step,
+                    lr=lr, betas=(beta1, beta2), eps=eps, weight_decay=weight_decay,
+                    adamw=adamw, bias_correction=bias_correction)
+                if skipped:
+                    overflow = True
+                else:
+                    state["step"].fill_(float(step))
+        self.last_step_overflow = overflow
+        return loss
+
+
+def _check_hyper(lr, betas, eps, weight_decay) -> None:
+    if isinstance(lr, torch.Tensor):
+        lr = float(lr)
+    if not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr < 0:
+        raise ValueError(f"Invalid learning rate: lr={lr!r} (must be a finite float >= 0)")
+    if len(betas) != 2:
+        raise ValueError(f"Invalid betas={betas!r}: must be a pair (beta1, beta2)")
+    for i, beta in enumerate(betas):
+        if not 0.0 <= float(beta) < 1.0:
+            raise ValueError(f"Invalid beta at index {i}: {beta!r} (must be in [0, 1))")
+    if not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps < 0:
+        raise ValueError(f"Invalid epsilon value: eps={eps!r} (must be a finite float >= 0)")
+    if not isinstance(weight_decay, (int, float)) or not math.isfinite(weight_decay) \
+            or weight_decay < 0:
+        raise ValueError(f"Invalid weight_decay value: {weight_decay!r} (must be >= 0)")
+
+
+def _check_param(group_index: int, param_index: int, p: torch.Tensor) -> None:
+    where = _describe(group_index, param_index, p)
+    if p.device.type != "cpu":
+        raise ValueError(f"{where}: CPUAdam needs CPU parameters")
+    if p.dtype != torch.float32:
+        raise ValueError(f"{where}: CPUAdam needs float32 parameters")
+    if p.layout != torch.strided or not p.is_contiguous():
+        raise ValueError(f"{where}: CPUAdam needs contiguous dense parameters")

@@ -1,0 +1,150 @@
+"""Python face of the C++ host Adam/AdamW kernel (``offload_zero._C``).
+
+:func:`adam_step_` is the one entry point the engine calls on every flat shard: it checks the
+tensors, then hands raw pointers to the kernel, which runs with the GIL released over
+``num_threads`` threads using the best instruction set this CPU supports
+(:func:`selected_isa`).
+
+Math (Kingma & Ba 2015, "Adam: A Method for Stochastic Optimization"; Loshchilov & Hutter
+2019, "Decoupled Weight Decay Regularization"), per element, with t = ``step``::
+
+    g = grad * grad_scale
+    g = g + weight_decay * param            (Adam, adamw=False: L2 penalty)
+    param = param * (1 - lr * weight_decay) (AdamW, adamw=True: decoupled decay)
+    exp_avg    = beta1 * exp_avg + (1 - beta1) * g          (as exp_avg.lerp_(g, 1 - beta1))
+    exp_avg_sq = beta2 * exp_avg_sq + (1 - beta2) * g * g
+    bc1, bc2 = 1 - beta1**t, 1 - beta2**t   (both 1 when bias_correction=False)
+    param = param - (lr / bc1) * exp_avg / (sqrt(exp_avg_sq) / sqrt(bc2) + eps)
+
+The operations and their rounding follow ``torch.optim.Adam``/``AdamW`` with
+``foreach=False`` (see csrc/adam_scalar.h, [Note: Adam math]).
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional, Tuple
+
+import torch
+
+from offload_zero import _C
+
+__all__ = ["adam_step_", "selected_isa", "available_isas"]
+
+_GRAD_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+_OUT_DTYPES = _GRAD_DTYPES
+
+
+def selected_isa() -> str:
+    """Instruction set :func:`adam_step_` uses now: ``"scalar"``, ``"avx2"`` or ``"avx512"``.
+
+    The best one the CPU and OS support, unless the environment variable
+    ``OFFLOAD_ZERO_ADAM_ISA`` names one (re-read on every call).
+
+    Raises:
+        ValueError: ``OFFLOAD_ZERO_ADAM_ISA`` is not one of the three names.
+        RuntimeError: ``OFFLOAD_ZERO_ADAM_ISA`` names an instruction set this CPU lacks.
+    """
+    return _C.selected_isa()
+
+
+def available_isas() -> list:
+    """Instruction sets this CPU and OS support, ``"scalar"`` first, best last."""
+    return list(_C.available_isas())
+
+
+def _check_tensor(name: str, t: torch.Tensor, numel: int, dtypes) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.device.type != "cpu":
+        raise ValueError(f"{name} must be on the CPU, got device={t.device}")
+    if t.dtype not in dtypes:
+        allowed = ", ".join(str(d) for d in dtypes)
+        raise ValueError(f"{name} dtype {t.dtype} is not one of {allowed}")
+    if t.layout != torch.strided or not t.is_contiguous():
+        raise ValueError(f"{name} must be a contiguous dense tensor, got layout={t.layout}, "
+                         f"shape={tuple(t.shape)}, stride={t.stride() if t.layout == torch.strided else None}")
+    if t.numel() != numel:
+        raise ValueError(f"{name} has numel={t.numel()}, expected {numel} (param's numel)")
+
+
+def _check_scalars(step, lr, betas, eps, weight_decay, grad_scale, num_threads) -> None:
+    if isinstance(step, bool) or not isinstance(step, int) or step < 1:
+        raise ValueError(f"step={step!r} must be an int >= 1 (the count after this update)")
+    if not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr < 0:
+        raise ValueError(f"lr={lr!r} must be a finite float >= 0")
+    if len(betas) != 2:
+        raise ValueError(f"betas={betas!r} must be a pair (beta1, beta2)")
+    for i, beta in enumerate(betas):
+        if not isinstance(beta, (int, float)) or not 0.0 <= beta < 1.0:
+            raise ValueError(f"betas[{i}]={beta!r} must be in [0, 1)")
+    if not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps < 0:
+        raise ValueError(f"eps={eps!r} must be a finite float >= 0")
+    if not isinstance(weight_decay, (int, float)) or not math.isfinite(weight_decay) \
+            or weight_decay < 0:
+        raise ValueError(f"weight_decay={weight_decay!r} must be a finite float >= 0")
+    if not isinstance(grad_scale, (int, float)) or not math.isfinite(grad_scale):
+        raise ValueError(f"grad_scale={grad_scale!r} must be a finite float")
+    if num_threads is not None and (isinstance(num_threads, bool)
+                                    or not isinstance(num_threads, int) or num_threads < 1):
+        raise ValueError(f"num_threads={num_threads!r} must be None or an int >= 1")
+
+
+def adam_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
+               exp_avg_sq: torch.Tensor, *, step: int, lr: float,
+               betas: Tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+               weight_decay: float = 0.0, adamw: bool = True, bias_correction: bool = True,
+               grad_scale: float = 1.0, out: Optional[torch.Tensor] = None,
+               num_threads: Optional[int] = None) -> bool:
+    """One Adam/AdamW step over flat CPU buffers, in place; returns True on overflow.
+
+    Args:
+        param: fp32 master weights, contiguous, CPU, any shape with N elements. Updated in place.
+        grad: gradient, contiguous CPU tensor of N elements, float32, bfloat16 or float16.
+            Read only.
+        exp_avg: fp32 first moment, contiguous CPU, N elements. Updated in place.
+        exp_avg_sq: fp32 second moment, contiguous CPU, N elements. Updated in place.
+        step: the step count including this update (1 on the first call), int >= 1.
+        lr: learning rate, >= 0.
+        betas: (beta1, beta2), each in [0, 1).
+        eps: added to the denominator, >= 0.
+        weight_decay: >= 0; decoupled (AdamW) if ``adamw`` else an L2 term added to the
+            gradient (Adam).
+        adamw: AdamW (True) or Adam with L2 (False).
+        bias_correction: divide the moments by 1 - beta**step (True) or not.
+        grad_scale: the gradient is multiplied by this first (1/loss_scale times a clip
+            coefficient); finite.
+        out: None, or a contiguous CPU tensor of N elements, float32, bfloat16 or float16, that
+            receives the new weight rounded to nearest even (bit-identical to
+            ``param.to(out.dtype)``), written in the same pass.
+        num_threads: threads to use; None means ``OFFLOAD_ZERO_ADAM_THREADS`` or every CPU
+            this process may run on. Buffers under ~64K elements per thread use fewer threads.
+
+    Returns:
+        True when any ``grad * grad_scale`` element is inf or nan; then param, exp_avg,
+        exp_avg_sq and out are left unchanged (bit for bit). False after a normal update.
+
+    Raises:
+        ValueError: a tensor has the wrong type, device, dtype, layout or numel, or a scalar
+            is out of range (step < 1, lr < 0, a beta outside [0, 1), eps < 0, ...); the
+            message names the value. Also for a bad ``OFFLOAD_ZERO_ADAM_ISA`` /
+            ``OFFLOAD_ZERO_ADAM_THREADS``.
+        RuntimeError: ``OFFLOAD_ZERO_ADAM_ISA`` names an instruction set this CPU lacks.
+    """
+    if not isinstance(param, torch.Tensor):
+        raise ValueError(f"param must be a torch.Tensor, got {type(param).__name__}")
+    numel = param.numel()
+    _check_tensor("param", param, numel, (torch.float32,))
+    _check_tensor("grad", grad, numel, tuple(_GRAD_DTYPES))
+    _check_tensor("exp_avg", exp_avg, numel, (torch.float32,))
+    _check_tensor("exp_avg_sq", exp_avg_sq, numel, (torch.float32,))
+    if out is not None:
+        _check_tensor("out", out, numel, tuple(_OUT_DTYPES))
+    _check_scalars(step, lr, betas, eps, weight_decay, grad_scale, num_threads)
+    return _C.adam_step(
+        param.data_ptr(), grad.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(), numel,
+        _GRAD_DTYPES[grad.dtype],
+        0 if out is None else out.data_ptr(),
+        None if out is None else _OUT_DTYPES[out.dtype],
+        int(step), float(lr), float(betas[0]), float(betas[1]), float(eps),
+        float(weight_decay), bool(adamw), bool(bias_correction), float(grad_scale),
+        0 if num_threads is None else int(num_threads))

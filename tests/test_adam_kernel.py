@@ -1,0 +1,340 @@
+"""The C++ Adam/AdamW kernel (offload_zero.optim.adam_step_) against torch.optim, per ISA.
+
+Every instruction set this CPU supports is forced in turn through OFFLOAD_ZERO_ADAM_ISA (read
+on every call). Weights are compared element by element with torch.optim.Adam/AdamW
+(foreach=False); torch's float sqrt here is not always correctly rounded (MKL VML), so the
+comparison allows |ours - torch| <= 1e-6 * max(1, |w|) rather than equal bits. Everything that
+does not go through torch's sqrt (bf16/fp16 conversions, grad dtypes, overflow, threads) is
+compared bit for bit.
+"""
+import math
+
+import pytest
+import torch
+
+from offload_zero import _C
+from offload_zero.optim import adam_step_, available_isas, selected_isa
+
+ISAS = available_isas()
+SIZES = [0, 1, 7, 15, 16, 17, 31, 33, 1023, 1_000_003]
+BIG = 1_000_003
+
+
+@pytest.fixture(params=ISAS)
+def isa(request, monkeypatch):
+    monkeypatch.setenv("OFFLOAD_ZERO_ADAM_ISA", request.param)
+    assert selected_isa() == request.param
+    return request.param
+
+
+def _assert_close_to(ours: torch.Tensor, ref: torch.Tensor, what: str) -> None:
+    tol = 1e-6 * ref.abs().clamp(min=1.0)
+    bad = ~((ours - ref).abs() <= tol)
+    if bad.any():
+        i = int(bad.nonzero()[0])
+        raise AssertionError(f"{what}: {int(bad.sum())} elements off, first at {i}: "
+                             f"ours={ours.flatten()[i].item()!r} ref={ref.flatten()[i].item()!r}")
+
+
+def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    view = torch.int32 if a.dtype == torch.float32 else torch.int16
+    return torch.equal(a.view(view), b.view(view))
+
+
+def _grads(n: int, steps: int, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    # Scales spread over orders of magnitude so moments are not all alike.
+    return [torch.randn(n, generator=gen) * (10.0 ** ((s % 5) - 2)) for s in range(steps)]
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("adamw,weight_decay", [(True, 0.0), (True, 0.1), (False, 0.1)])
+def test_matches_torch(isa, n, adamw, weight_decay):
+    steps = 20 if n < BIG or isa == ISAS[-1] else 5
+    lr, betas, eps = 1e-2, (0.9, 0.999), 1e-8
+    param = torch.randn(n, generator=torch.Generator().manual_seed(n))
+    ref = param.clone().requires_grad_(True)
+    cls = torch.optim.AdamW if adamw else torch.optim.Adam
+    opt = cls([ref], lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=False)
+    exp_avg, exp_avg_sq = torch.zeros(n), torch.zeros(n)
+    for step, grad in enumerate(_grads(n, steps, seed=7), start=1):
+        ref.grad = grad.clone()
+        opt.step()
+        overflow = adam_step_(param, grad, exp_avg, exp_avg_sq, step=step, lr=lr, betas=betas,
+                              eps=eps, weight_decay=weight_decay, adamw=adamw)
+        assert overflow is False
+        _assert_close_to(param, ref.detach(), f"{isa} n={n} step={step}")
+    if n:
+        state = opt.state[ref]
+        _assert_close_to(exp_avg, state["exp_avg"], "exp_avg")
+        _assert_close_to(exp_avg_sq, state["exp_avg_sq"], "exp_avg_sq")
+
+
+def _reference_step(p, g, m, v, *, step, lr, betas, eps, wd, adamw, bias_correction):
+    """Hand-written torch reference (the formula, op by op) for bias_correction on or off."""
+    beta1, beta2 = betas
+    if wd and adamw:
+        p.mul_(1 - lr * wd)
+    elif wd:
+        g = g.add(p, alpha=wd)
+    m.lerp_(g, 1 - beta1)
+    v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+    bc1 = 1 - beta1 ** step if bias_correction else 1.0
+    bc2 = 1 - beta2 ** step if bias_correction else 1.0
+    denom = (v.sqrt() / math.sqrt(bc2)).add_(eps)
+    p.addcdiv_(m, denom, value=-lr / bc1)
+
+
+@pytest.mark.parametrize("n", [1, 17, 1023, 100_003])
+@pytest.mark.parametrize("bias_correction", [True, False])
+@pytest.mark.parametrize("adamw,weight_decay", [(True, 0.05), (False, 0.05)])
+def test_bias_correction_matches_reference(isa, n, bias_correction, adamw, weight_decay):
+    kw = dict(lr=3e-3, betas=(0.8, 0.99), eps=1e-6)
+    param = torch.randn(n)
+    p_ref, m_ref, v_ref = param.clone(), torch.zeros(n), torch.zeros(n)
+    m, v = torch.zeros(n), torch.zeros(n)
+    for step, grad in enumerate(_grads(n, 20, seed=3), start=1):
+        _reference_step(p_ref, grad, m_ref, v_ref, step=step, wd=weight_decay, adamw=adamw,
+                        bias_correction=bias_correction, **kw)
+        assert not adam_step_(param, grad, m, v, step=step, weight_decay=weight_decay,
+                              adamw=adamw, bias_correction=bias_correction, **kw)
+        _assert_close_to(param, p_ref, f"step {step}")
+
+
+def test_small_beta1_uses_other_lerp_branch(isa):
+    n = 1000
+    param = torch.randn(n)
+    ref = param.clone().requires_grad_(True)
+    opt = torch.optim.Adam([ref], lr=1e-2, betas=(0.3, 0.5), foreach=False)
+    m, v = torch.zeros(n), torch.zeros(n)
+    for step, grad in enumerate(_grads(n, 20, seed=5), start=1):
+        ref.grad = grad.clone()
+        opt.step()
+        adam_step_(param, grad, m, v, step=step, lr=1e-2, betas=(0.3, 0.5), adamw=False)
+    _assert_close_to(param, ref.detach(), "betas=(0.3, 0.5)")
+
+
+@pytest.mark.parametrize("n", [1, 17, 33, 1023, 300_007])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_out_copy_bits_equal_torch_conversion(isa, n, out_dtype):
+    param, m, v = torch.randn(n) * 100, torch.zeros(n), torch.zeros(n)
+    out = torch.empty(n, dtype=out_dtype)
+    for step, grad in enumerate(_grads(n, 3, seed=11), start=1):
+        adam_step_(param, grad, m, v, step=step, lr=1e-1, out=out)
+        assert _bits_equal(out, param.to(out_dtype)), f"{isa} {out_dtype} step {step}"
+
+
+def _special_floats(n: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(1)
+    bits = torch.randint(-2**31, 2**31, (n,), generator=gen, dtype=torch.int64).to(torch.int32)
+    x = bits.view(torch.float32).clone()
+    specials = torch.tensor([0.0, -0.0, math.inf, -math.inf, math.nan, 1e-40, -1e-40, 1e-45,
+                             65504.0, 65519.99, 65520.0, 3.4e38, 6.0e-8, 2.98e-8, 2.9802322e-8,
+                             1.0 + 2**-8, 1.0 + 3 * 2**-8, 1.0 + 2**-11, 1.0 + 3 * 2**-11])
+    x[:len(specials)] = specials
+    # Exact bf16/fp16 rounding ties and their neighbours.
+    ties = (torch.arange(4096, dtype=torch.int32) << 15) | 0x8000
+    x[100:100 + 4096] = ties.view(torch.float32)
+    x[5000:5000 + 4096] = (ties + 1).view(torch.float32)
+    return x
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16])
+def test_out_conversion_of_special_values(isa, out_dtype):
+    """lr=0 and zero gradients keep the weights, so out must be exactly param.to(dtype)
+    for NaN payloads, infinities, denormals, overflow to inf and rounding ties."""
+    n = 200_003
+    param = _special_floats(n)
+    m, v, grad = torch.zeros(n), torch.zeros(n), torch.zeros(n)
+    out = torch.empty(n, dtype=out_dtype)
+    assert not adam_step_(param, grad, m, v, step=1, lr=0.0, out=out)
+    ref = param.to(out_dtype)
+    diff = (out.view(torch.int16) != ref.view(torch.int16)).nonzero().flatten()
+    assert diff.numel() == 0, (
+        f"{isa} {out_dtype}: {diff.numel()} differ, first x={param[diff[0]].item()!r} "
+        f"(bits {param.view(torch.int32)[diff[0]].item() & 0xffffffff:#010x}) "
+        f"ours={out.view(torch.int16)[diff[0]].item() & 0xffff:#06x} "
+        f"torch={ref.view(torch.int16)[diff[0]].item() & 0xffff:#06x}")
+
+
+@pytest.mark.parametrize("n", [1, 17, 1023, 100_003])
+@pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_grads_equal_float_grads(isa, n, grad_dtype):
+    p1 = torch.randn(n)
+    p2, m1, v1, m2, v2 = p1.clone(), torch.zeros(n), torch.zeros(n), torch.zeros(n), torch.zeros(n)
+    for step, grad in enumerate(_grads(n, 4, seed=2), start=1):
+        low = grad.to(grad_dtype)
+        adam_step_(p1, low, m1, v1, step=step, lr=1e-2, weight_decay=0.01, grad_scale=0.5)
+        adam_step_(p2, low.float(), m2, v2, step=step, lr=1e-2, weight_decay=0.01, grad_scale=0.5)
+    assert _bits_equal(p1, p2) and _bits_equal(m1, m2) and _bits_equal(v1, v2)
+
+
+@pytest.mark.parametrize("n", [1, 16, 17, 1023, 200_003])
+@pytest.mark.parametrize("bad", [math.inf, -math.inf, math.nan])
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_overflow_leaves_everything_unchanged(isa, n, bad, grad_dtype):
+    param, m, v = torch.randn(n), torch.rand(n), torch.rand(n)
+    out = torch.full((n,), 7.0, dtype=torch.bfloat16)
+    before = [t.clone() for t in (param, m, v, out)]
+    for where in sorted({0, n // 2, n - 1}):
+        grad = torch.randn(n).to(grad_dtype)
+        grad[where] = bad
+        assert adam_step_(param, grad, m, v, step=3, lr=1e-2, weight_decay=0.1, out=out) is True
+        for now, then in zip((param, m, v, out), before):
+            assert _bits_equal(now, then), f"changed after overflow at {where}"
+
+
+def test_overflow_from_grad_scale(isa):
+    n = 1000
+    grad = torch.full((n,), 3e38)
+    param, m, v = torch.randn(n), torch.zeros(n), torch.zeros(n)
+    p0 = param.clone()
+    assert adam_step_(param, grad, m, v, step=1, lr=1e-3, grad_scale=10.0) is True
+    assert _bits_equal(param, p0)
+    assert adam_step_(param, grad, m, v, step=1, lr=1e-3, grad_scale=0.1) is False
+
+
+@pytest.mark.parametrize("n", [17, 1023, 100_003])
+def test_grad_scale_equals_scaling_first(isa, n):
+    scale = 1.0 / 1024 * 0.37
+    p1, m1, v1 = torch.randn(n), torch.zeros(n), torch.zeros(n)
+    ref = p1.clone().requires_grad_(True)
+    opt = torch.optim.AdamW([ref], lr=1e-2, weight_decay=0.1, foreach=False)
+    p2, m2, v2 = p1.clone(), torch.zeros(n), torch.zeros(n)
+    for step, grad in enumerate(_grads(n, 10, seed=4), start=1):
+        scaled = grad * 1024
+        adam_step_(p1, scaled, m1, v1, step=step, lr=1e-2, weight_decay=0.1, grad_scale=scale)
+        pre = scaled * torch.tensor(scale, dtype=torch.float32)
+        adam_step_(p2, pre, m2, v2, step=step, lr=1e-2, weight_decay=0.1)
+        ref.grad = pre.clone()
+        opt.step()
+    assert _bits_equal(p1, p2) and _bits_equal(m1, m2) and _bits_equal(v1, v2)
+    _assert_close_to(p1, ref.detach(), "grad_scale vs torch")
+
+
+def test_thread_counts_give_identical_bits(isa):
+    n = 1_000_003
+    results = []
+    for threads in (1, 2, 5):
+        gen = torch.Generator().manual_seed(0)
+        p, g = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
+        m, v, out = torch.zeros(n), torch.zeros(n), torch.empty(n, dtype=torch.bfloat16)
+        adam_step_(p, g, m, v, step=1, lr=1e-2, out=out, num_threads=threads)
+        results.append((p, m, v, out))
+    for other in results[1:]:
+        assert all(_bits_equal(a, b) for a, b in zip(results[0], other))
+
+
+def test_unaligned_views(isa):
+    """Buffers that start off a 64-byte boundary still update correctly (no aligned stores)."""
+    n = 300_001
+    base = [torch.randn(n + 3) for _ in range(2)] + [torch.zeros(n + 3) for _ in range(2)]
+    p, g, m, v = (t[1:n + 1] for t in base)
+    out = torch.empty(n + 5, dtype=torch.bfloat16)[3:n + 3]
+    p_ref, m_ref, v_ref = p.clone(), m.clone(), v.clone()
+    adam_step_(p, g, m, v, step=1, lr=1e-2, out=out)
+    adam_step_(p_ref, g.clone(), m_ref, v_ref, step=1, lr=1e-2)
+    assert _bits_equal(p, p_ref) and _bits_equal(out, p_ref.to(torch.bfloat16))
+
+
+def test_isas_agree_bit_for_bit(monkeypatch):
+    n = 100_003
+    outs = {}
+    for name in ISAS:
+        monkeypatch.setenv("OFFLOAD_ZERO_ADAM_ISA", name)
+        gen = torch.Generator().manual_seed(0)
+        p, m, v = torch.randn(n, generator=gen), torch.zeros(n), torch.zeros(n)
+        for step, grad in enumerate(_grads(n, 3, seed=9), start=1):
+            adam_step_(p, grad.to(torch.float16), m, v, step=step, lr=1e-2, weight_decay=0.1,
+                       adamw=False, grad_scale=0.75)
+        outs[name] = (p, m, v)
+    for name in ISAS[1:]:
+        assert all(_bits_equal(a, b) for a, b in zip(outs[ISAS[0]], outs[name])), name
+
+
+# ---------------------------------------------------------------------------- bad input
+
+
+def _ok_args(n=8):
+    return [torch.zeros(n), torch.zeros(n), torch.zeros(n), torch.zeros(n)]
+
+
+@pytest.mark.parametrize("index,bad,match", [
+    (0, torch.zeros(8, dtype=torch.float64), "param dtype torch.float64"),
+    (1, torch.zeros(8, dtype=torch.int32), "grad dtype torch.int32"),
+    (1, torch.zeros(9), "grad has numel=9"),
+    (2, torch.zeros(4, 4)[:, :2], "exp_avg must be a contiguous"),
+    (3, torch.zeros(8, device="meta"), "exp_avg_sq must be on the CPU"),
+    (3, torch.zeros(8, dtype=torch.bfloat16), "exp_avg_sq dtype torch.bfloat16"),
+])
+def test_bad_tensors_raise(index, bad, match):
+    args = _ok_args()
+    args[index] = bad
+    if index == 2:
+        args = [torch.zeros(8)] * 2 + [bad, torch.zeros(8)]
+    with pytest.raises(ValueError, match=match):
+        adam_step_(*args, step=1, lr=1e-3)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(step=0), "step=0"),
+    (dict(step=1.0), "step=1.0"),
+    (dict(lr=-1.0), "lr=-1.0"),
+    (dict(lr=math.nan), "lr=nan"),
+    (dict(betas=(1.0, 0.999)), r"betas\[0\]=1.0"),
+    (dict(betas=(0.9, -0.1)), r"betas\[1\]=-0.1"),
+    (dict(eps=-1e-8), "eps=-1e-08"),
+    (dict(weight_decay=-0.1), "weight_decay=-0.1"),
+    (dict(grad_scale=math.inf), "grad_scale=inf"),
+    (dict(num_threads=0), "num_threads=0"),
+    (dict(out=torch.zeros(8, dtype=torch.int8)), "out dtype torch.int8"),
+    (dict(out=torch.zeros(7)), "out has numel=7"),
+])
+def test_bad_scalars_raise(kwargs, match):
+    full = dict(step=1, lr=1e-3)
+    full.update(kwargs)
+    with pytest.raises(ValueError, match=match):
+        adam_step_(*_ok_args(), **full)
+
+
+def test_binding_rejects_bad_pointers_and_sizes():
+    p = torch.zeros(4)
+    ptr = p.data_ptr()
+    base = dict(param_ptr=ptr, grad_ptr=ptr, exp_avg_ptr=ptr, exp_avg_sq_ptr=ptr, numel=4,
+                grad_dtype="float32", out_ptr=0, out_dtype=None, step=1, lr=1e-3, beta1=0.9,
+                beta2=0.999, eps=1e-8, weight_decay=0.0, adamw=True, bias_correction=True,
+                grad_scale=1.0, num_threads=1)
+    for change, match in [(dict(grad_ptr=0), "grad pointer is null"),
+                          (dict(numel=-1), "numel=-1"),
+                          (dict(grad_dtype="float64"), "grad dtype 'float64'"),
+                          (dict(out_dtype="int8", out_ptr=ptr), "out dtype 'int8'"),
+                          (dict(out_dtype="float16"), "out pointer is null"),
+                          (dict(out_ptr=ptr), "given without an out dtype"),
+                          (dict(exp_avg_ptr=ptr + 1), "not aligned"),
+                          (dict(beta2=1.0), "beta2=1"),
+                          (dict(step=0), "step=0")]:
+        with pytest.raises(ValueError, match=match):
+            _C.adam_step(**{**base, **change})
+    # numel == 0 accepts null pointers and does nothing.
+    assert _C.adam_step(**{**base, "numel": 0, "param_ptr": 0, "grad_ptr": 0}) is False
+
+
+def test_forced_isa_errors(monkeypatch):
+    monkeypatch.setenv("OFFLOAD_ZERO_ADAM_ISA", "sse9")
+    with pytest.raises(ValueError, match="sse9"):
+        selected_isa()
+    with pytest.raises(ValueError, match="sse9"):
+        adam_step_(*_ok_args(), step=1, lr=1e-3)
+    missing = [name for name in ("avx2", "avx512") if name not in ISAS]
+    for name in missing:
+        monkeypatch.setenv("OFFLOAD_ZERO_ADAM_ISA", name)
+        with pytest.raises(RuntimeError, match=f"'{name}' is not supported"):
+            selected_isa()
+
+
+def test_bad_thread_env(monkeypatch):
+    monkeypatch.setenv("OFFLOAD_ZERO_ADAM_THREADS", "two")
+    with pytest.raises(ValueError, match="OFFLOAD_ZERO_ADAM_THREADS='two'"):
+        adam_step_(*_ok_args(), step=1, lr=1e-3)
+    # An explicit num_threads does not consult the variable.
+    assert adam_step_(*_ok_args(), step=1, lr=1e-3, num_threads=1) is False
