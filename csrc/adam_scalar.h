@@ -19,7 +19,8 @@
 //   p  = p + (-(lr / (1 - beta1^t)) * m) / d        param.addcdiv_(exp_avg, denom, -step_size)
 // (Kingma & Ba 2015, "Adam"; Loshchilov & Hutter 2019, "Decoupled Weight Decay
 // Regularization".) sqrt, / and fma are correctly rounded, so every instruction set produces
-// the same bits as this reference.
+// the same bits as this reference. torch's own float sqrt on CPU may go through MKL VML and be
+// off by one ulp, so against torch the weights agree to a few ulps, not bit for bit.
 #pragma once
 
 #include <cmath>

@@ -1,0 +1,196 @@
+"""CPUAdam (the C++ kernel as a torch.optim.Optimizer) against torch.optim.AdamW / Adam."""
+import copy
+import math
+
+import pytest
+import torch
+
+from offload_zero.optim import CPUAdam
+
+SIZES = [1, 7, 15, 16, 17, 1023, 1_000_003]
+
+
+def _params(seed=0, sizes=SIZES):
+    gen = torch.Generator().manual_seed(seed)
+    shapes = [(n,) if n % 2 else (n // 1, 1) for n in sizes]  # mix 1-D and 2-D
+    return [torch.randn(*s, generator=gen) for s in shapes]
+
+
+def _set_grads(params, step, seed=1):
+    gen = torch.Generator().manual_seed(seed * 1000 + step)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen) * (10.0 ** ((step % 4) - 2))
+
+
+def _assert_close(ours, ref, what):
+    tol = 1e-6 * ref.abs().clamp(min=1.0)
+    bad = ~((ours - ref).abs() <= tol)
+    assert not bad.any(), f"{what}: {int(bad.sum())} elements off, max diff " \
+                          f"{(ours - ref).abs().max().item()}"
+
+
+def _pair(adamw, **kw):
+    ours_p = [p.requires_grad_(True) for p in _params()]
+    ref_p = [p.detach().clone().requires_grad_(True) for p in ours_p]
+    ours = CPUAdam(ours_p, adamw_mode=adamw, **kw)
+    cls = torch.optim.AdamW if adamw else torch.optim.Adam
+    ref = cls(ref_p, foreach=False, **kw)
+    return ours_p, ours, ref_p, ref
+
+
+@pytest.mark.parametrize("adamw", [True, False])
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+def test_matches_torch_over_20_steps(adamw, weight_decay):
+    ours_p, ours, ref_p, ref = _pair(adamw, lr=1e-2, betas=(0.9, 0.99), eps=1e-8,
+                                     weight_decay=weight_decay)
+    for step in range(1, 21):
+        _set_grads(ours_p, step)
+        for a, b in zip(ours_p, ref_p):
+            b.grad = a.grad.clone()
+        ours.step()
+        ref.step()
+    for i, (a, b) in enumerate(zip(ours_p, ref_p)):
+        _assert_close(a.detach(), b.detach(), f"param {i} (numel {a.numel()})")
+        for key in ("exp_avg", "exp_avg_sq"):
+            _assert_close(ours.state[a][key], ref.state[b][key], f"{key} {i}")
+        assert float(ours.state[a]["step"]) == float(ref.state[b]["step"]) == 20.0
+
+
+def test_bias_correction_off_matches_formula():
+    n = 1023
+    p = torch.randn(n, requires_grad=True)
+    ref = p.detach().clone()
+    m, v = torch.zeros(n), torch.zeros(n)
+    opt = CPUAdam([p], lr=1e-2, betas=(0.9, 0.99), eps=1e-6, weight_decay=0.01,
+                  bias_correction=False)
+    for step in range(1, 21):
+        _set_grads([p], step)
+        g = p.grad.clone()
+        opt.step()
+        ref.mul_(1 - 1e-2 * 0.01)
+        m.lerp_(g, 1 - 0.9)
+        v.mul_(0.99).addcmul_(g, g, value=1 - 0.99)
+        ref.addcdiv_(m, v.sqrt().add_(1e-6), value=-1e-2)
+    _assert_close(p.detach(), ref, "bias_correction=False")
+
+
+def test_params_without_grad_are_skipped():
+    a, b = torch.randn(10, requires_grad=True), torch.randn(10, requires_grad=True)
+    b0 = b.detach().clone()
+    opt = CPUAdam([a, b], lr=1e-1)
+    a.grad = torch.ones(10)
+    opt.step()
+    assert torch.equal(b.detach(), b0) and b not in opt.state
+    assert not torch.equal(a.detach(), b0)
+
+
+def test_param_groups_use_their_own_hyperparameters():
+    p1, p2 = torch.randn(33, requires_grad=True), torch.randn(33, requires_grad=True)
+    r1, r2 = (p.detach().clone().requires_grad_(True) for p in (p1, p2))
+    ours = CPUAdam([{"params": [p1]}, {"params": [p2], "lr": 1e-1, "weight_decay": 0.2}], lr=1e-3)
+    ref = torch.optim.AdamW([{"params": [r1]}, {"params": [r2], "lr": 1e-1, "weight_decay": 0.2}],
+                            lr=1e-3, weight_decay=0.0, foreach=False)
+    for step in range(1, 6):
+        _set_grads([p1, p2], step)
+        r1.grad, r2.grad = p1.grad.clone(), p2.grad.clone()
+        ours.step()
+        ref.step()
+    _assert_close(p1.detach(), r1.detach(), "group 0")
+    _assert_close(p2.detach(), r2.detach(), "group 1")
+
+
+def test_state_dict_round_trip_and_torch_compatibility():
+    def make():
+        torch.manual_seed(0)
+        return [torch.randn(17, requires_grad=True), torch.randn(4, 5, requires_grad=True)]
+
+    params = make()
+    opt = CPUAdam(params, lr=1e-2, weight_decay=0.1)
+    for step in range(1, 6):
+        _set_grads(params, step)
+        opt.step()
+    # Deep copies, as after torch.save/torch.load: a live state_dict shares its tensors.
+    sd = copy.deepcopy(opt.state_dict())
+    assert set(sd["state"][0]) == {"step", "exp_avg", "exp_avg_sq"}
+
+    clone_p = [p.detach().clone().requires_grad_(True) for p in params]
+    clone = CPUAdam(clone_p, lr=0.5)  # lr comes back from the state dict
+    clone.load_state_dict(copy.deepcopy(sd))
+    assert clone.param_groups[0]["lr"] == 1e-2
+    torch_p = [p.detach().clone().requires_grad_(True) for p in params]
+    torch_opt = torch.optim.AdamW(torch_p, lr=1e-2, weight_decay=0.1, foreach=False)
+    torch_opt.load_state_dict(copy.deepcopy(sd))
+    for step in range(6, 11):
+        _set_grads(params, step)
+        for group in (clone_p, torch_p):
+            for a, b in zip(group, params):
+                a.grad = b.grad.clone()
+        opt.step()
+        clone.step()
+        torch_opt.step()
+    for a, b, c in zip(params, clone_p, torch_p):
+        assert torch.equal(a.detach(), b.detach())  # bit for bit after the round trip
+        _assert_close(a.detach(), c.detach(), "continued in torch.optim.AdamW")
+
+    # And a torch AdamW state dict loads into CPUAdam.
+    back = CPUAdam([p.detach().clone().requires_grad_(True) for p in params])
+    back.load_state_dict(copy.deepcopy(torch_opt.state_dict()))
+    assert float(back.state[back.param_groups[0]["params"][0]]["step"]) == 10.0
+
+
+def test_lr_scheduler_drives_lr():
+    p = torch.randn(100, requires_grad=True)
+    r = p.detach().clone().requires_grad_(True)
+    ours = CPUAdam([p], lr=1e-1)
+    ref = torch.optim.AdamW([r], lr=1e-1, weight_decay=0.0, foreach=False)
+    s1 = torch.optim.lr_scheduler.LambdaLR(ours, lambda e: 0.5 ** e)
+    s2 = torch.optim.lr_scheduler.LambdaLR(ref, lambda e: 0.5 ** e)
+    for step in range(1, 8):
+        _set_grads([p], step)
+        r.grad = p.grad.clone()
+        ours.step()
+        ref.step()
+        s1.step()
+        s2.step()
+        assert ours.param_groups[0]["lr"] == ref.param_groups[0]["lr"] == 1e-1 * 0.5 ** step
+    _assert_close(p.detach(), r.detach(), "with LambdaLR")
+
+
+def test_closure_and_overflow_flag():
+    p = torch.randn(10, requires_grad=True)
+    opt = CPUAdam([p], lr=1e-2)
+
+    def closure():
+        opt.zero_grad()
+        loss = (p * p).sum()
+        loss.backward()
+        return loss
+
+    loss = opt.step(closure)
+    assert isinstance(loss, torch.Tensor) and not opt.last_step_overflow
+    before = p.detach().clone()
+    p.grad = torch.full((10,), math.inf)
+    opt.step()
+    assert opt.last_step_overflow and torch.equal(p.detach(), before)
+    assert float(opt.state[p]["step"]) == 1.0  # not advanced by the skipped step
+
+
+@pytest.mark.parametrize("make,match", [
+    (lambda: torch.zeros(4, dtype=torch.float64), "float32"),
+    (lambda: torch.zeros(4, 4).t(), "contiguous"),
+    (lambda: torch.zeros(4, device="meta"), "CPU"),
+])
+def test_bad_params_raise(make, match):
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[1\].*" + match):
+        CPUAdam([torch.zeros(3), make()])
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(lr=-1.0), "lr=-1.0"),
+    (dict(betas=(0.9, 1.0)), "index 1: 1.0"),
+    (dict(eps=-1.0), "eps=-1.0"),
+    (dict(weight_decay=-0.5), "-0.5"),
+])
+def test_bad_hyperparameters_raise(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        CPUAdam([torch.zeros(3)], **kwargs)
