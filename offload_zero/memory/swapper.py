@@ -553,7 +553,7 @@ def _reserve(fd: int, path: str, nbytes: int) -> None:
 # ---- measurement --------------------------------------------------------------------------------
 
 def measure_bandwidth(path: str, size_bytes: int, block_size: int = 1 << 20, queue_depth: int = 8,
-                      backend: str = "auto", repeats: int = 3) -> dict:
+                      backend: str = "auto", repeats: int = 3, peer=None) -> dict:
     """Measure the swapper's sequential write and read bandwidth on one file.
 
     Writes ``size_bytes`` from an aligned host buffer into one swap file in a fresh
@@ -565,10 +565,14 @@ def measure_bandwidth(path: str, size_bytes: int, block_size: int = 1 << 20, que
         size_bytes: file size in bytes, a positive multiple of 4096.
         block_size: bytes per request (multiple of 4096). queue_depth: requests in flight.
         backend: as for ``Swapper``. repeats: timed passes per direction (>= 1).
+        peer: optional ``peer(file_path, op) -> GB/s`` (op "write" or "read") run on the same
+            swap file, alternating with our passes (before each of our writes, so the data
+            we verify is ours; after each of our reads). Used to put fio beside us.
     Returns:
         dict with ``read_gbps`` / ``write_gbps`` (best pass, GB/s = 1e9 bytes/s),
         ``read_gbps_median`` / ``write_gbps_median``, ``read_s`` / ``write_s`` (seconds per
-        pass), ``backend``, ``direct``, ``size_bytes``, ``block_size``, ``queue_depth``.
+        pass), with ``peer``: ``peer_read_gbps`` / ``peer_write_gbps`` (best of its passes) and
+        ``peer_read_gbps_all`` / ``peer_write_gbps_all``; ``backend``, ``direct``, ``size_bytes``, ``block_size``, ``queue_depth``.
     Raises:
         ValueError: bad arguments (see ``Swapper``). SwapIOError: an I/O failure.
         RuntimeError: the data read back differs from what was written.
@@ -577,12 +581,14 @@ def measure_bandwidth(path: str, size_bytes: int, block_size: int = 1 << 20, que
     _check_positive_int("repeats", repeats)
     folder = os.path.join(os.path.abspath(path), f"oz-bench-{os.getpid()}-{uuid.uuid4().hex[:6]}")
     buffer = aligned_empty(size_bytes, torch.uint8)
-    pattern = torch.arange(size_bytes // 8, dtype=torch.int64)  # distinct 8-byte words
-    buffer.view(torch.int64).copy_(pattern)
-    write_s, read_s = [], []
+    _fill_random(buffer)  # incompressible, in case the storage below compresses or dedups
+    write_s, read_s, peer_write, peer_read = [], [], [], []
     with Swapper(folder, backend=backend, block_size=block_size, queue_depth=queue_depth) as sw:
         sw.allocate("bench", size_bytes)
+        file_path = sw.files[0]
         for _ in range(repeats):
+            if peer is not None:
+                peer_write.append(peer(file_path, "write"))
             start = time.perf_counter()
             sw.swap_out("bench", buffer).wait()
             write_s.append(time.perf_counter() - start)
@@ -591,8 +597,10 @@ def measure_bandwidth(path: str, size_bytes: int, block_size: int = 1 << 20, que
             start = time.perf_counter()
             sw.swap_in("bench", buffer).wait()
             read_s.append(time.perf_counter() - start)
+            if peer is not None:
+                peer_read.append(peer(file_path, "read"))
         result = dict(backend=sw.backend, direct=sw.direct)
-    if not torch.equal(buffer.view(torch.int64), pattern):
+    if not _fill_random(buffer, check=True):
         raise RuntimeError(f"measure_bandwidth: data read back from {folder!r} differs")
 
     def gbps(seconds: float) -> float:
@@ -604,4 +612,25 @@ def measure_bandwidth(path: str, size_bytes: int, block_size: int = 1 << 20, que
         read_gbps_median=gbps(sorted(read_s)[len(read_s) // 2]),
         write_s=write_s, read_s=read_s, size_bytes=size_bytes, block_size=block_size,
         queue_depth=queue_depth)
+    if peer is not None:
+        result.update(peer_write_gbps=max(peer_write), peer_read_gbps=max(peer_read),
+                      peer_write_gbps_all=peer_write, peer_read_gbps_all=peer_read)
     return result
+
+
+def _fill_random(buffer: torch.Tensor, check: bool = False, chunk_bytes: int = 64 << 20) -> bool:
+    """Fill a uint8 buffer (size a multiple of 8) with seeded random bytes, 64 MiB at a time;
+    with ``check``, compare instead. Returns True when filled or when the bytes match."""
+    words = buffer.view(torch.int64)
+    chunk_words = chunk_bytes // 8
+    generator = torch.Generator()
+    for index, start in enumerate(range(0, words.numel(), chunk_words)):
+        generator.manual_seed(index)
+        part = words[start: start + chunk_words]
+        expected = torch.randint(-(1 << 62), 1 << 62, part.shape, dtype=torch.int64,
+                                 generator=generator)
+        if not check:
+            part.copy_(expected)
+        elif not torch.equal(part, expected):
+            return False
+    return True
