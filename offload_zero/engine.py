@@ -79,7 +79,6 @@ class OffloadEngine:
         self.lr = cfg.lr
         self._closed = False
         self._acct = TierAccountant(self.rank)
-        self._live_peak = 0
         self._step_count: Dict[FlatParam, int] = {}
         self.skipped_steps = 0
         pin = self.device.type == "cuda"
@@ -113,9 +112,11 @@ class OffloadEngine:
 
         self.scheduler = UnitScheduler(self.blocks, self.root, self.comm, cfg.prefetch,
                                        reshard_after_forward=cfg.stage == 3,
-                                       on_grad=self.grads.on_full_grad,
-                                       on_live_change=self._on_live_change)
-        self._finalizer = weakref.finalize(self, _release, self.store)
+                                       on_grad=self.grads.on_full_grad)
+        # Hooks on tensors live in C++, where the cycle collector cannot see them: the finalizer
+        # must not reference the engine, and it removes the hooks itself.
+        self._finalizer = weakref.finalize(self, _release, self.store, self.scheduler, self.grads,
+                                           self.flat_params)
 
     # -- construction ------------------------------------------------------------------------
     def _build_units(self, model: nn.Module):
@@ -165,9 +166,6 @@ class OffloadEngine:
         max_n = max((fp.shard_numel for fp in self.trainable), default=1024)
         return NVMeStore(folder, self._acct, self._host_alloc, max_n, backend=cfg.aio_backend,
                          block_size=cfg.aio_block_size, queue_depth=cfg.aio_queue_depth)
-
-    def _on_live_change(self, live: int) -> None:
-        self._live_peak = max(self._live_peak, live)
 
     # -- training loop -----------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
@@ -274,7 +272,7 @@ class OffloadEngine:
         rep = self._acct.report()
         rep["nvme"]["read_bytes"] = getattr(self.store, "read_bytes", 0)
         rep["nvme"]["written_bytes"] = getattr(self.store, "written_bytes", 0)
-        rep["live_units"] = {"current": self.scheduler.live_units(), "peak": self._live_peak}
+        rep["live_units"] = {"current": self.scheduler.live_units(), "peak": self.scheduler.live_peak}
         return rep
 
     def comm_report(self) -> dict:
@@ -321,13 +319,7 @@ class OffloadEngine:
         if self._closed:
             return
         self._closed = True
-        try:
-            self._finalizer()
-        finally:
-            self.scheduler.remove_hooks()
-            self.grads.release()
-            for fp in self.flat_params:
-                fp.release()
+        self._finalizer()
 
     def __enter__(self) -> "OffloadEngine":
         return self
@@ -336,8 +328,15 @@ class OffloadEngine:
         self.close()
 
 
-def _release(store) -> None:
-    store.close()
+def _release(store, scheduler, grads, flat_params) -> None:
+    """Close the engine's resources (swap files first: they must not outlive the process)."""
+    try:
+        store.close()
+    finally:
+        scheduler.remove_hooks()
+        grads.release()
+        for fp in flat_params:
+            fp.release()
 
 
 def _flat_shard_fp32(fp: FlatParam, values: List[torch.Tensor]) -> torch.Tensor:

@@ -59,7 +59,7 @@ class ModelSize:
 
 # Parameter counts are with the byte tokenizer's 259-token vocabulary and untied embeddings.
 PRESETS: Dict[str, ModelSize] = {
-    "tiny": ModelSize(64, 4, 4, 172),        # ~0.23M params: tests
+    "tiny": ModelSize(96, 2, 4, 256),        # ~0.27M params: tests
     "mini": ModelSize(256, 4, 4, 688),       # ~3.3M params: the default, ~1 min on 2 CPU cores
     "small": ModelSize(512, 6, 8, 1376),     # ~19M params
     "base": ModelSize(768, 12, 12, 3072),    # ~113M params
@@ -354,10 +354,37 @@ def _train_loop(engine, batches, args, warmup: int, tokens_per_step: int,
     return losses, time.perf_counter() - start
 
 
+def _reduce_across_ranks(losses: List[float], report: Dict[str, Any]
+                         ) -> Tuple[List[float], Dict[str, Any]]:
+    """Make the summary global: mean loss per step over ranks, max peak bytes per tier, summed
+    NVMe traffic. Needs the engine's process group (call before ``engine.close()``)."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        return losses, report
+    loss_sum = torch.tensor(losses, dtype=torch.float64)
+    dist.all_reduce(loss_sum)
+    tiers = ("device", "host", "nvme")
+    peaks = torch.tensor([report.get(t, {}).get("peak_bytes", 0) for t in tiers],
+                         dtype=torch.int64)
+    dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
+    nvme = report.get("nvme", {})
+    traffic = torch.tensor([nvme.get("read_bytes", 0), nvme.get("written_bytes", 0)],
+                           dtype=torch.int64)
+    dist.all_reduce(traffic)
+    merged = {t: dict(report.get(t, {}), peak_bytes=int(v)) for t, v in zip(tiers, peaks)}
+    merged["nvme"].update(read_bytes=int(traffic[0]), written_bytes=int(traffic[1]))
+    merged["rank0"] = report
+    world_size = dist.get_world_size()
+    return (loss_sum / world_size).tolist(), merged
+
+
 def run(args: argparse.Namespace) -> Dict[str, Any]:
     """Run ``offload-zero train`` for parsed ``args``; return the summary dict.
 
-    Only rank 0 shows progress, prints the summary and writes ``--json``. Raises ``ValueError``
+    Only rank 0 shows progress (its own loss), prints the summary and writes ``--json``; with
+    several ranks the summary's losses are means over ranks, peak bytes the largest rank's and
+    NVMe traffic the sum over ranks. Raises ``ValueError``
     on bad input (from this module, the data pipeline or the engine).
     """
     from offload_zero import OffloadEngine
@@ -389,6 +416,8 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
             losses, wall_s = _train_loop(engine, batches, args, warmup, tokens_per_step,
                                          show_progress=rank == 0 and not args.no_progress)
             report = engine.memory_report()
+            if world_size > 1:
+                losses, report = _reduce_across_ranks(losses, report)
     finally:
         if temp_dir is not None:
             shutil.rmtree(temp_dir, ignore_errors=True)

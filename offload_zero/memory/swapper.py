@@ -16,6 +16,7 @@ import errno
 import mmap
 import os
 import re
+import statistics
 import threading
 import time
 import uuid
@@ -553,7 +554,8 @@ def _reserve(fd: int, path: str, nbytes: int) -> None:
 # ---- measurement --------------------------------------------------------------------------------
 
 def measure_bandwidth(path: str, size_bytes: int, block_size: int = 1 << 20, queue_depth: int = 8,
-                      backend: str = "auto", repeats: int = 3, peer=None) -> dict:
+                      backend: str = "auto", repeats: int = 3, peer=None,
+                      ring: bool = False) -> dict:
     """Measure the swapper's sequential write and read bandwidth on one file.
 
     Writes ``size_bytes`` from an aligned host buffer into one swap file in a fresh
@@ -568,6 +570,9 @@ def measure_bandwidth(path: str, size_bytes: int, block_size: int = 1 << 20, que
         peer: optional ``peer(file_path, op) -> GB/s`` (op "write" or "read") run on the same
             swap file, alternating with our passes (before each of our writes, so the data
             we verify is ours; after each of our reads). Used to put fio beside us.
+        ring: False moves the whole file through one ``size_bytes`` buffer (how the engine
+            swaps shards). True cycles ``queue_depth`` buffers of ``block_size`` bytes, one
+            transfer per block, the memory footprint fio uses; data is not verified then.
     Returns:
         dict with ``read_gbps`` / ``write_gbps`` (best pass, GB/s = 1e9 bytes/s),
         ``read_gbps_median`` / ``write_gbps_median``, ``read_s`` / ``write_s`` (seconds per
@@ -580,7 +585,9 @@ def measure_bandwidth(path: str, size_bytes: int, block_size: int = 1 << 20, que
     _check_positive_int("size_bytes", size_bytes, ALIGNMENT)
     _check_positive_int("repeats", repeats)
     folder = os.path.join(os.path.abspath(path), f"oz-bench-{os.getpid()}-{uuid.uuid4().hex[:6]}")
-    buffer = aligned_empty(size_bytes, torch.uint8)
+    _check_positive_int("block_size", block_size, ALIGNMENT)
+    _check_positive_int("queue_depth", queue_depth)
+    buffer = aligned_empty(queue_depth * block_size if ring else size_bytes, torch.uint8)
     _fill_random(buffer)  # incompressible, in case the storage below compresses or dedups
     write_s, read_s, peer_write, peer_read = [], [], [], []
     with Swapper(folder, backend=backend, block_size=block_size, queue_depth=queue_depth) as sw:
@@ -590,17 +597,17 @@ def measure_bandwidth(path: str, size_bytes: int, block_size: int = 1 << 20, que
             if peer is not None:
                 peer_write.append(peer(file_path, "write"))
             start = time.perf_counter()
-            sw.swap_out("bench", buffer).wait()
+            _transfer(sw, buffer, size_bytes, ring, is_write=True)
             write_s.append(time.perf_counter() - start)
         buffer.zero_()
         for _ in range(repeats):
             start = time.perf_counter()
-            sw.swap_in("bench", buffer).wait()
+            _transfer(sw, buffer, size_bytes, ring, is_write=False)
             read_s.append(time.perf_counter() - start)
             if peer is not None:
                 peer_read.append(peer(file_path, "read"))
         result = dict(backend=sw.backend, direct=sw.direct)
-    if not _fill_random(buffer, check=True):
+    if not ring and not _fill_random(buffer, check=True):
         raise RuntimeError(f"measure_bandwidth: data read back from {folder!r} differs")
 
     def gbps(seconds: float) -> float:
@@ -608,14 +615,33 @@ def measure_bandwidth(path: str, size_bytes: int, block_size: int = 1 << 20, que
 
     result.update(
         write_gbps=gbps(min(write_s)), read_gbps=gbps(min(read_s)),
-        write_gbps_median=gbps(sorted(write_s)[len(write_s) // 2]),
-        read_gbps_median=gbps(sorted(read_s)[len(read_s) // 2]),
+        write_gbps_median=statistics.median(gbps(x) for x in write_s),
+        read_gbps_median=statistics.median(gbps(x) for x in read_s),
         write_s=write_s, read_s=read_s, size_bytes=size_bytes, block_size=block_size,
-        queue_depth=queue_depth)
+        queue_depth=queue_depth, ring=ring)
     if peer is not None:
         result.update(peer_write_gbps=max(peer_write), peer_read_gbps=max(peer_read),
                       peer_write_gbps_all=peer_write, peer_read_gbps_all=peer_read)
     return result
+
+
+def _transfer(sw: Swapper, buffer: torch.Tensor, size_bytes: int, ring: bool,
+              is_write: bool) -> None:
+    """One timed pass of ``measure_bandwidth`` over the key "bench"."""
+    start_io = sw.swap_out if is_write else sw.swap_in
+    if not ring:
+        start_io("bench", buffer).wait()
+        return
+    block, slots = sw.block_size, [None] * sw.queue_depth
+    for index, offset in enumerate(range(0, size_bytes, block)):
+        slot = index % len(slots)
+        if slots[slot] is not None:
+            slots[slot].wait()
+        length = min(block, size_bytes - offset)
+        slots[slot] = start_io("bench", buffer[slot * block: slot * block + length], offset)
+    for handle in slots:
+        if handle is not None:
+            handle.wait()
 
 
 def _fill_random(buffer: torch.Tensor, check: bool = False, chunk_bytes: int = 64 << 20) -> bool:

@@ -69,7 +69,8 @@ class _FreedParam(torch.Tensor):
 
     _ALLOWED = {"dtype", "device", "is_cuda", "is_cpu", "requires_grad", "is_floating_point",
                 "__repr__", "__format__", "dim", "ndim", "size", "shape", "numel", "element_size",
-                "is_complex", "layout", "__get__", "__bool__", "is_meta", "data_ptr", "type"}
+                "is_complex", "layout", "__get__", "is_meta", "data_ptr", "type",
+                "untyped_storage", "stride", "is_contiguous", "nbytes", "itemsize", "storage_offset"}
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):

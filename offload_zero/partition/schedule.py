@@ -32,15 +32,18 @@ class UnitScheduler:
         prefetch: units gathered ahead of use (>= 0).
         reshard_after_forward: True at stage 3 (free parameters after each unit's forward).
         on_grad: ``f(flat_param)`` called once a flat parameter's gradient is accumulated.
-        on_live_change: ``f(number_of_live_units)`` called after every change.
+
+    Attributes:
+        live_peak: the most units gathered at once since construction.
     """
 
     def __init__(self, blocks: List[Unit], root: Unit, comm, prefetch: int,
-                 reshard_after_forward: bool, on_grad: Callable, on_live_change: Callable):
+                 reshard_after_forward: bool, on_grad: Callable):
         self.blocks, self.root, self.comm = blocks, root, comm
         self.prefetch = prefetch
         self.reshard_after_forward = reshard_after_forward
-        self._on_grad, self._on_live_change = on_grad, on_live_change
+        self._on_grad = on_grad
+        self.live_peak = 0
         self.order: List[Unit] = []          # recorded forward order of block units
         self._recording: Optional[List[Unit]] = None
         self._in_backward = False
@@ -69,7 +72,7 @@ class UnitScheduler:
         for fp in unit.flat_params:
             fp.to_unsharded(self.comm)
         unit.state = UnitState.UNSHARDED
-        self._on_live_change(self.live_units())
+        self.live_peak = max(self.live_peak, self.live_units())
 
     def reshard(self, unit: Unit) -> None:
         """Free ``unit``'s gathered parameters (stage 3 only; no-op otherwise or if sharded)."""
@@ -78,7 +81,7 @@ class UnitScheduler:
         for fp in unit.flat_params:
             fp.to_sharded()
         unit.state = UnitState.SHARDED
-        self._on_live_change(self.live_units())
+        self.live_peak = max(self.live_peak, self.live_units())
 
     def reshard_all(self) -> None:
         """Free every gathered unit."""

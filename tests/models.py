@@ -1,0 +1,58 @@
+"""Small models shared by the tests: awkward widths on purpose."""
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+VOCAB, WIDTH = 53, 24
+
+
+class Block(nn.Module):
+    """LayerNorm + two Linear of odd widths, residual."""
+
+    def __init__(self, d=WIDTH, hidden=37):
+        super().__init__()
+        self.ln = nn.LayerNorm(d)
+        self.up = nn.Linear(d, hidden)
+        self.down = nn.Linear(hidden, d)
+
+    def forward(self, x):
+        return x + self.down(torch.tanh(self.up(self.ln(x))))
+
+
+class TinyLM(nn.Module):
+    """Embedding, a ModuleList of blocks, a head; optional tied head and embedding."""
+
+    def __init__(self, n_blocks=6, tie=False):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, WIDTH)
+        self.blocks = nn.ModuleList(Block() for _ in range(n_blocks))
+        self.norm = nn.LayerNorm(WIDTH)
+        self.head = nn.Linear(WIDTH, VOCAB, bias=False)
+        if tie:
+            self.head.weight = self.emb.weight
+        self.skip = set()    # block indices to skip in forward
+        self.repeat = set()  # block indices to run twice
+
+    def forward(self, x):
+        h = self.emb(x)
+        for i, b in enumerate(self.blocks):
+            if i in self.skip:
+                continue
+            h = b(h)
+            if i in self.repeat:
+                h = b(h)
+        return self.head(self.norm(h))
+
+
+def lm_loss(logits, y):
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+
+def batches(n, seed=0, batch=4, seq=9):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randint(0, VOCAB, (batch, seq), generator=g),
+             torch.randint(0, VOCAB, (batch, seq), generator=g)) for _ in range(n)]
+
+
+def max_param_diff(state_dict, reference: nn.Module) -> float:
+    return max((state_dict[n] - p.detach()).abs().max().item() for n, p in reference.named_parameters())
