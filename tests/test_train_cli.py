@@ -6,6 +6,7 @@ two CPU cores.
 """
 import argparse
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -100,11 +101,31 @@ def test_checkpoint_without_tokenizer_uses_bytes(tmp_path):
     ckpt = tmp_path / "ckpt"
     _tiny_checkpoint(ckpt, vocab_size=300)
     out = tmp_path / "out.json"
-    proc = _run(["train", "--model", ckpt, "--steps", "2", "--offload", "none", "--json", out,
-                 "--no-progress", *FAST], cwd=tmp_path)
+    proc = _run(["train", "--model", ckpt, "--steps", "2", "--offload", "cpu", "--stage", "1",
+                 "--dtype", "bf16", "--json", out, "--no-progress", *FAST], cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "no tokenizer files" in proc.stderr
-    assert json.loads(out.read_text())["tokenizer"] == "byte"
+    summary = json.loads(out.read_text())
+    assert summary["tokenizer"] == "byte" and summary["dtype"] == "bf16"
+    assert all(math.isfinite(v) for v in summary["losses"])
+
+
+def test_torchrun_two_ranks(tmp_path):
+    swap = tmp_path / "swap"
+    out = tmp_path / "out.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), str(REPO)) if p))
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         "-m", "offload_zero.cli", "train", "--preset", "tiny", "--steps", "4", "--offload",
+         "nvme", "--path", str(swap), "--json", str(out), "--no-progress", *FAST],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("summary") == 1  # rank 0 only
+    summary = json.loads(out.read_text())
+    assert summary["world_size"] == 2 and summary["tokens"] == 4 * 4 * 64 * 2
+    assert summary["nvme_written_bytes"] > 0
+    assert _files_under(swap) == []
 
 
 def test_run_error_is_one_line_exit_2(tmp_path):
@@ -113,6 +134,11 @@ def test_run_error_is_one_line_exit_2(tmp_path):
     assert "Traceback" not in proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "missing.txt" in lines[0] and "error" in lines[0]
+
+
+def test_console_script_is_declared():
+    assert "offload-zero=offload_zero.cli:main" in (REPO / "setup.py").read_text()
+    assert callable(cli.main)
 
 
 @pytest.mark.skipif(shutil.which("offload-zero") is None, reason="console script not installed")
