@@ -19,6 +19,8 @@ namespace {
 
 // Work below this many elements per thread is not worth a thread (~1.8 MB of traffic).
 constexpr int64_t kMinNumelPerThread = 1 << 16;
+// Chunks handed to threads, per thread (work is claimed dynamically).
+constexpr int64_t kChunksPerThread = 8;
 // Thread chunks start on multiples of this many elements: 64 bytes of bf16, 128 of fp32.
 constexpr int64_t kChunkAlignNumel = 32;
 // Non-temporal stores for the weight copy only pay off once it no longer fits in cache.
@@ -167,23 +169,37 @@ bool run_adam_step(const AdamKernels& k, const AdamBuffers& b, const AdamHyper& 
   const int64_t useful = (numel + kMinNumelPerThread - 1) / kMinNumelPerThread;
   if (threads > useful) threads = useful;
   if (threads < 1) threads = 1;
-  int64_t per = (numel + threads - 1) / threads;
+  // Several chunks per thread, handed out on demand: a thread slowed by a busy neighbour
+  // takes fewer chunks instead of holding everyone up at the end of the phase.
+  int64_t per = (numel + threads * kChunksPerThread - 1) / (threads * kChunksPerThread);
+  if (per < kMinNumelPerThread) per = kMinNumelPerThread;
   per = (per + kChunkAlignNumel - 1) / kChunkAlignNumel * kChunkAlignNumel;
-  const int nchunks = static_cast<int>((numel + per - 1) / per);
-  auto begin_of = [&](int c) { return static_cast<int64_t>(c) * per; };
-  auto end_of = [&](int c) { return std::min<int64_t>(numel, static_cast<int64_t>(c + 1) * per); };
+  const int64_t nchunks = (numel + per - 1) / per;
+  auto for_each_chunk = [&](const auto& body) {
+    std::atomic<int64_t> next{0};
+    parallel_chunks(static_cast<int>(threads), [&](int /*thread*/) {
+      for (int64_t c = next.fetch_add(1); c < nchunks; c = next.fetch_add(1)) {
+        if (!body(c * per, std::min(numel, (c + 1) * per))) break;
+      }
+    });
+  };
 
   // Phase 1: look at every gradient before writing anything (overflow leaves state intact).
   std::atomic<bool> overflow{false};
-  parallel_chunks(nchunks, [&](int c) {
-    if (k.has_nonfinite(b, h, begin_of(c), end_of(c))) overflow.store(true, std::memory_order_relaxed);
+  for_each_chunk([&](int64_t begin, int64_t end) {
+    if (overflow.load(std::memory_order_relaxed)) return false;
+    if (k.has_nonfinite(b, h, begin, end)) overflow.store(true, std::memory_order_relaxed);
+    return true;
   });
   if (overflow.load()) return true;
 
   // Phase 2: the update.
   const bool streaming = b.out_dtype != DType::kNone && numel >= kStreamMinNumel &&
                          (reinterpret_cast<uintptr_t>(b.out) % 64) == 0;
-  parallel_chunks(nchunks, [&](int c) { k.update(b, h, begin_of(c), end_of(c), streaming); });
+  for_each_chunk([&](int64_t begin, int64_t end) {
+    k.update(b, h, begin, end, streaming);
+    return true;
+  });
   return false;
 }
 

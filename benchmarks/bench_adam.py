@@ -1,0 +1,183 @@
+"""Adam/AdamW step throughput on the host: offload-zero's C++ kernel beside its peers.
+
+One run prints one table. For each thread count (1 and all CPUs) every optimizer steps once in
+turn (A B C ... A B C ...), so background noise spreads over all of them; each figure is the
+median of ``--steps`` timed steps after ``--warmup`` untimed ones.
+
+Rows:
+- ``CPUAdam``: ``offload_zero.optim.adam_step_`` on one flat fp32 buffer: fp32 grads only; with
+  the fused bf16 weight copy; with bf16 grads in and the fused bf16 copy.
+- ``torch AdamW(fused=True)`` alone; then plus a separate ``copy_`` of the weights into a bf16
+  tensor; then with bf16 grads converted to fp32 first (``grad.copy_(grad_bf16)``) and the copy.
+- ``torch Adam(fused=True)``.
+- ``DeepSpeedCPUAdam`` if ``deepspeed`` is importable (it is never installed for this).
+- ``stream a.addcmul_(b, c)``: the machine's streaming bandwidth in this process (16 B/elem).
+
+Bytes per parameter counted as useful traffic: 28 (read param, grad, exp_avg, exp_avg_sq;
+write param, exp_avg, exp_avg_sq), 30 with a bf16 weight copy, 28 for bf16 grads + bf16 copy.
+"GB/s" is that over the median time; "of stream" divides by the addcmul bandwidth.
+
+Usage: python benchmarks/bench_adam.py [--numel 50e6] [--big] [--steps 9] [--warmup 2]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from typing import Callable, Dict, List
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from offload_zero.optim import adam_step_, selected_isa  # noqa: E402
+
+LR, BETAS, EPS, WD = 1e-3, (0.9, 0.999), 1e-8, 0.01
+
+
+def _cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+class _Case:
+    """One row: a callable doing one optimizer step, and its useful bytes per parameter."""
+
+    def __init__(self, name: str, bytes_per_param: int, step: Callable[[int], None]):
+        self.name, self.bytes_per_param, self.step = name, bytes_per_param, step
+        self.times_s: Dict[int, List[float]] = {}
+
+
+def _ours(numel: int) -> List[_Case]:
+    param = torch.randn(numel)
+    grad = torch.randn(numel) * 1e-3
+    grad_bf16 = grad.to(torch.bfloat16)
+    exp_avg, exp_avg_sq = torch.zeros(numel), torch.zeros(numel)
+    out_bf16 = torch.empty(numel, dtype=torch.bfloat16)
+    counter = [0]
+
+    def run(g, out):
+        def step(threads: int) -> None:
+            counter[0] += 1
+            adam_step_(param, g, exp_avg, exp_avg_sq, step=counter[0], lr=LR, betas=BETAS,
+                       eps=EPS, weight_decay=WD, adamw=True, out=out, num_threads=threads)
+        return step
+
+    return [_Case("CPUAdam fp32", 28, run(grad, None)),
+            _Case("CPUAdam + fused bf16 copy", 30, run(grad, out_bf16)),
+            _Case("CPUAdam bf16 grad + fused bf16 copy", 28, run(grad_bf16, out_bf16))]
+
+
+def _torch(numel: int) -> List[_Case]:
+    param = torch.nn.Parameter(torch.randn(numel))
+    param.grad = torch.randn(numel) * 1e-3
+    grad_bf16 = param.grad.to(torch.bfloat16)
+    out_bf16 = torch.empty(numel, dtype=torch.bfloat16)
+    adamw = torch.optim.AdamW([param], lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, fused=True)
+    adam = torch.optim.Adam([param], lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, fused=True)
+
+    def adamw_only(threads: int) -> None:
+        adamw.step()
+
+    def adamw_copy(threads: int) -> None:
+        adamw.step()
+        out_bf16.copy_(param.detach())
+
+    def adamw_bf16(threads: int) -> None:
+        param.grad.copy_(grad_bf16)
+        adamw.step()
+        out_bf16.copy_(param.detach())
+
+    return [_Case("torch AdamW(fused=True)", 28, adamw_only),
+            _Case("torch AdamW(fused) + separate bf16 copy_", 30, adamw_copy),
+            _Case("torch AdamW(fused) bf16 grad->fp32 + copy_", 28, adamw_bf16),
+            _Case("torch Adam(fused=True)", 28, lambda threads: adam.step())]
+
+
+def _deepspeed(numel: int) -> List[_Case]:
+    try:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam  # noqa: WPS433 (optional peer)
+    except Exception:  # not installed, or its op fails to build: simply no row
+        return []
+    param = torch.nn.Parameter(torch.randn(numel))
+    param.grad = torch.randn(numel) * 1e-3
+    opt = DeepSpeedCPUAdam([param], lr=LR, betas=BETAS, eps=EPS, weight_decay=WD,
+                           adamw_mode=True)
+    return [_Case("DeepSpeedCPUAdam", 28, lambda threads: opt.step())]
+
+
+def _stream(numel: int) -> _Case:
+    a, b, c = torch.zeros(numel), torch.rand(numel), torch.rand(numel)
+    return _Case("stream a.addcmul_(b, c)", 16, lambda threads: a.addcmul_(b, c, value=1e-9))
+
+
+def _measure(cases: List[_Case], thread_counts: List[int], warmup: int, steps: int) -> None:
+    for threads in thread_counts:
+        torch.set_num_threads(threads)
+        for case in cases:
+            case.times_s[threads] = []
+        for rep in range(warmup + steps):
+            for case in cases:
+                t0 = time.perf_counter()
+                case.step(threads)
+                elapsed = time.perf_counter() - t0
+                if rep >= warmup:
+                    case.times_s[threads].append(elapsed)
+
+
+def _table(cases: List[_Case], stream: _Case, thread_counts: List[int], numel: int) -> str:
+    lines = []
+    head = f"{'optimizer':44s} {'thr':>3s} {'median ms':>10s} {'M param/s':>10s} " \
+           f"{'GB/s':>7s} {'of stream':>9s} {'vs best peer':>12s}"
+    lines.append(head)
+    lines.append("-" * len(head))
+    for threads in thread_counts:
+        stream_gbs = stream.bytes_per_param * numel / statistics.median(stream.times_s[threads]) / 1e9
+        rate = {c.name: numel / statistics.median(c.times_s[threads]) for c in cases}
+        peers_plain = [rate[c.name] for c in cases
+                       if not c.name.startswith("CPUAdam") and "copy" not in c.name]
+        peers_copy = [rate[c.name] for c in cases
+                      if not c.name.startswith("CPUAdam") and "copy" in c.name]
+        for c in cases + [stream]:
+            med = statistics.median(c.times_s[threads])
+            gbs = c.bytes_per_param * numel / med / 1e9
+            vs = ""
+            if c.name.startswith("CPUAdam"):
+                best = max(peers_copy if "copy" in c.name else peers_plain)
+                vs = f"{rate[c.name] / best:11.2f}x"
+            lines.append(f"{c.name:44s} {threads:3d} {med * 1e3:10.1f} {numel / med / 1e6:10.1f} "
+                         f"{gbs:7.1f} {gbs / stream_gbs:8.0%} {vs:>12s}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--numel", type=float, default=50e6, help="parameters (default 50M)")
+    ap.add_argument("--big", action="store_true", help="also run at 200M parameters")
+    ap.add_argument("--steps", type=int, default=9, help="timed steps per row (>= 7)")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed steps per row")
+    args = ap.parse_args()
+    if args.steps < 7:
+        raise ValueError(f"--steps={args.steps} must be >= 7")
+    sizes = [int(args.numel)] + ([200_000_000] if args.big else [])
+    all_cpus = _cpus()
+    thread_counts = sorted({1, all_cpus})
+    print(f"# bench_adam: isa={selected_isa()} cpus={all_cpus} torch={torch.__version__} "
+          f"median of {args.steps} steps after {args.warmup} warm-up, alternating rows")
+    for numel in sizes:
+        cases = _ours(numel) + _torch(numel) + _deepspeed(numel)
+        stream = _stream(numel)
+        _measure(cases + [stream], thread_counts, args.warmup, args.steps)
+        print(f"\n## {numel / 1e6:.0f}M parameters (AdamW, lr={LR}, wd={WD})"
+              + ("" if any(c.name == "DeepSpeedCPUAdam" for c in cases)
+                 else "; DeepSpeedCPUAdam: not importable, no row"))
+        print(_table(cases, stream, thread_counts, numel))
+        del cases, stream
+
+
+if __name__ == "__main__":
+    main()
