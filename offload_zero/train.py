@@ -14,16 +14,18 @@ one-line message and exit status 2).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import math
 import os
 import shutil
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -319,13 +321,18 @@ def format_summary(s: Dict[str, Any]) -> str:
 
 
 def _train_loop(engine, batches, args, warmup: int, tokens_per_step: int,
-                show_progress: bool) -> Tuple[List[float], float]:
-    """Run ``args.steps`` steps; return ``(per-step losses, wall seconds)``."""
+                is_rank0: bool) -> Tuple[List[float], float]:
+    """Run ``args.steps`` steps; return ``(per-step losses, wall seconds)``.
+
+    On rank 0 shows the progress bar (unless ``--no-progress``) and writes a log line to
+    stderr every ``--log-every`` steps.
+    """
     from tqdm import tqdm
 
     device = getattr(engine, "device", None)
     losses: List[float] = []
-    bar = tqdm(total=args.steps, unit="step", disable=not show_progress, dynamic_ncols=True)
+    bar = tqdm(total=args.steps, unit="step", disable=not is_rank0 or args.no_progress,
+               dynamic_ncols=True)
     start = time.perf_counter()
     try:
         for step in range(args.steps):
@@ -345,10 +352,10 @@ def _train_loop(engine, batches, args, warmup: int, tokens_per_step: int,
             tok_s = tokens_per_step * (step + 1) / elapsed
             bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tok_s:,.0f}", refresh=False)
             bar.update(1)
-            if show_progress and args.log_every and ((step + 1) % args.log_every == 0
-                                                     or step + 1 == args.steps):
-                bar.write(f"step {step + 1}/{args.steps}  loss {loss:.4f}  lr {lr:.2e}  "
-                          f"{tok_s:,.0f} tokens/s")
+            if is_rank0 and args.log_every and ((step + 1) % args.log_every == 0
+                                                or step + 1 == args.steps):
+                tqdm.write(f"step {step + 1}/{args.steps}  loss {loss:.4f}  lr {lr:.2e}  "
+                           f"{tok_s:,.0f} tokens/s", file=sys.stderr)
     finally:
         bar.close()
     return losses, time.perf_counter() - start
@@ -379,13 +386,29 @@ def _reduce_across_ranks(losses: List[float], report: Dict[str, Any]
     return (loss_sum / world_size).tolist(), merged
 
 
+@contextlib.contextmanager
+def _swap_folder(offload: str, path: Optional[str]) -> Iterator[Optional[str]]:
+    """Yield the NVMe swap folder: ``path`` (created if missing) or, for ``offload == "nvme"``
+    without one, a fresh temporary folder that is removed on exit (also on errors)."""
+    if offload != "nvme" or path is not None:
+        if path is not None:
+            os.makedirs(path, exist_ok=True)
+        yield path
+        return
+    temp = tempfile.mkdtemp(prefix="offload-zero-swap-")
+    try:
+        yield temp
+    finally:
+        shutil.rmtree(temp, ignore_errors=True)
+
+
 def run(args: argparse.Namespace) -> Dict[str, Any]:
     """Run ``offload-zero train`` for parsed ``args``; return the summary dict.
 
     Only rank 0 shows progress (its own loss), prints the summary and writes ``--json``; with
     several ranks the summary's losses are means over ranks, peak bytes the largest rank's and
-    NVMe traffic the sum over ranks. Raises ``ValueError``
-    on bad input (from this module, the data pipeline or the engine).
+    NVMe traffic the sum over ranks. Raises ``ValueError`` on bad input (from this module, the
+    data pipeline or the engine).
     """
     from offload_zero import OffloadEngine
 
@@ -397,30 +420,21 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     params = sum(p.numel() for p in model.parameters())
     warmup = args.warmup if args.warmup is not None else min(100, args.steps // 10)
 
-    temp_dir = None
-    path = args.path
-    if args.offload == "nvme" and path is None:
-        temp_dir = path = tempfile.mkdtemp(prefix="offload-zero-swap-")
-    elif path is not None:
-        os.makedirs(path, exist_ok=True)
-    try:
-        with OffloadEngine(model, offload=args.offload, path=path, stage=args.stage, lr=args.lr,
-                           weight_decay=args.weight_decay, dtype=_DTYPES[args.dtype]) as engine:
-            rank, world_size = engine.rank, engine.world_size
-            batches = data_lib.TokenWindows(files, tokenizer, args.seq_len, seed=args.seed,
-                                            world_size=world_size, rank=rank
-                                            ).batches(args.batch_size)
-            engine.train()
-            tokens_per_step = args.batch_size * args.seq_len * world_size
-            setup_s = time.perf_counter() - setup_start
-            losses, wall_s = _train_loop(engine, batches, args, warmup, tokens_per_step,
-                                         show_progress=rank == 0 and not args.no_progress)
-            report = engine.memory_report()
-            if world_size > 1:
-                losses, report = _reduce_across_ranks(losses, report)
-    finally:
-        if temp_dir is not None:
-            shutil.rmtree(temp_dir, ignore_errors=True)
+    with _swap_folder(args.offload, args.path) as path, OffloadEngine(
+            model, offload=args.offload, path=path, stage=args.stage, lr=args.lr,
+            weight_decay=args.weight_decay, dtype=_DTYPES[args.dtype]) as engine:
+        rank, world_size = engine.rank, engine.world_size
+        batches = data_lib.TokenWindows(files, tokenizer, args.seq_len, seed=args.seed,
+                                        world_size=world_size, rank=rank
+                                        ).batches(args.batch_size)
+        engine.train()
+        tokens_per_step = args.batch_size * args.seq_len * world_size
+        setup_s = time.perf_counter() - setup_start
+        losses, wall_s = _train_loop(engine, batches, args, warmup, tokens_per_step,
+                                     is_rank0=rank == 0)
+        report = engine.memory_report()
+        if world_size > 1:
+            losses, report = _reduce_across_ranks(losses, report)
 
     summary = summarize(losses, report, wall_s=wall_s, tokens=tokens_per_step * args.steps,
                         extra=dict(

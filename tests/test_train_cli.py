@@ -21,9 +21,9 @@ REPO = Path(__file__).resolve().parents[1]
 FAST = ["--seq-len", "64", "--batch-size", "4", "--log-every", "0"]
 
 
-def _run(args, cwd, timeout=240):
+def _run(args, cwd, timeout=240, **env_overrides):
     """Run ``python -m offload_zero.cli ARGS`` in ``cwd`` with the repo importable."""
-    env = dict(os.environ)
+    env = dict(os.environ, **env_overrides)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), str(REPO)) if p)
     env.setdefault("OMP_NUM_THREADS", "2")
     return subprocess.run([sys.executable, "-m", "offload_zero.cli", *map(str, args)], cwd=cwd,
@@ -88,10 +88,16 @@ def test_finetune_local_checkpoint_with_its_tokenizer(tmp_path):
     vocab = _train_bpe_tokenizer(corpus.read_text(), ckpt)
     _tiny_checkpoint(ckpt, vocab)
     out = tmp_path / "out.json"
-    proc = _run(["train", "--model", ckpt, "--data", corpus, "--steps", "4", "--offload", "cpu",
-                 "--stage", "2", "--json", out, "--no-progress", *FAST], cwd=tmp_path)
+    temp = tmp_path / "temp"  # --offload nvme without --path swaps to a temporary folder here
+    temp.mkdir()
+    proc = _run(["train", "--model", ckpt, "--data", corpus, "--steps", "4", "--offload", "nvme",
+                 "--stage", "2", "--json", out, "--no-progress", "--log-every", "2", *FAST[:4]],
+                cwd=tmp_path, TMPDIR=str(temp))
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "step 2/4" in proc.stderr and "step 4/4" in proc.stderr
+    assert list(temp.iterdir()) == [], "temporary swap folder left behind"
     summary = json.loads(out.read_text())
+    assert summary["nvme_written_bytes"] > 0
     assert summary["model"] == f"checkpoint {ckpt}"
     assert not summary["tokenizer"].startswith("byte")
     assert summary["corpus"] == "data" and len(summary["losses"]) == 4
