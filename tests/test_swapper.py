@@ -451,10 +451,21 @@ def test_auto_picks_libaio_silently(tmp_path):
 
 # ---- measurement ----------------------------------------------------------------------------
 
-def test_measure_bandwidth_small(tmp_path, backend):
+@pytest.mark.parametrize("ring", [False, True])
+def test_measure_bandwidth_small(tmp_path, backend, ring):
+    calls = []
+
+    def peer(path, op):
+        assert os.path.getsize(path) == 1 << 20
+        calls.append(op)
+        return 1.0
+
     result = swapper_mod.measure_bandwidth(str(tmp_path), 1 << 20, block_size=64 << 10,
-                                           queue_depth=4, backend=backend, repeats=2)
-    assert result["backend"] == backend
+                                           queue_depth=4, backend=backend, repeats=2,
+                                           peer=peer, ring=ring)
+    assert calls == ["write", "write", "read", "read"]
+    assert result["peer_read_gbps"] == result["peer_write_gbps"] == 1.0
+    assert result["backend"] == backend and result["ring"] == ring
     assert result["read_gbps"] > 0 and result["write_gbps"] > 0
     assert len(result["read_s"]) == len(result["write_s"]) == 2
     assert os.listdir(tmp_path) == []
