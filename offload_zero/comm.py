@@ -20,6 +20,10 @@ import torch.distributed as dist
 
 COLLECTIVE_KINDS = ("all_gather", "reduce_scatter", "all_reduce")
 
+# torch renamed the tensor-in/tensor-out collectives; use the current names where they exist.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 def init_from_env(timeout_s: float, device: torch.device) -> None:
     """Initialise the default process group from torchrun's environment if needed.
@@ -49,11 +53,10 @@ class Comm:
         if dist.is_available() and dist.is_initialized():
             self.world_size = dist.get_world_size(group)
             self.rank = dist.get_rank(group)
-            self._gloo = dist.get_backend(group) == "gloo"
         else:
             if group is not None:
                 raise ValueError("process_group was given but torch.distributed is not initialised")
-            self.world_size, self.rank, self._gloo = 1, 0, False
+            self.world_size, self.rank = 1, 0
         self._bytes: Dict[str, int] = collections.defaultdict(int)
         self._last_step: Dict[str, int] = {k: 0 for k in COLLECTIVE_KINDS}
 
@@ -67,7 +70,7 @@ class Comm:
             return
         if shard.data_ptr() == full[self.rank * shard.numel():].data_ptr():
             shard = shard.clone()  # in-place gather: not every backend accepts aliasing
-        dist.all_gather_into_tensor(full, shard, group=self.group)
+        _all_gather(full, shard, group=self.group)
 
     def reduce_scatter_avg(self, shard_out: torch.Tensor, full_in: torch.Tensor) -> None:
         """Average ``full_in`` over ranks and write this rank's slice into ``shard_out``.
@@ -76,17 +79,15 @@ class Comm:
         """
         n = self.world_size
         self._count("reduce_scatter", full_in.numel() * full_in.element_size() * (n - 1) / n)
-        s = shard_out.numel()
         if n == 1:
             shard_out.copy_(full_in)
             return
-        if self._gloo:
-            # gloo has no reduce-scatter; all-reduce gives the same slice (counted as the ring
-            # reduce-scatter a NCCL run moves, which is what the byte report describes).
-            dist.all_reduce(full_in, group=self.group)
-            shard_out.copy_(full_in[self.rank * s:(self.rank + 1) * s])
+        if shard_out.data_ptr() == full_in[self.rank * shard_out.numel():].data_ptr():
+            out = torch.empty_like(shard_out)  # in place: reduce into scratch, then copy back
+            _reduce_scatter(out, full_in, group=self.group)
+            shard_out.copy_(out)
         else:
-            dist.reduce_scatter_tensor(shard_out, full_in, group=self.group)
+            _reduce_scatter(shard_out, full_in, group=self.group)
         shard_out.div_(n)
 
     def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:

@@ -171,10 +171,11 @@ class OffloadEngine:
     def __call__(self, *args, **kwargs):
         """Run the model's forward on ``args``/``kwargs`` and return its output unchanged.
 
-        Tensor arguments are moved to the engine's device.
+        Tensor arguments are moved to the engine's device, and floating-point ones are cast to
+        the compute dtype (as FSDP's mixed precision casts forward inputs).
         """
         self._check_open()
-        args, kwargs = _to_device((args, kwargs), self.device)
+        args, kwargs = _to_device((args, kwargs), self.device, self.config.dtype)
         return self.module(*args, **kwargs)
 
     forward = __call__
@@ -373,13 +374,15 @@ def _torch_adam_(param, grad, exp_avg, exp_avg_sq, step, lr, betas, eps, weight_
     return False
 
 
-def _to_device(obj, device):
+def _to_device(obj, device, dtype):
     if isinstance(obj, torch.Tensor):
+        if obj.is_floating_point() and obj.dtype != dtype:
+            return obj.to(device=device, dtype=dtype)
         return obj.to(device) if obj.device != device else obj
     if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_device(o, device) for o in obj)
+        return type(obj)(_to_device(o, device, dtype) for o in obj)
     if isinstance(obj, dict):
-        return {k: _to_device(v, device) for k, v in obj.items()}
+        return {k: _to_device(v, device, dtype) for k, v in obj.items()}
     return obj
 
 

@@ -198,11 +198,19 @@ class FlatParam:
         return self._full_alias
 
     def release(self) -> None:
-        """Free every tensor this flat parameter holds (engine close)."""
-        if self.state is ShardedState.UNSHARDED and not self.keep_unsharded:
-            self.to_sharded()
-        self.full.untyped_storage().resize_(0)
-        self.sharded = torch.empty(0, dtype=self.dtype, device=self.device)
+        """Drop every tensor this flat parameter holds (engine close).
+
+        The storage is released by reference counting rather than resized to 0 bytes, so views
+        still held elsewhere (a traceback's frames, say) stay readable instead of dangling.
+        """
+        if self.state is ShardedState.UNSHARDED:
+            self._acct.sub(Tier.DEVICE, StateKind.PARAMS, self.padded_numel * self.itemsize)
+        if not self.keep_unsharded:
+            self._acct.sub(Tier.DEVICE, StateKind.PARAMS, self.shard_numel * self.itemsize)
+        self.set_placeholders()
+        empty = torch.empty(0, dtype=self.dtype, device=self.device)
+        self.full = self._full_alias = self.sharded = empty
+        self.state = ShardedState.SHARDED
 
 
 def build_entries(params: List[Tuple[nn.Parameter, List[Tuple[nn.Module, str, str]]]]

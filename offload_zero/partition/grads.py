@@ -6,7 +6,9 @@ gradient is freed. Stage 1: the full gradient stays on the device until ``step()
 reduce-scatters it then (the same bytes as an all-reduce: Rajbhandari et al., 2019, sec. 7.2.1).
 
 The shard buffer is fp32 in host memory when offloading (ZeRO-Offload keeps fp32 gradient
-partitions on the CPU), else compute dtype on the device. Shapes: (shard_numel,).
+partitions on the CPU), else compute dtype on the device. Shapes: (shard_numel,). At stage 1
+without offload there is no separate shard buffer: the full gradient is reduced in place and
+this rank's window of it is the shard (the paper's 2Ψ of gradients, not 2Ψ + 2Ψ/N).
 """
 from __future__ import annotations
 
@@ -37,13 +39,16 @@ class GradientShards:
         self.buf: Dict[FlatParam, torch.Tensor] = {}
         self.has_grad: Dict[FlatParam, bool] = {}
         self._full_grad_held: Dict[FlatParam, int] = {}
+        self._in_place = stage == 1 and tier is Tier.DEVICE
         for fp in flat_params:
+            self.has_grad[fp] = False
+            if self._in_place:
+                continue
             if tier is Tier.HOST:
                 b = host_alloc(fp.shard_numel, torch.float32)
             else:
                 b = torch.empty(fp.shard_numel, dtype=fp.dtype, device=fp.device)
             self.buf[fp] = b
-            self.has_grad[fp] = False
             accountant.add(tier, StateKind.GRADS, b.numel() * b.element_size())
 
     def on_full_grad(self, fp: FlatParam) -> None:
@@ -63,15 +68,32 @@ class GradientShards:
         self._acct.sub(Tier.DEVICE, StateKind.GRADS, nbytes)
 
     def reduce_all_full(self, flat_params: List[FlatParam]) -> None:
-        """Stage 1: reduce-scatter every held full gradient into its shard and free it."""
+        """Stage 1: reduce-scatter every held full gradient into its shard.
+
+        Without offload the reduction is in place and the shard is a window of the full
+        gradient, which stays until :meth:`zero`; with offload the shard goes to the host
+        buffer and the full gradient is freed now.
+        """
         for fp in flat_params:
             g = fp.full.grad
-            if g is not None:
-                self._reduce_into_shard(fp, g)
-                fp.full.grad = None
-            nbytes = self._full_grad_held.pop(fp, 0)
-            if nbytes:
-                self._acct.sub(Tier.DEVICE, StateKind.GRADS, nbytes)
+            if g is None:
+                continue
+            if self._in_place:
+                lo = fp.rank * fp.shard_numel
+                window = g.detach()[lo:lo + fp.shard_numel]
+                if self.comm.world_size > 1:
+                    self.comm.reduce_scatter_avg(window, g.detach())
+                self.buf[fp] = window
+                self.has_grad[fp] = True
+                continue
+            self._reduce_into_shard(fp, g)
+            fp.full.grad = None
+            self._free_full(fp)
+
+    def _free_full(self, fp: FlatParam) -> None:
+        nbytes = self._full_grad_held.pop(fp, 0)
+        if nbytes:
+            self._acct.sub(Tier.DEVICE, StateKind.GRADS, nbytes)
 
     def _reduce_into_shard(self, fp: FlatParam, g: torch.Tensor) -> None:
         if self.comm.world_size == 1:
@@ -98,9 +120,15 @@ class GradientShards:
         """Forget the accumulated gradients (the next backward overwrites the buffers)."""
         for fp in self.has_grad:
             self.has_grad[fp] = False
+            if self._in_place:
+                fp.full.grad = None
+                self.buf.pop(fp, None)
+                self._free_full(fp)
 
     def release(self) -> None:
         """Free the buffers (engine close)."""
+        if self._in_place:
+            self.zero()
         for fp, b in self.buf.items():
             self._acct.sub(self.tier, StateKind.GRADS, b.numel() * b.element_size())
         self.buf.clear()
