@@ -17,7 +17,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(fn, rank, world_size, port, args, queue, timeout_s):
+def _worker(fn, rank, world_size, port, args, queue, timeout_s, init):
     import datetime
 
     import torch
@@ -26,8 +26,9 @@ def _worker(fn, rank, world_size, port, args, queue, timeout_s):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=timeout_s))
+        if init:
+            dist.init_process_group("gloo", rank=rank, world_size=world_size,
+                                    timeout=datetime.timedelta(seconds=timeout_s))
         result = fn(rank, world_size, *args)
         queue.put((rank, True, result))
     except BaseException:
@@ -40,12 +41,16 @@ def _worker(fn, rank, world_size, port, args, queue, timeout_s):
                 pass
 
 
-def run_ranks(fn, world_size, *args, timeout_s=120):
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return per-rank results."""
+def run_ranks(fn, world_size, *args, timeout_s=120, init=True):
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return per-rank results.
+
+    With ``init=False`` no process group is created: the environment is set as torchrun sets
+    it (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) and ``fn`` (or the engine) initialises it.
+    """
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(fn, r, world_size, port, args, queue, timeout_s))
+    procs = [ctx.Process(target=_worker, args=(fn, r, world_size, port, args, queue, timeout_s, init))
              for r in range(world_size)]
     for p in procs:
         p.start()
@@ -63,5 +68,9 @@ def run_ranks(fn, world_size, *args, timeout_s=120):
             if p.is_alive():
                 p.kill()
     if errors:
-        raise AssertionError("\n".join(errors))
+        raise RankFailure("\n".join(errors))
     return [results[r] for r in range(world_size)]
+
+
+class RankFailure(AssertionError):
+    """One or more ranks raised; the message holds each one's traceback."""

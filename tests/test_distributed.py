@@ -183,3 +183,146 @@ def test_communication_volume_world_size_2(mem_ws2):
 
 def test_communication_volume_world_size_4(mem_ws4):
     _check_comm(mem_ws4, 4)
+
+
+# -- awkward shapes -----------------------------------------------------------------------------
+
+class AwkwardNet(nn.Module):
+    """Units with a numel not divisible by N, a numel-1 parameter, a 0-d parameter, and a unit
+    smaller than N elements."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(5, 7)                                   # 42: not divisible by 4
+        self.blocks = nn.ModuleList([
+            nn.Linear(7, 7, bias=False),                             # 49
+            _Scale(torch.tensor(0.7)),                               # 0-d, a unit of 1 element
+            _Scale(torch.full((1,), 1.3)),                           # numel 1
+            nn.Linear(7, 3),                                         # 24
+        ])
+
+    def forward(self, x):
+        x = self.inp(x)
+        for b in self.blocks[:3]:
+            x = torch.tanh(b(x))
+        return self.blocks[3](x)
+
+
+class _Scale(nn.Module):
+    def __init__(self, value):
+        super().__init__()
+        self.s = nn.Parameter(value)
+
+    def forward(self, x):
+        return x * self.s
+
+
+def _awkward_rank(rank, world_size):
+    from offload_zero import OffloadEngine
+    out = {}
+    g = torch.Generator().manual_seed(3)
+    data = [(torch.randn(2 * world_size, 5, generator=g), torch.randn(2 * world_size, 3, generator=g))
+            for _ in range(STEPS)]
+    for stage in (1, 2, 3):
+        torch.manual_seed(0)
+        model = AwkwardNet()
+        ref = copy.deepcopy(model)
+        opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
+        with OffloadEngine(model, stage=stage, offload="cpu", lr=1e-2, weight_decay=0.1) as eng:
+            for x, y in data:
+                lo = 2 * rank
+                eng.backward((eng(x[lo:lo + 2]) - y[lo:lo + 2]).pow(2).mean())
+                eng.step()
+                opt.zero_grad()
+                (ref(x) - y).pow(2).mean().backward()
+                opt.step()
+            sd = eng.full_state_dict()
+        assert sd["blocks.1.s"].shape == torch.Size([])
+        out[stage] = max((sd[n] - p.detach()).abs().max().item() for n, p in ref.named_parameters())
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_awkward_shapes(world_size):
+    for rank_result in run_ranks(_awkward_rank, world_size):
+        assert all(d <= 1e-6 for d in rank_result.values()), rank_result
+
+
+# -- a lost rank is an error on the others, not a hang ------------------------------------------
+
+def _failing_rank(rank, world_size, timeout_s):
+    import time
+
+    from offload_zero import OffloadEngine
+    eng = OffloadEngine(TinyLM(), timeout_s=timeout_s)  # initialises the group from the env
+    x, y = batches(1)[0]
+    eng.backward(lm_loss(eng(x), y))
+    eng.step()
+    if rank == 1:
+        # raise in the middle of the next step and stay alive (no exit, no destroy): the other
+        # rank must not wait for it forever
+        try:
+            eng(x)
+            raise RuntimeError("injected failure on rank 1")
+        except RuntimeError as exc:
+            time.sleep(timeout_s + 5)
+            return ("raised", 0.0, str(exc))
+    start = time.monotonic()
+    try:
+        eng.backward(lm_loss(eng(x), y))
+        eng.step()
+    except Exception as exc:  # the collective timed out
+        return ("error", time.monotonic() - start, type(exc).__name__)
+    return ("finished", time.monotonic() - start, "")
+
+
+def test_lost_rank_raises_within_timeout():
+    timeout_s = 5
+    rank0, rank1 = run_ranks(_failing_rank, 2, timeout_s, init=False, timeout_s=60)
+    assert rank1 == ("raised", 0.0, "injected failure on rank 1")
+    outcome, waited_s, _ = rank0
+    assert outcome == "error", rank0
+    assert waited_s < timeout_s + 10, rank0
+
+
+def test_engine_initialises_group_from_torchrun_env():
+    results = run_ranks(_init_from_env_rank, 2, init=False)
+    assert results == [(0, 2), (1, 2)]
+
+
+def _init_from_env_rank(rank, world_size):
+    import torch.distributed as dist
+
+    from offload_zero import OffloadEngine
+    assert not dist.is_initialized()
+    with OffloadEngine(TinyLM()) as eng:
+        assert dist.get_backend() == "gloo"
+        return (eng.rank, eng.world_size)
+
+
+# -- two nodes on one machine under torchrun ----------------------------------------------------
+
+def test_two_torchrun_nodes_end_identical(tmp_path):
+    import subprocess
+    import sys
+
+    from dist_harness import free_port
+    port = free_port()
+    job = os.path.join(os.path.dirname(__file__), "multinode_job.py")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node_rank={node}",
+         "--nproc_per_node=1", "--master_addr=127.0.0.1", f"--master_port={port}",
+         job, str(tmp_path), "3", "nvme"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for node in (0, 1)]
+    outputs = [p.communicate(timeout=240)[0] for p in procs]
+    for p, out in zip(procs, outputs):
+        assert p.returncode == 0, out
+    sd0 = torch.load(tmp_path / "params_rank0.pt")
+    sd1 = torch.load(tmp_path / "params_rank1.pt")
+    assert sd0.keys() == sd1.keys()
+    for k in sd0:
+        assert torch.equal(sd0[k], sd1[k]), k
+    torch.manual_seed(0)
+    expected = _reference(TinyLM(), batches(3, seed=1, batch=4), wd=0.0)
+    assert max((sd0[n] - v).abs().max().item() for n, v in expected.items()) <= 1e-6

@@ -1,0 +1,225 @@
+"""The memory estimator: the ZeRO paper's figures, the per-stage formulas, offload tiers, input
+validation, and the estimate against the engine's own byte accounting."""
+import json
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+
+from offload_zero import OffloadEngine
+from offload_zero.estimator import (KINDS, OFFLOADS, STAGES, TIERS, assumed_layout,
+                                    estimate_memory, format_table, model_layout)
+from offload_zero.memory.accounting import TierAccountant
+from offload_zero.partition.flat_param import FlatParam, build_entries
+from models import TinyLM, batches, lm_loss
+
+GB = 1e9
+
+
+def _gb1(nbytes):
+    return f"{nbytes / GB:.1f}"
+
+
+# -- the paper's figures (Rajbhandari et al., 2019, Figure 1 and sec. 5) ------------------------
+def test_paper_worked_example_7_5b_on_64():
+    est = estimate_memory(7.5e9, world_size=64, gpus_per_node=64, stage=0)
+    got = [_gb1(est.placement(s, "none").model_state_bytes_per_device) for s in STAGES]
+    assert got == ["120.0", "31.4", "16.6", "1.9"]
+    exact = [est.placement(s, "none").model_state_bytes_per_device for s in STAGES]
+    assert exact == [120_000_000_000, 31_406_250_000, 16_640_625_000, 1_875_000_000]
+    assert est.model_state_bytes_per_device == 120_000_000_000  # selected: stage 0
+
+
+def test_paper_trillion_parameters_on_1024():
+    est = estimate_memory(1e12, world_size=1024, gpus_per_node=16, stage=3)
+    assert est.model_state_bytes_per_device == 15_625_000_000
+    assert _gb1(est.model_state_bytes_per_device) == "15.6"
+    assert est.nodes == 64
+
+
+# -- formulas ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("n", [1, 2, 4])
+@pytest.mark.parametrize("stage", STAGES)
+def test_model_state_formula(stage, n):
+    psi = 1_234_567  # not a multiple of anything: exact fractions, rounded once
+    est = estimate_memory(psi, world_size=n, stage=stage)
+    want = {0: 16 * psi, 1: 4 * psi + 12 * psi / n, 2: 2 * psi + 14 * psi / n,
+            3: 16 * psi / n}[stage]
+    assert est.model_state_bytes_per_device == round(want)
+    dev = est.model_states["device"]
+    assert dev["parameters"] == round(2 * psi / (n if stage == 3 else 1))
+    assert dev["gradients"] == round(2 * psi / (n if stage >= 2 else 1))
+    opt = psi if stage == 0 else psi / n
+    assert dev["master_weights"] == round(4 * opt) and dev["moments"] == round(8 * opt)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_offload_moves_optimizer_state_and_gradient_shards(stage):
+    psi, n = 8_000_000, 4
+    est = estimate_memory(psi, world_size=n, gpus_per_node=2, stage=stage, accelerator=False)
+    none, cpu, nvme = (est.placement(stage, o) for o in OFFLOADS)
+    shard = psi // n
+    # cpu: 12Ψ/N of fp32 state and 4Ψ/N of fp32 gradient shards leave the device for the host
+    assert cpu.model_states["host"] == {"parameters": 0, "gradients": 4 * shard,
+                                        "master_weights": 4 * shard, "moments": 8 * shard,
+                                        "buffers": 0}
+    moved_grads = 2 * shard if stage >= 2 else 0  # stage 1 keeps full gradients until the step
+    assert none.model_state_bytes_per_device - cpu.model_state_bytes_per_device == \
+        12 * shard + moved_grads
+    assert cpu.host_bytes == 2 * cpu.host_bytes_per_rank  # two ranks per node
+    # nvme: master and moments in files; gradient shards stay on the host
+    assert nvme.model_states["nvme"] == {"parameters": 0, "gradients": 0,
+                                         "master_weights": 4 * shard, "moments": 8 * shard,
+                                         "buffers": 0}
+    assert nvme.model_states["host"]["gradients"] == 4 * shard
+    assert nvme.model_states["device"] == cpu.model_states["device"]
+    # three pipeline host buffer sets of 3 x largest shard x 4 bytes
+    largest_shard = math.ceil(est.largest_unit_numel / n) if est.largest_unit_numel else 0
+    root_shard = math.ceil(est.root_numel / n)
+    assert nvme.extras["host"]["buffers"] == 3 * 3 * max(largest_shard, root_shard) * 4
+    assert none.nvme_bytes == cpu.nvme_bytes == 0
+
+
+def test_fp32_master_aliases_parameter_shard():
+    est = estimate_memory(1000, world_size=1, stage=2, dtype="fp32")
+    assert est.model_states["device"]["master_weights"] == 0
+    assert est.placement(2, "cpu").model_states["host"]["master_weights"] == 4000
+    assert est.itemsize == 4 and est.dtype == "fp32"
+
+
+def test_table_has_every_stage_and_offload():
+    est = estimate_memory(7.5e9, world_size=8, gpus_per_node=8, stage=2, offload="cpu")
+    assert [(p.stage, p.offload) for p in est.table] == [(s, o) for s in STAGES for o in OFFLOADS]
+    assert est.selected is est.placement(2, "cpu")
+    assert not est.placement(0, "none").engine_supported
+    d = json.loads(json.dumps(est.to_dict()))
+    assert len(d["table"]) == 12 and d["selected"]["stage"] == 2
+    assert set(d["selected"]["model_states"]) == set(TIERS)
+
+
+def test_extras_for_stage_3_are_the_gathered_units():
+    # 10 blocks of 1000 elements and a root of 500, bf16, N = 1: padded to 2048 elements each
+    est = estimate_memory(10_500, largest_unit_numel=1000, root_numel=500, stage=3, prefetch=2)
+    assert est.model_states["device"]["parameters"] == 2 * 10_500
+    assert est.extras["device"]["parameters"] == 2 * (3 * 1000 + 500)
+    assert est.extras["device"]["gradients"] == 2 * 1000  # one unit's gradient in flight
+    assert est.placement(1, "none").tier_bytes("device", model_states=False) == 0
+
+
+def test_assumed_layout_sums_to_the_count():
+    for psi in (1, 7, 10_000, 7_500_000_000, 10 ** 12):
+        layout = assumed_layout(psi)
+        assert sum(s.numel for s in layout) == psi
+    blocks = [s for s in assumed_layout(7_500_000_000) if s.unit >= 0]
+    assert len(blocks) == 34
+
+
+# -- model input --------------------------------------------------------------------------------
+def test_tied_parameters_counted_once():
+    untied, tied = TinyLM(tie=False), TinyLM(tie=True)
+    n_untied = sum(p.numel() for p in untied.parameters())
+    e_untied, e_tied = estimate_memory(untied), estimate_memory(tied)
+    assert e_untied.num_params == n_untied
+    assert e_tied.num_params == n_untied - tied.emb.weight.numel()
+    assert e_tied.num_params == sum(p.numel() for p in tied.parameters())  # torch dedups too
+
+
+def test_layout_matches_engine_units_and_frozen_split():
+    model = TinyLM(n_blocks=3)
+    model.blocks[1].ln.weight.requires_grad_(False)
+    layout = model_layout(model)
+    assert [(s.unit, s.trainable) for s in layout] == [
+        (0, True), (1, True), (1, False), (2, True), (-1, True)]
+    est = estimate_memory(model)
+    assert est.trainable_params == est.num_params - 24
+
+
+@pytest.mark.parametrize("numel,n,dtype", [(1, 1, torch.bfloat16), (4097, 2, torch.float32),
+                                           (10_007, 4, torch.bfloat16), (2048 * 4, 4, torch.float16)])
+def test_padding_matches_flat_param(numel, n, dtype):
+    p = nn.Parameter(torch.zeros(numel))
+    fp = FlatParam("t", build_entries([(p, [])]), [p.detach()], True, dtype, torch.device("cpu"),
+                   rank=0, world_size=n, keep_unsharded=False, accountant=TierAccountant())
+    model = nn.Linear(numel, 1, bias=False)  # one root flat parameter of numel elements
+    est = estimate_memory(model, world_size=n, stage=3, dtype=dtype)
+    assert est.model_states["device"]["parameters"] == fp.shard_numel * fp.itemsize
+
+
+def test_preset_and_checkpoint_folder(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    est = estimate_memory("tiny", stage=3)
+    assert est.source.startswith("preset tiny")
+    cfg = transformers.LlamaConfig(vocab_size=300, hidden_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2,
+                                   intermediate_size=96, tie_word_embeddings=True)
+    cfg.save_pretrained(tmp_path)
+    with torch.device("meta"):
+        ref = transformers.LlamaForCausalLM(cfg)
+    from_dir = estimate_memory(str(tmp_path))
+    assert from_dir.num_params == sum(p.numel() for p in ref.parameters())
+    assert from_dir.largest_unit_numel == sum(p.numel() for p in ref.model.layers[0].parameters())
+
+
+# -- bad input ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("kwargs,needle", [
+    (dict(stage=5), "stage=5"), (dict(stage=True), "stage=True"),
+    (dict(world_size=0), "world_size=0"), (dict(offload="disk"), "offload='disk'"),
+    (dict(gpus_per_node=3, world_size=4), "gpus_per_node=3"), (dict(dtype="int8"), "int8"),
+    (dict(prefetch=-1), "prefetch=-1")])
+def test_bad_arguments_raise_value_error(kwargs, needle):
+    with pytest.raises(ValueError, match=needle.replace("(", r"\(")):
+        estimate_memory(1000, **kwargs)
+
+
+@pytest.mark.parametrize("value", [-5, 0, -1e9, float("nan"), 1.5, "no-such-preset", True])
+def test_bad_model_raises_value_error(value):
+    with pytest.raises(ValueError, match=repr(value) if not isinstance(value, str) else value):
+        estimate_memory(value)
+
+
+def test_folder_without_config_raises(tmp_path):
+    with pytest.raises(ValueError, match="config.json"):
+        estimate_memory(str(tmp_path))
+
+
+# -- estimate vs the engine's accounting ---------------------------------------------------------
+class WiderLM(TinyLM):
+    """TinyLM with wider blocks (several 4096-byte pages per flat parameter) and a tied head."""
+
+    def __init__(self):
+        super().__init__(n_blocks=4, tie=True)
+        from models import Block, WIDTH
+        self.blocks = nn.ModuleList(Block(WIDTH, hidden=173 + 40 * i) for i in range(4))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_estimate_equals_engine_memory_report(stage, dtype, tmp_path):
+    torch.manual_seed(0)
+    for offload in OFFLOADS:
+        model = WiderLM()
+        est = estimate_memory(model, stage=stage, offload=offload, dtype=dtype, accelerator=False)
+        path = tmp_path / offload
+        path.mkdir()
+        with OffloadEngine(model, stage=stage, offload=offload, path=str(path), dtype=dtype) as eng:
+            for x, y in batches(1):
+                eng.backward(lm_loss(eng(x), y))
+                eng.step()
+            rep = eng.memory_report()
+        if stage == 3:  # the (prefetch + 1) blocks and the root the estimate counts
+            assert rep["live_units"]["peak"] <= est.prefetch + 2
+        for tier in TIERS:
+            measured = {k: rep[tier]["by_kind"][k]["peak_bytes"] for k in KINDS}
+            assert measured == est.by_kind(tier), (stage, offload, tier)
+
+
+def test_format_table_is_readable():
+    text = format_table(estimate_memory(7.5e9, world_size=64, gpus_per_node=64))
+    rows = [line.split() for line in text.splitlines() if line[:1] in (" ", "*") and
+            line.split()[-1].replace(".", "").isdigit()]
+    assert len(rows) == 12
+    states = {(r[-7], r[-6]): r[-5] for r in rows}
+    assert [states[(str(s), "none")] for s in STAGES] == ["120.0", "31.4", "16.6", "1.9"]
+    with pytest.raises(ValueError, match="unit='TB'"):
+        format_table(estimate_memory(1000), unit="TB")
