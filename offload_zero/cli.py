@@ -24,6 +24,9 @@ COMMANDS = [
     ("train", "train a Llama-style model from scratch, or fine-tune a local Hugging Face "
               "checkpoint, with ZeRO stage 1/2/3 and CPU/NVMe offload",
      "offload_zero.train"),
+    ("estimate", "memory per device, host and NVMe for a model, world size, ZeRO stage and "
+                 "offload choice (the ZeRO paper's arithmetic plus this engine's buffers)",
+     "offload_zero.estimator"),
 ]
 
 _EPILOG = """\

@@ -42,11 +42,14 @@ def test_paper_trillion_parameters_on_1024():
 @pytest.mark.parametrize("n", [1, 2, 4])
 @pytest.mark.parametrize("stage", STAGES)
 def test_model_state_formula(stage, n):
-    psi = 1_234_567  # not a multiple of anything: exact fractions, rounded once
+    psi = 1_234_568  # a multiple of 1, 2, 4 but of no alignment: exact integers
     est = estimate_memory(psi, world_size=n, stage=stage)
-    want = {0: 16 * psi, 1: 4 * psi + 12 * psi / n, 2: 2 * psi + 14 * psi / n,
-            3: 16 * psi / n}[stage]
-    assert est.model_state_bytes_per_device == round(want)
+    want = {0: 16 * psi, 1: 4 * psi + 12 * psi // n, 2: 2 * psi + 14 * psi // n,
+            3: 16 * psi // n}[stage]
+    assert est.model_state_bytes_per_device == want
+    odd = estimate_memory(psi - 1, world_size=n, stage=stage)  # fractions: each kind rounded
+    odd_want = want * (psi - 1) / psi
+    assert abs(odd.model_state_bytes_per_device - odd_want) <= 2
     dev = est.model_states["device"]
     assert dev["parameters"] == round(2 * psi / (n if stage == 3 else 1))
     assert dev["gradients"] == round(2 * psi / (n if stage >= 2 else 1))
@@ -135,8 +138,9 @@ def test_layout_matches_engine_units_and_frozen_split():
     assert est.trainable_params == est.num_params - 24
 
 
-@pytest.mark.parametrize("numel,n,dtype", [(1, 1, torch.bfloat16), (4097, 2, torch.float32),
-                                           (10_007, 4, torch.bfloat16), (2048 * 4, 4, torch.float16)])
+@pytest.mark.parametrize("numel,n,dtype", [
+    (1, 1, torch.bfloat16), (4097, 2, torch.float32), (10_007, 4, torch.bfloat16),
+    (2048 * 4, 4, torch.float16)])
 def test_padding_matches_flat_param(numel, n, dtype):
     p = nn.Parameter(torch.zeros(numel))
     fp = FlatParam("t", build_entries([(p, [])]), [p.detach()], True, dtype, torch.device("cpu"),

@@ -1,0 +1,584 @@
+"""Memory per rank, per node and on NVMe for a model, world size, ZeRO stage and offload choice.
+
+[Note: model-state arithmetic]
+Mixed-precision Adam keeps, for Ψ trainable parameters and a compute dtype of K bytes per
+element (K = 2 for bf16/fp16, the paper's case): KΨ parameters, KΨ gradients and 12Ψ of fp32
+optimizer state (4Ψ master weights, 4Ψ first moment, 4Ψ second moment). ZeRO-DP (Rajbhandari
+et al., 2019, "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models", sec. 5)
+partitions it over the N data-parallel ranks. Bytes per rank, K = 2:
+
+    stage 0 (plain DP)  16Ψ
+    stage 1 (P_os)      4Ψ + 12Ψ/N
+    stage 2 (P_os+g)    2Ψ + 14Ψ/N
+    stage 3 (P_os+g+p)  16Ψ/N
+
+Offload moves the partitioned state off the device: ``"cpu"`` puts the fp32 master weights and
+moments (12Ψ/N) and the reduced gradient shards (fp32: 4Ψ/N) in host memory (ZeRO-Offload);
+``"nvme"`` puts master weights and moments in NVMe files and keeps the gradient shards in host
+memory (ZeRO-Infinity). At stages 0 and 1 the full gradient (KΨ) stays on the device until the
+step whatever the offload. With fp32 compute and no offload the master weights are the parameter
+shard itself (this engine keeps no second copy), so they cost 0 bytes.
+Frozen parameters (``requires_grad=False``) cost only their compute-dtype copy.
+
+[Note: engine extras]
+Besides model states this engine holds, at the peak of a step:
+- stage 3: the gathered units, up to ``prefetch + 1`` of the largest blocks plus the root unit,
+  each ``padded_numel * K`` bytes on the device (parameters);
+- stages 2 and 3: one unit's full gradient in flight before it is reduce-scattered (the largest
+  trainable flat parameter, ``padded_numel * K`` bytes, device gradients);
+- (stage 1 needs no gradient buffer beyond the full gradients: without offload it reduces in
+  place and the shard is a window of the full gradient);
+- ``"nvme"``: three pipeline host buffer sets of ``3 * largest shard_numel * 4`` bytes each
+  (read k+1 | update k | write k-1);
+- with an accelerator and any offload: one host staging buffer of ``largest shard_numel * K``.
+Activations, the allocator's fragmentation and the framework's own workspace are not counted.
+
+[Note: padding]
+Each flat parameter (one per unit and ``requires_grad`` value) is padded so that its shard,
+``shard_numel``, is a multiple of ``4096 / K`` elements: 4096-byte aligned for O_DIRECT. When a
+model is given, the estimate uses the engine's exact layout, so its bytes equal
+``OffloadEngine.memory_report()``. When only a parameter count is given there is no layout:
+model states are the paper's unpadded arithmetic, exactly (each kind's bytes rounded to the
+nearest byte when Ψ/N is not whole), and the engine extras use an assumed layout (see
+:func:`assumed_layout`).
+
+Units everywhere: bytes; "GB" in printed tables is 1e9 bytes.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+from fractions import Fraction
+from typing import Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
+import torch.nn as nn
+
+STAGES = (0, 1, 2, 3)
+OFFLOADS = ("none", "cpu", "nvme")
+TIERS = ("device", "host", "nvme")
+KINDS = ("parameters", "gradients", "master_weights", "moments", "buffers")
+ALIGN_BYTES = 4096
+_DTYPE_NAMES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
+                "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
+_SHORT = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+# Assumed shape of a model known only by its parameter count (see assumed_layout).
+_ASPECT = 128          # hidden size per layer (GPT-3 175B: 12288 / 96)
+_ASSUMED_VOCAB = 32000  # Llama vocabulary
+
+Number = Union[int, Fraction]
+
+
+@dataclasses.dataclass(frozen=True)
+class FlatSpec:
+    """One flat parameter of the layout: ``numel`` real elements of one unit.
+
+    ``unit``: the unit's index (the root unit is ``-1``); ``trainable``: its ``requires_grad``.
+    """
+
+    numel: int
+    unit: int
+    trainable: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """Bytes per rank for one (stage, offload), split into model states and engine extras.
+
+    Fields:
+        stage, offload: the choice estimated.
+        model_states: ``{tier: {kind: bytes}}`` per rank — parameters, gradients, master
+            weights, moments (see [Note: model-state arithmetic]).
+        extras: ``{tier: {kind: bytes}}`` per rank — this engine's buffers at the step's peak
+            (see [Note: engine extras]).
+        gpus_per_node: ranks per node, to turn per-rank host and NVMe bytes into per-node bytes.
+        engine_supported: False for stage 0 (plain data parallelism; a reference row only).
+    """
+
+    stage: int
+    offload: str
+    model_states: Dict[str, Dict[str, int]]
+    extras: Dict[str, Dict[str, int]]
+    gpus_per_node: int
+    engine_supported: bool
+
+    def tier_bytes(self, tier: str, model_states: bool = True, extras: bool = True) -> int:
+        """Bytes per rank on ``tier`` ("device", "host", "nvme"): model states and/or extras."""
+        total = sum(self.model_states[tier].values()) if model_states else 0
+        return total + (sum(self.extras[tier].values()) if extras else 0)
+
+    def by_kind(self, tier: str) -> Dict[str, int]:
+        """Model states plus extras per kind on ``tier``, per rank: what the engine's
+        ``memory_report()[tier]["by_kind"][kind]["peak_bytes"]`` reports at world size 1."""
+        return {k: self.model_states[tier][k] + self.extras[tier][k] for k in KINDS}
+
+    @property
+    def model_state_bytes_per_device(self) -> int:
+        """Model-state bytes on each device (the paper's figure when the layout is unpadded)."""
+        return self.tier_bytes("device", extras=False)
+
+    @property
+    def device_bytes(self) -> int:
+        """Bytes on each device: model states plus engine extras."""
+        return self.tier_bytes("device")
+
+    @property
+    def host_bytes_per_rank(self) -> int:
+        """Host bytes one rank holds (model states plus buffers)."""
+        return self.tier_bytes("host")
+
+    @property
+    def host_bytes(self) -> int:
+        """Host bytes per node: ``gpus_per_node`` ranks' worth."""
+        return self.gpus_per_node * self.host_bytes_per_rank
+
+    @property
+    def nvme_bytes_per_rank(self) -> int:
+        """NVMe file bytes one rank holds."""
+        return self.tier_bytes("nvme")
+
+    @property
+    def nvme_bytes(self) -> int:
+        """NVMe bytes per node: ``gpus_per_node`` ranks' worth."""
+        return self.gpus_per_node * self.nvme_bytes_per_rank
+
+    def to_dict(self) -> dict:
+        """JSON-ready summary; every value in bytes."""
+        return {"stage": self.stage, "offload": self.offload,
+                "engine_supported": self.engine_supported,
+                "model_state_bytes_per_device": self.model_state_bytes_per_device,
+                "extra_bytes_per_device": self.tier_bytes("device", model_states=False),
+                "device_bytes": self.device_bytes,
+                "host_bytes_per_rank": self.host_bytes_per_rank, "host_bytes": self.host_bytes,
+                "nvme_bytes_per_rank": self.nvme_bytes_per_rank, "nvme_bytes": self.nvme_bytes,
+                "model_states": self.model_states, "extras": self.extras}
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryEstimate:
+    """The result of :func:`estimate_memory`.
+
+    Fields:
+        num_params: distinct parameters (tied ones once), trainable and frozen.
+        trainable_params: the trainable ones (Ψ of the paper).
+        world_size, gpus_per_node, nodes: N = gpus_per_node * nodes ranks.
+        dtype: compute dtype name ("bf16", "fp16", "fp32"); itemsize: its bytes per element (K).
+        prefetch: units gathered ahead at stage 3.
+        padded: True when the engine's layout (and its 4096-byte padding) is used.
+        largest_unit_numel, root_numel: elements of the largest block unit and the root unit.
+        source: what was estimated, in words.
+        selected: the :class:`Placement` for the requested stage and offload.
+        table: a :class:`Placement` for every stage 0-3 x offload none/cpu/nvme, in that order.
+
+    The selected placement's attributes read through: ``est.device_bytes`` is
+    ``est.selected.device_bytes`` (likewise ``model_states``, ``extras``, ``host_bytes``, ...).
+    """
+
+    num_params: int
+    trainable_params: int
+    world_size: int
+    gpus_per_node: int
+    nodes: int
+    dtype: str
+    itemsize: int
+    prefetch: int
+    padded: bool
+    largest_unit_numel: int
+    root_numel: int
+    source: str
+    selected: Placement
+    table: Tuple[Placement, ...]
+
+    def __getattr__(self, name):
+        # selected.device_bytes etc. read as estimate.device_bytes
+        if name.startswith("__") or name in ("selected",):
+            raise AttributeError(name)
+        return getattr(self.selected, name)
+
+    def placement(self, stage: int, offload: str) -> Placement:
+        """The table's :class:`Placement` for ``stage`` and ``offload``."""
+        for p in self.table:
+            if p.stage == stage and p.offload == offload:
+                return p
+        raise ValueError(f"no row for stage={stage!r}, offload={offload!r}; "
+                         f"stages {STAGES}, offloads {OFFLOADS}")
+
+    def to_dict(self) -> dict:
+        """JSON-ready dict: the inputs, the selected placement and the whole table (bytes)."""
+        head = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if f.name not in ("selected", "table")}
+        return {**head, "units": "bytes", "selected": self.selected.to_dict(),
+                "table": [p.to_dict() for p in self.table]}
+
+
+# -- inputs ------------------------------------------------------------------------------------
+def _check_int(name: str, value, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name}={value!r} is not valid; it must be an int >= {low}")
+    return value
+
+
+def _resolve_dtype(dtype) -> torch.dtype:
+    if isinstance(dtype, str) and dtype.lower() in _DTYPE_NAMES:
+        return _DTYPE_NAMES[dtype.lower()]
+    if dtype in _SHORT:
+        return dtype
+    raise ValueError(f"dtype={dtype!r} is not valid; choose one of float32, bfloat16, float16 "
+                     f"(or {sorted(_DTYPE_NAMES)})")
+
+
+def _param_count(value) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"model={value!r} is not a module, a parameter count, a checkpoint "
+                         f"folder or a preset name")
+    if not math.isfinite(value) or value <= 0 or value != int(value):
+        raise ValueError(f"number of parameters {value!r} is not valid; it must be a whole "
+                         f"number > 0")
+    return int(value)
+
+
+def model_layout(model: nn.Module, unit_classes: Sequence[type] = ()) -> List[FlatSpec]:
+    """The engine's flat parameters of ``model``: one :class:`FlatSpec` per unit and
+    ``requires_grad`` value, units found as :class:`offload_zero.OffloadEngine` finds them.
+
+    A parameter shared by several modules (tied embeddings) is counted once. Works on models on
+    the ``meta`` device (nothing is allocated). Units: elements.
+    """
+    from offload_zero.partition.units import find_unit_modules, group_parameters
+    names = [n for n, _ in find_unit_modules(model, tuple(unit_classes))]
+    groups, _ = group_parameters(model, names)
+    specs = []
+    for index, group in enumerate(groups):
+        unit = -1 if index == len(names) else index
+        for trainable in (True, False):
+            numel = sum(p.numel() for p, _ in group if p.requires_grad == trainable)
+            if numel:
+                specs.append(FlatSpec(numel, unit, trainable))
+    if not specs:
+        raise ValueError(f"model {type(model).__name__} has no parameters")
+    return specs
+
+
+def assumed_layout(num_params: int, largest_unit_numel: Optional[int] = None,
+                   root_numel: Optional[int] = None) -> List[FlatSpec]:
+    """A layout for a model known only by its trainable parameter count Ψ (elements).
+
+    Assumption (a GPT/Llama-like decoder): L layers of width h = 128 L (GPT-3's aspect ratio),
+    each block holding 12 h² parameters, so L = round((Ψ / 196608)^(1/3)) (at least 1); the
+    root unit holds untied input and output embeddings of a 32000-token vocabulary, 2 * 32000 * h,
+    at most Ψ / 2. Blocks share the rest equally. For Ψ = 7.5e9: L = 34, h = 4352, root 0.279e9,
+    blocks 0.212e9 each. ``largest_unit_numel`` / ``root_numel`` override the assumption (the block
+    count then follows from the remainder). The layout sums to Ψ exactly.
+    """
+    layers = max(1, round((num_params / (12 * _ASPECT ** 2)) ** (1 / 3)))
+    if root_numel is None:
+        root_numel = min(2 * _ASSUMED_VOCAB * _ASPECT * layers, num_params // 2)
+    if root_numel > num_params:
+        raise ValueError(f"root_numel={root_numel} exceeds the number of parameters {num_params}")
+    rest = num_params - root_numel
+    if largest_unit_numel is not None:
+        layers = max(1, math.ceil(rest / largest_unit_numel)) if rest else 0
+    elif rest == 0:
+        layers = 0
+    specs = []
+    if largest_unit_numel is not None:  # blocks of the given size, the last one may be short
+        specs = [FlatSpec(min(largest_unit_numel, rest - i * largest_unit_numel), i, True)
+                 for i in range(layers)]
+    elif layers:
+        block, extra = divmod(rest, layers)
+        specs = [FlatSpec(block + (1 if i < extra else 0), i, True) for i in range(layers)]
+    if root_numel:
+        specs.append(FlatSpec(root_numel, -1, True))
+    return specs
+
+
+def _preset_or_checkpoint(name: str) -> Tuple[nn.Module, str]:
+    """Build the model named by a preset of :mod:`offload_zero.train` or a Hugging Face
+    checkpoint folder on the ``meta`` device (no memory allocated, no weights read)."""
+    import transformers  # deferred: importing transformers takes seconds
+    from offload_zero import train
+    if os.path.isdir(name):
+        if not os.path.isfile(os.path.join(name, "config.json")):
+            raise ValueError(f"model={name!r} is a folder without config.json; it is not a "
+                             f"Hugging Face checkpoint")
+        config = transformers.AutoConfig.from_pretrained(name)
+        with torch.device("meta"):
+            try:
+                model = transformers.AutoModelForCausalLM.from_config(config)
+            except ValueError:
+                model = transformers.AutoModel.from_config(config)
+        return model, f"checkpoint {name}"
+    if name in train.PRESETS:
+        size = train.PRESETS[name]
+        vocab = train.data_lib.ByteTokenizer().vocab_size
+        config = transformers.LlamaConfig(
+            vocab_size=vocab, hidden_size=size.hidden_size, num_hidden_layers=size.layers,
+            num_attention_heads=size.heads, num_key_value_heads=size.heads,
+            intermediate_size=size.intermediate_size)
+        with torch.device("meta"):
+            model = transformers.LlamaForCausalLM(config)
+        return model, f"preset {name} ({size.describe()})"
+    raise ValueError(f"model={name!r} is neither a checkpoint folder (with config.json) nor a "
+                     f"preset; presets: {sorted(train.PRESETS)}")
+
+
+# -- arithmetic ----------------------------------------------------------------------------------
+def _shard_numel(numel: int, world_size: int, itemsize: int, padded: bool) -> Number:
+    """Elements per rank of one flat parameter: padded to the engine's 4096-byte alignment
+    (as :class:`offload_zero.partition.flat_param.FlatParam`), or the exact fraction numel / N."""
+    if not padded:
+        return Fraction(numel, world_size)
+    align = ALIGN_BYTES // itemsize
+    return max(1, math.ceil(numel / (world_size * align))) * align
+
+
+def _zeros() -> Dict[str, Dict[str, Number]]:
+    return {t: {k: 0 for k in KINDS} for t in TIERS}
+
+
+def _model_states(layout, stage, offload, n, k, padded) -> Dict[str, Dict[str, Number]]:
+    """Per-rank model-state bytes by tier and kind; see [Note: model-state arithmetic]."""
+    out = _zeros()
+    dev = out["device"]
+    opt_tier = {"none": "device", "cpu": "host", "nvme": "nvme"}[offload]
+    for spec in layout:
+        shard = _shard_numel(spec.numel, n, k, padded)
+        full = shard * n
+        dev["parameters"] += k * (full if stage < 3 else shard)
+        if not spec.trainable:
+            continue
+        opt = full if stage == 0 else shard  # optimizer state is partitioned from stage 1
+        if stage < 2:
+            dev["gradients"] += k * full     # full gradients held until the step
+        if offload != "none":
+            out["host"]["gradients"] += 4 * opt   # fp32 reduced gradient shards
+        elif stage >= 2:
+            dev["gradients"] += k * shard
+        aliased = offload == "none" and k == 4    # fp32 master is the parameter shard itself
+        out[opt_tier]["master_weights"] += 0 if aliased else 4 * opt
+        out[opt_tier]["moments"] += 8 * opt
+    return out
+
+
+def _extras(layout, stage, offload, n, k, padded, prefetch, accelerator):
+    """Per-rank bytes of this engine's buffers at the step's peak; see [Note: engine extras]."""
+    out = _zeros()
+    if stage == 0:
+        return out
+    full = {}     # unit -> gathered bytes
+    shards = []   # trainable shard_numel
+    grad_full = []
+    for spec in layout:
+        shard = _shard_numel(spec.numel, n, k, padded)
+        full[spec.unit] = full.get(spec.unit, 0) + k * shard * n
+        if spec.trainable:
+            shards.append(shard)
+            grad_full.append(k * shard * n)
+    if stage == 3:
+        blocks = sorted((b for u, b in full.items() if u != -1), reverse=True)
+        out["device"]["parameters"] += sum(blocks[:prefetch + 1]) + full.get(-1, 0)
+    if stage >= 2 and grad_full:
+        out["device"]["gradients"] += max(grad_full)
+    biggest = max(shards, default=0)
+    if offload == "nvme":
+        if not shards:
+            biggest = 1024  # the engine sizes its buffers for 1024 elements then
+        out["host"]["buffers"] += 3 * 3 * biggest * 4
+    if offload != "none" and accelerator and shards:
+        out["host"]["buffers"] += biggest * k
+    return out
+
+
+def _to_bytes(d: Dict[str, Dict[str, Number]]) -> Dict[str, Dict[str, int]]:
+    return {t: {k: int(round(v)) for k, v in kinds.items()} for t, kinds in d.items()}
+
+
+# -- public entry point --------------------------------------------------------------------------
+def estimate_memory(model_or_num_params, world_size: int = 1, gpus_per_node: int = 1,
+                    stage: int = 3, offload: str = "none", dtype=torch.bfloat16,
+                    prefetch: int = 1, unit_classes: Sequence[type] = (),
+                    largest_unit_numel: Optional[int] = None, root_numel: Optional[int] = None,
+                    accelerator: bool = True) -> MemoryEstimate:
+    """Estimate training memory in bytes per device, per node (host) and on NVMe.
+
+    Accounting from Rajbhandari et al., 2019 (ZeRO), sec. 5: KΨ parameters + KΨ gradients +
+    12Ψ fp32 optimizer state (K = compute dtype itemsize, 2 for bf16), per rank at N ranks:
+    stage 0: 16Ψ; 1: 4Ψ + 12Ψ/N; 2: 2Ψ + 14Ψ/N; 3: 16Ψ/N (K = 2); offload moves the fp32
+    state (and the fp32 gradient shards, 4Ψ/N) to host or NVMe; see the module notes for the
+    exact rules, the engine's extra buffers and padding. Ψ = 7.5e9 on 64 ranks gives the
+    paper's 120, 31.4, 16.6 and 1.9 GB of model states per device at stages 0-3.
+
+    Args:
+        model_or_num_params: an ``nn.Module`` (distinct parameters counted, tied ones once;
+            units found as the engine finds them), a parameter count (``7.5e9``), a Hugging Face
+            checkpoint folder (its config.json; the model is built on the ``meta`` device) or a
+            preset name of :mod:`offload_zero.train`.
+        world_size: N, data-parallel ranks, >= 1. gpus_per_node: ranks per node (divides N).
+        stage: ZeRO stage 0-3 for :attr:`MemoryEstimate.selected` (0 = plain data parallelism,
+            a reference the engine does not run). offload: "none", "cpu" or "nvme".
+        dtype: compute dtype (torch dtype or "bf16"/"fp16"/"fp32").
+        prefetch: units gathered ahead at stage 3, >= 0 (the engine's default is 1).
+        unit_classes: module classes that make units (as ``OffloadEngine(unit_classes=...)``).
+        largest_unit_numel, root_numel: elements of the largest block and of the root unit,
+            only for a parameter count (default: :func:`assumed_layout`).
+        accelerator: whether the device is an accelerator (False: the CPU-only engine, which
+            needs no host staging buffer).
+
+    Returns:
+        :class:`MemoryEstimate` with the selected placement and the 12-row table (bytes).
+
+    Raises:
+        ValueError: a bad stage, offload, world size, dtype, parameter count, folder or preset,
+            naming the value.
+    """
+    if isinstance(stage, bool) or stage not in STAGES:
+        raise ValueError(f"stage={stage!r} is not valid; choose one of {STAGES}")
+    if offload not in OFFLOADS:
+        raise ValueError(f"offload={offload!r} is not valid; choose one of {OFFLOADS}")
+    _check_int("world_size", world_size, 1)
+    _check_int("gpus_per_node", gpus_per_node, 1)
+    _check_int("prefetch", prefetch, 0)
+    if world_size % gpus_per_node:
+        raise ValueError(f"world_size={world_size} is not a multiple of "
+                         f"gpus_per_node={gpus_per_node}")
+    dt = _resolve_dtype(dtype)
+    itemsize = torch.empty(0, dtype=dt).element_size()
+    layout, padded, source = _layout_of(model_or_num_params, unit_classes,
+                                        largest_unit_numel, root_numel)
+    rows = []
+    for s in STAGES:
+        for o in OFFLOADS:
+            states = _model_states(layout, s, o, world_size, itemsize, padded)
+            extras = _extras(layout, s, o, world_size, itemsize, padded, prefetch, accelerator)
+            rows.append(Placement(s, o, _to_bytes(states), _to_bytes(extras), gpus_per_node,
+                                  engine_supported=s > 0))
+    selected = next(p for p in rows if p.stage == stage and p.offload == offload)
+    units = {}
+    for spec in layout:
+        units[spec.unit] = units.get(spec.unit, 0) + spec.numel
+    return MemoryEstimate(
+        num_params=sum(sp.numel for sp in layout),
+        trainable_params=sum(sp.numel for sp in layout if sp.trainable),
+        world_size=world_size, gpus_per_node=gpus_per_node, nodes=world_size // gpus_per_node,
+        dtype=_SHORT[dt], itemsize=itemsize, prefetch=prefetch, padded=padded,
+        largest_unit_numel=max((v for u, v in units.items() if u != -1), default=0),
+        root_numel=units.get(-1, 0), source=source, selected=selected, table=tuple(rows))
+
+
+def _layout_of(obj, unit_classes, largest_unit_numel, root_numel):
+    """``(layout, padded, source)`` for any accepted model input."""
+    if isinstance(obj, (str, os.PathLike)):
+        obj, source = _preset_or_checkpoint(os.fspath(obj))
+    else:
+        source = None
+    if isinstance(obj, nn.Module):
+        if largest_unit_numel is not None or root_numel is not None:
+            raise ValueError("largest_unit_numel/root_numel are only for a parameter count; "
+                             "with a model they come from its units")
+        layout = model_layout(obj, unit_classes)
+        return layout, True, source or f"model {type(obj).__name__}"
+    num = _param_count(obj)
+    for name, v in (("largest_unit_numel", largest_unit_numel), ("root_numel", root_numel)):
+        if v is not None:
+            _check_int(name, v, 1 if name == "largest_unit_numel" else 0)
+    layout = assumed_layout(num, largest_unit_numel, root_numel)
+    return layout, False, "parameter count"
+
+
+# -- command line: offload-zero estimate -----------------------------------------------------
+DESCRIPTION = """\
+Estimate training memory for a model: bytes per device, host memory per node and NVMe per node
+for ZeRO stages 0-3 x offload none/cpu/nvme (stage 0 is plain data parallelism, for reference).
+Model states follow Rajbhandari et al., 2019 (ZeRO): 2 bytes of parameters + 2 of gradients +
+12 of fp32 optimizer state per parameter (bf16/fp16), partitioned over N = gpus x nodes ranks.
+The engine's extra buffers (gathered units at stage 3, a gradient in flight, NVMe pipeline
+buffers) are shown apart. Activations are not counted. GB = 1e9 bytes.
+
+examples:
+  offload-zero estimate --params 7.5e9 --gpus 64        # the paper's example: 120/31.4/16.6/1.9
+  offload-zero estimate --model base --stage 3 --offload cpu
+  offload-zero estimate --model ./my-checkpoint --gpus 8 --nodes 4 --json
+"""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of ``offload-zero estimate``."""
+    what = parser.add_mutually_exclusive_group(required=True)
+    what.add_argument("--params", type=float, metavar="N",
+                      help="number of parameters, e.g. 7.5e9 (model states are then the "
+                           "paper's unpadded arithmetic)")
+    what.add_argument("--model", metavar="DIR|PRESET",
+                      help="a Hugging Face checkpoint folder (config.json is read; no weights) "
+                           "or a preset of 'offload-zero train'")
+    parser.add_argument("--gpus", type=int, default=1, metavar="N",
+                        help="ranks (GPUs) per node (default 1)")
+    parser.add_argument("--nodes", type=int, default=1, metavar="M", help="nodes (default 1)")
+    parser.add_argument("--stage", type=int, default=3, choices=STAGES,
+                        help="stage to highlight and report in --json 'selected' (default 3)")
+    parser.add_argument("--offload", default="none", choices=OFFLOADS,
+                        help="offload to highlight (default none)")
+    parser.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"),
+                        help="compute dtype of parameters and gradients (default bf16)")
+    parser.add_argument("--prefetch", type=int, default=1, metavar="K",
+                        help="units gathered ahead at stage 3 (default 1, the engine's)")
+    parser.add_argument("--unit", default="GB", choices=tuple(_UNITS),
+                        help="unit of the table, one decimal (default GB = 1e9 bytes)")
+    parser.add_argument("--json", action="store_true", help="print JSON (bytes) instead of a table")
+
+
+def run(args: argparse.Namespace) -> MemoryEstimate:
+    """Run ``offload-zero estimate``: print the table (or JSON) and return the estimate."""
+    for name in ("gpus", "nodes"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name} {getattr(args, name)} is not valid; it must be >= 1")
+    est = estimate_memory(args.params if args.params is not None else args.model,
+                          world_size=args.gpus * args.nodes, gpus_per_node=args.gpus,
+                          stage=args.stage, offload=args.offload, dtype=args.dtype,
+                          prefetch=args.prefetch)
+    print(json.dumps(est.to_dict(), indent=2) if args.json else format_table(est, args.unit))
+    return est
+
+
+_UNITS = {"GB": 1e9, "MB": 1e6, "GiB": 2.0 ** 30, "MiB": 2.0 ** 20}
+_UNIT_TEXT = {"GB": "1e9", "MB": "1e6", "GiB": "2^30", "MiB": "2^20"}
+
+
+def format_table(est: MemoryEstimate, unit: str = "GB") -> str:
+    """The estimate as a table for a person: one row per stage x offload, in ``unit`` ("GB" =
+    1e9 bytes, "MB", "GiB", "MiB") with one decimal; columns model states per device, engine
+    extras per device, their total, host memory per node and NVMe per node. The selected row is
+    marked with ``*``. Raises ValueError for an unknown unit."""
+    if unit not in _UNITS:
+        raise ValueError(f"unit={unit!r} is not valid; choose one of {tuple(_UNITS)}")
+
+    def _gb(nbytes: int) -> str:
+        return f"{nbytes / _UNITS[unit]:.1f}"
+
+    lines = [
+        f"{est.source}: {est.num_params:,} parameters ({est.trainable_params:,} trainable), "
+        f"{est.dtype}",
+        f"{est.world_size} rank(s) = {est.nodes} node(s) x {est.gpus_per_node} GPU(s); "
+        f"prefetch {est.prefetch}; {unit} = {_UNIT_TEXT[unit]} bytes; activations not counted",
+        "",
+        f"  {'stage':<6}{'offload':<8}{'states/dev':>11}{'extra/dev':>11}{'total/dev':>11}"
+        f"{'host/node':>11}{'NVMe/node':>11}",
+    ]
+    for p in est.table:
+        mark = "*" if p is est.selected else " "
+        extra = p.tier_bytes("device", model_states=False)
+        lines.append(f"{mark} {p.stage:<6}{p.offload:<8}{_gb(p.model_state_bytes_per_device):>11}"
+                     f"{_gb(extra):>11}{_gb(p.device_bytes):>11}{_gb(p.host_bytes):>11}"
+                     f"{_gb(p.nvme_bytes):>11}")
+    lines += ["",
+              "states: parameters, gradients, fp32 master weights and Adam moments per device",
+              "        (ZeRO, Rajbhandari et al., 2019); host/node and NVMe/node: all of a "
+              "node's ranks",
+              "extra:  this engine's gathered units (stage 3) and gradient in flight (stages 2-3)",
+              "stage 0 is plain data parallelism, shown for reference; the engine runs 1-3"]
+    if not est.padded:
+        lines.append(f"layout assumed from the parameter count: largest unit "
+                     f"{est.largest_unit_numel:,}, root {est.root_numel:,} elements")
+    return "\n".join(lines)

@@ -1,0 +1,75 @@
+"""``offload-zero estimate``: JSON with the ZeRO paper's figures, a readable table, flag errors."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from offload_zero import cli
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _row_states(data, stage, offload="none"):
+    row = next(r for r in data["table"] if r["stage"] == stage and r["offload"] == offload)
+    return row["model_state_bytes_per_device"]
+
+
+def test_json_subprocess_gives_the_paper_numbers():
+    out = subprocess.run([sys.executable, "-m", "offload_zero.cli", "estimate", "--params",
+                          "7.5e9", "--gpus", "64", "--json"], cwd=REPO, capture_output=True,
+                         text=True, timeout=120, check=True).stdout
+    data = json.loads(out)
+    assert data["world_size"] == 64 and data["units"] == "bytes"
+    got = [f"{_row_states(data, s) / 1e9:.1f}" for s in (0, 1, 2, 3)]
+    assert got == ["120.0", "31.4", "16.6", "1.9"]
+    assert data["selected"]["stage"] == 3 and data["selected"]["offload"] == "none"
+
+
+def test_trillion_parameters_on_1024_ranks(capsys):
+    assert cli.main(["estimate", "--params", "1e12", "--gpus", "8", "--nodes", "128",
+                     "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["nodes"] == 128 and data["world_size"] == 1024
+    assert f"{data['selected']['model_state_bytes_per_device'] / 1e9:.1f}" == "15.6"
+
+
+def test_table_prints_every_stage_and_offload(capsys):
+    assert cli.main(["estimate", "--params", "7.5e9", "--gpus", "64", "--stage", "2",
+                     "--offload", "cpu"]) == 0
+    text = capsys.readouterr().out
+    for header in ("states/dev", "extra/dev", "total/dev", "host/node", "NVMe/node"):
+        assert header in text
+    rows = [line for line in text.splitlines() if line[:2].strip() in ("", "*")
+            and len(line.split()) >= 7 and line.split()[-6] in ("none", "cpu", "nvme")]
+    assert len(rows) == 12
+    marked = [r for r in rows if r.startswith("*")]
+    assert len(marked) == 1 and marked[0].split()[1:3] == ["2", "cpu"]
+    first = {r.split()[-7]: r.split()[-5] for r in rows if r.split()[-6] == "none"}
+    assert first == {"0": "120.0", "1": "31.4", "2": "16.6", "3": "1.9"}
+
+
+def test_preset_model_in_megabytes(capsys):
+    assert cli.main(["estimate", "--model", "tiny", "--unit", "MB", "--dtype", "fp32"]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("preset tiny") and "MB = 1e6 bytes" in text
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--params", "-5"], "-5"), (["--params", "1e9", "--gpus", "0"], "--gpus 0"),
+    (["--model", "no-such-preset"], "no-such-preset"),
+    (["--params", "1e9", "--prefetch", "-1"], "prefetch=-1")])
+def test_bad_values_exit_2_with_one_line(argv, needle, capsys):
+    assert cli.main(["estimate", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("offload-zero estimate: error:") and needle in err
+
+
+def test_bad_flags_exit_2(capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["estimate", "--params", "1e9", "--stage", "5"])
+    assert exc.value.code == 2
+    with pytest.raises(SystemExit):
+        cli.main(["estimate"])  # --params or --model is required
+    capsys.readouterr()
