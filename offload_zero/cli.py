@@ -2,9 +2,8 @@
 
 Commands are registered in :data:`COMMANDS` as ``(name, help, module)``; a command module
 provides ``DESCRIPTION`` (text for its ``--help``),
-``add_arguments(parser)`` and ``run(args)``. Only ``train`` exists today; ``estimate``
-(memory per rank for a model, world size, stage and offload choice) and ``bench`` (throughput
-against peers) will be added here the same way.
+``add_arguments(parser)`` and ``run(args)``: ``train`` (the main job) and ``estimate`` (memory
+per device, host and NVMe for a model, world size, stage and offload choice).
 
 Exit status: 0 on success, 2 on bad flags (argparse) or on a ``ValueError`` /
 ``NotImplementedError`` raised by the run (printed as one line, no traceback), 130 on Ctrl-C.
