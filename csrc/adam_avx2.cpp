@@ -38,6 +38,49 @@ inline __m128i f32_to_bf16_8(__m256 x) {
   return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
 }
 
+// fp32 -> bf16 with stochastic rounding by r16 (each lane < 65536); NaN -> 0xFFFF. Same bits as
+// f32_to_bf16_sr in adam_scalar.h.
+inline __m128i f32_to_bf16_sr_8(__m256 x, __m256i r16) {
+  const __m256i sum = _mm256_srli_epi32(_mm256_add_epi32(_mm256_castps_si256(x), r16), 16);
+  const __m256i is_nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+  const __m256i r = _mm256_or_si256(sum, _mm256_and_si256(is_nan, _mm256_set1_epi32(0xffff)));
+  return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+}
+
+// fmix32 of adam_scalar.h, per lane.
+inline __m256i fmix32_8(__m256i x) {
+  x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+  x = _mm256_mullo_epi32(x, _mm256_set1_epi32(static_cast<int>(0x85ebca6bu)));
+  x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 13));
+  x = _mm256_mullo_epi32(x, _mm256_set1_epi32(static_cast<int>(0xc2b2ae35u)));
+  return _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+}
+
+template <DType S>
+inline __m256 load_state8(const void* state, int64_t i) {
+  if constexpr (S == DType::kBF16) return load_grad8<DType::kBF16>(state, i);
+  else return _mm256_loadu_ps(static_cast<const float*>(state) + i);
+}
+
+// Stores m and v; for bf16 moments with the random bits of elements i..i+7 (i % 8 == 0, so
+// the upper index bits are one value for the whole vector).
+template <DType S>
+inline void store_moments8(const AdamBuffers& b, const AdamHyper& h, int64_t i, __m256 m,
+                           __m256 v) {
+  if constexpr (S == DType::kBF16) {
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const uint32_t base = static_cast<uint32_t>(i) + sr_key_hi(h.sr_key, i);
+    const __m256i r = fmix32_8(_mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(base)), lane));
+    const __m128i m16 = f32_to_bf16_sr_8(m, _mm256_and_si256(r, _mm256_set1_epi32(0xffff)));
+    const __m128i v16 = f32_to_bf16_sr_8(v, _mm256_srli_epi32(r, 16));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(b.exp_avg) + i), m16);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(b.exp_avg_sq) + i), v16);
+  } else {
+    _mm256_storeu_ps(static_cast<float*>(b.exp_avg) + i, m);
+    _mm256_storeu_ps(static_cast<float*>(b.exp_avg_sq) + i, v);
+  }
+}
+
 template <bool kStream>
 inline void store_ps(float* dst, __m256 x) {
   if constexpr (kStream) _mm256_stream_ps(dst, x); else _mm256_storeu_ps(dst, x);
@@ -73,7 +116,7 @@ bool nonfinite_impl(const AdamBuffers& b, const AdamHyper& h, int64_t begin, int
   return any;
 }
 
-template <DType G, DType O, bool kStream>
+template <DType G, DType S, DType O, bool kStream>
 void update_impl(const AdamBuffers& b, const AdamHyper& h, int64_t begin, int64_t end) {
   const __m256 scale = _mm256_set1_ps(h.grad_scale);
   const __m256 l2_decay = _mm256_set1_ps(h.l2_decay);
@@ -88,8 +131,8 @@ void update_impl(const AdamBuffers& b, const AdamHyper& h, int64_t begin, int64_
   for (; i + kLanes <= end; i += kLanes) {
     __m256 g = load_grad8<G>(b.grad, i);
     __m256 p = _mm256_loadu_ps(b.param + i);
-    __m256 m = _mm256_loadu_ps(b.exp_avg + i);
-    __m256 v = _mm256_loadu_ps(b.exp_avg_sq + i);
+    __m256 m = load_state8<S>(b.exp_avg, i);
+    __m256 v = load_state8<S>(b.exp_avg_sq, i);
     if (h.scale_grad) g = _mm256_mul_ps(g, scale);
     if (h.l2) g = _mm256_fmadd_ps(p, l2_decay, g);
     if (h.decoupled) p = _mm256_mul_ps(p, decay_factor);
@@ -99,38 +142,44 @@ void update_impl(const AdamBuffers& b, const AdamHyper& h, int64_t begin, int64_
     const __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(v), bc2_sqrt), eps);
     p = _mm256_add_ps(p, _mm256_div_ps(_mm256_mul_ps(neg_step_size, m), denom));
     _mm256_storeu_ps(b.param + i, p);
-    _mm256_storeu_ps(b.exp_avg + i, m);
-    _mm256_storeu_ps(b.exp_avg_sq + i, v);
+    store_moments8<S>(b, h, i, m, v);
     store_out8<O, kStream>(b.out, i, p);
   }
   for (; i < end; ++i) adam_element(b, h, i);
   if constexpr (kStream) _mm_sfence();
 }
 
-template <DType G, DType O>
+template <DType G, DType S, DType O>
 void update_stream(const AdamBuffers& b, const AdamHyper& h, int64_t begin, int64_t end,
                    bool streaming) {
-  if (streaming) update_impl<G, O, true>(b, h, begin, end);
-  else update_impl<G, O, false>(b, h, begin, end);
+  if (streaming) update_impl<G, S, O, true>(b, h, begin, end);
+  else update_impl<G, S, O, false>(b, h, begin, end);
 }
 
-template <DType G>
+template <DType G, DType S>
 void update_out(const AdamBuffers& b, const AdamHyper& h, int64_t begin, int64_t end,
                 bool streaming) {
   switch (b.out_dtype) {
-    case DType::kF32: return update_stream<G, DType::kF32>(b, h, begin, end, streaming);
-    case DType::kBF16: return update_stream<G, DType::kBF16>(b, h, begin, end, streaming);
-    case DType::kF16: return update_stream<G, DType::kF16>(b, h, begin, end, streaming);
-    default: return update_stream<G, DType::kNone>(b, h, begin, end, streaming);
+    case DType::kF32: return update_stream<G, S, DType::kF32>(b, h, begin, end, streaming);
+    case DType::kBF16: return update_stream<G, S, DType::kBF16>(b, h, begin, end, streaming);
+    case DType::kF16: return update_stream<G, S, DType::kF16>(b, h, begin, end, streaming);
+    default: return update_stream<G, S, DType::kNone>(b, h, begin, end, streaming);
   }
+}
+
+template <DType G>
+void update_state(const AdamBuffers& b, const AdamHyper& h, int64_t begin, int64_t end,
+                  bool streaming) {
+  if (b.state_dtype == DType::kBF16) return update_out<G, DType::kBF16>(b, h, begin, end, streaming);
+  return update_out<G, DType::kF32>(b, h, begin, end, streaming);
 }
 
 void avx2_update(const AdamBuffers& b, const AdamHyper& h, int64_t begin, int64_t end,
                  bool streaming) {
   switch (b.grad_dtype) {
-    case DType::kBF16: return update_out<DType::kBF16>(b, h, begin, end, streaming);
-    case DType::kF16: return update_out<DType::kF16>(b, h, begin, end, streaming);
-    default: return update_out<DType::kF32>(b, h, begin, end, streaming);
+    case DType::kBF16: return update_state<DType::kBF16>(b, h, begin, end, streaming);
+    case DType::kF16: return update_state<DType::kF16>(b, h, begin, end, streaming);
+    default: return update_state<DType::kF32>(b, h, begin, end, streaming);
   }
 }
 

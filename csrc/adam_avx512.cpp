@@ -50,6 +50,51 @@ inline __m256i f32_to_bf16_16(__m512 x) {
   return _mm512_cvtepi32_epi16(r);
 }
 
+// fp32 -> bf16 with stochastic rounding by r16 (each lane < 65536); NaN -> 0xFFFF. Same bits as
+// f32_to_bf16_sr in adam_scalar.h.
+inline __m256i f32_to_bf16_sr_16(__m512 x, __m512i r16) {
+  const __m512i u = _mm512_castps_si512(x);
+  const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                                _mm512_set1_epi32(0x7f800000));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, r16), 16);
+  r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0xffff));
+  return _mm512_cvtepi32_epi16(r);
+}
+
+// fmix32 of adam_scalar.h, per lane.
+inline __m512i fmix32_16(__m512i x) {
+  x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+  x = _mm512_mullo_epi32(x, _mm512_set1_epi32(static_cast<int>(0x85ebca6bu)));
+  x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 13));
+  x = _mm512_mullo_epi32(x, _mm512_set1_epi32(static_cast<int>(0xc2b2ae35u)));
+  return _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+}
+
+template <DType S>
+inline __m512 load_state16(const void* state, int64_t i) {
+  if constexpr (S == DType::kBF16) return load_grad16<DType::kBF16>(state, i);
+  else return _mm512_loadu_ps(static_cast<const float*>(state) + i);
+}
+
+// Stores m and v; for bf16 moments with the random bits of elements i..i+15 (i % 16 == 0, so
+// the upper index bits are one value for the whole vector).
+template <DType S>
+inline void store_moments16(const AdamBuffers& b, const AdamHyper& h, int64_t i, __m512 m,
+                            __m512 v) {
+  if constexpr (S == DType::kBF16) {
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const uint32_t base = static_cast<uint32_t>(i) + sr_key_hi(h.sr_key, i);
+    const __m512i r = fmix32_16(_mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(base)), lane));
+    const __m256i m16 = f32_to_bf16_sr_16(m, _mm512_and_si512(r, _mm512_set1_epi32(0xffff)));
+    const __m256i v16 = f32_to_bf16_sr_16(v, _mm512_srli_epi32(r, 16));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(b.exp_avg) + i), m16);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(b.exp_avg_sq) + i), v16);
+  } else {
+    _mm512_storeu_ps(static_cast<float*>(b.exp_avg) + i, m);
+    _mm512_storeu_ps(static_cast<float*>(b.exp_avg_sq) + i, v);
+  }
+}
+
 template <DType O, bool kStream, bool kBf16Insn>
 inline void store_out16(void* out, int64_t i, __m512 p) {
   if constexpr (O == DType::kF32) {
@@ -80,7 +125,7 @@ bool nonfinite_impl(const AdamBuffers& b, const AdamHyper& h, int64_t begin, int
   return any;
 }
 
-template <DType G, DType O, bool kStream, bool kBf16Insn>
+template <DType G, DType S, DType O, bool kStream, bool kBf16Insn>
 void update_impl(const AdamBuffers& b, const AdamHyper& h, int64_t begin, int64_t end) {
   const __m512 scale = _mm512_set1_ps(h.grad_scale);
   const __m512 l2_decay = _mm512_set1_ps(h.l2_decay);
@@ -95,8 +140,8 @@ void update_impl(const AdamBuffers& b, const AdamHyper& h, int64_t begin, int64_
   for (; i + kLanes <= end; i += kLanes) {
     __m512 g = load_grad16<G>(b.grad, i);
     __m512 p = _mm512_loadu_ps(b.param + i);
-    __m512 m = _mm512_loadu_ps(b.exp_avg + i);
-    __m512 v = _mm512_loadu_ps(b.exp_avg_sq + i);
+    __m512 m = load_state16<S>(b.exp_avg, i);
+    __m512 v = load_state16<S>(b.exp_avg_sq, i);
     if (h.scale_grad) g = _mm512_mul_ps(g, scale);
     if (h.l2) g = _mm512_fmadd_ps(p, l2_decay, g);
     if (h.decoupled) p = _mm512_mul_ps(p, decay_factor);
@@ -106,39 +151,45 @@ void update_impl(const AdamBuffers& b, const AdamHyper& h, int64_t begin, int64_
     const __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(v), bc2_sqrt), eps);
     p = _mm512_add_ps(p, _mm512_div_ps(_mm512_mul_ps(neg_step_size, m), denom));
     _mm512_storeu_ps(b.param + i, p);
-    _mm512_storeu_ps(b.exp_avg + i, m);
-    _mm512_storeu_ps(b.exp_avg_sq + i, v);
+    store_moments16<S>(b, h, i, m, v);
     store_out16<O, kStream, kBf16Insn>(b.out, i, p);
   }
   for (; i < end; ++i) adam_element(b, h, i);
   if constexpr (kStream) _mm_sfence();
 }
 
-template <DType G, DType O, bool kBf16Insn>
+template <DType G, DType S, DType O, bool kBf16Insn>
 void update_stream(const AdamBuffers& b, const AdamHyper& h, int64_t begin, int64_t end,
                    bool streaming) {
-  if (streaming) update_impl<G, O, true, kBf16Insn>(b, h, begin, end);
-  else update_impl<G, O, false, kBf16Insn>(b, h, begin, end);
+  if (streaming) update_impl<G, S, O, true, kBf16Insn>(b, h, begin, end);
+  else update_impl<G, S, O, false, kBf16Insn>(b, h, begin, end);
 }
 
-template <DType G, bool kBf16Insn>
+template <DType G, DType S, bool kI>
 void update_out(const AdamBuffers& b, const AdamHyper& h, int64_t begin, int64_t end,
                 bool streaming) {
   switch (b.out_dtype) {
-    case DType::kF32: return update_stream<G, DType::kF32, kBf16Insn>(b, h, begin, end, streaming);
-    case DType::kBF16: return update_stream<G, DType::kBF16, kBf16Insn>(b, h, begin, end, streaming);
-    case DType::kF16: return update_stream<G, DType::kF16, kBf16Insn>(b, h, begin, end, streaming);
-    default: return update_stream<G, DType::kNone, kBf16Insn>(b, h, begin, end, streaming);
+    case DType::kF32: return update_stream<G, S, DType::kF32, kI>(b, h, begin, end, streaming);
+    case DType::kBF16: return update_stream<G, S, DType::kBF16, kI>(b, h, begin, end, streaming);
+    case DType::kF16: return update_stream<G, S, DType::kF16, kI>(b, h, begin, end, streaming);
+    default: return update_stream<G, S, DType::kNone, kI>(b, h, begin, end, streaming);
   }
+}
+
+template <DType G, bool kI>
+void update_state(const AdamBuffers& b, const AdamHyper& h, int64_t begin, int64_t end,
+                  bool streaming) {
+  if (b.state_dtype == DType::kBF16) return update_out<G, DType::kBF16, kI>(b, h, begin, end, streaming);
+  return update_out<G, DType::kF32, kI>(b, h, begin, end, streaming);
 }
 
 template <bool kBf16Insn>
 void avx512_update(const AdamBuffers& b, const AdamHyper& h, int64_t begin, int64_t end,
                    bool streaming) {
   switch (b.grad_dtype) {
-    case DType::kBF16: return update_out<DType::kBF16, kBf16Insn>(b, h, begin, end, streaming);
-    case DType::kF16: return update_out<DType::kF16, kBf16Insn>(b, h, begin, end, streaming);
-    default: return update_out<DType::kF32, kBf16Insn>(b, h, begin, end, streaming);
+    case DType::kBF16: return update_state<DType::kBF16, kBf16Insn>(b, h, begin, end, streaming);
+    case DType::kF16: return update_state<DType::kF16, kBf16Insn>(b, h, begin, end, streaming);
+    default: return update_state<DType::kF32, kBf16Insn>(b, h, begin, end, streaming);
   }
 }
 

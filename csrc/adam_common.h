@@ -10,7 +10,7 @@
 
 namespace oz {
 
-// Element type of a gradient input or of the optional weight output.
+// Element type of a gradient input, of the moments, or of the optional weight output.
 enum class DType : int {
   kNone = 0,  // no tensor (only legal for the output)
   kF32 = 1,
@@ -34,15 +34,18 @@ struct AdamHyper {
   float bc2_sqrt;        // (float)sqrt(1 - beta2**step), 1 without bias correction
   float eps;             // eps
   float neg_step_size;   // (float)-(lr / (1 - beta1**step)), -lr without bias correction
+  uint32_t sr_key;       // stochastic-rounding key of this (seed, step); see [Note: bf16 moments]
 };
 
-// The buffers of one call; all hold `numel` elements. param/exp_avg/exp_avg_sq are fp32.
+// The buffers of one call; all hold `numel` elements. param is fp32; exp_avg/exp_avg_sq are
+// both state_dtype (kF32, or kBF16 with stochastic rounding: [Note: bf16 moments]).
 struct AdamBuffers {
   float* param;
   const void* grad;
   DType grad_dtype;
-  float* exp_avg;
-  float* exp_avg_sq;
+  void* exp_avg;
+  void* exp_avg_sq;
+  DType state_dtype;  // kF32 or kBF16
   void* out;          // may be null when out_dtype == kNone
   DType out_dtype;
 };

@@ -21,6 +21,23 @@
 // Regularization".) sqrt, / and fma are correctly rounded, so every instruction set produces
 // the same bits as this reference. torch's own float sqrt on CPU may go through MKL VML and be
 // off by one ulp, so against torch the weights agree to a few ulps, not bit for bit.
+//
+// [Note: bf16 moments]
+// With state_dtype bf16, m and v are loaded to fp32, updated exactly as above, and stored back
+// to bf16 with *stochastic* rounding: r is 16 random bits and the stored value is the top half
+// of (bits(x) + r), so x rounds away from zero with probability equal to the fraction of a
+// bf16 ulp it has past the lower neighbour (unbiased in expectation). Round-to-nearest-even
+// would stall the moments: bf16 keeps 8 significand bits, so a relative change under 2^-9 is
+// lost. With beta2 = 0.999, v * beta2 moves v by 0.1% < 2^-9 = 0.2%, so under RNE v never
+// decays, and every (1 - beta2) * g^2 smaller than half an ulp of v vanishes. Stochastic
+// rounding keeps both effects on average.
+// The random bits are a counter-based hash, so a step is deterministic and independent of the
+// thread split and instruction set: for element i (64-bit) of a call with (seed, step),
+//   key = fmix32(fmix32(seed) + step)                       (per call, in make_hyper)
+//   r   = fmix32((uint32)i + (key ^ (uint32)(i >> 32) * 0x9E3779B9))
+// with fmix32 the 32-bit finalizer of MurmurHash3 (a xor-shift / multiply bijection); m uses
+// the low 16 bits of r, v the high 16. NaN stores 0xFFFF (as the RNE conversion below);
+// +-inf stays inf; a value within a bf16 ulp of FLT_MAX may round up to inf.
 #pragma once
 
 #include <cmath>
@@ -91,6 +108,38 @@ inline uint16_t f32_to_f16(float x) {
   return sign | static_cast<uint16_t>(rounded);
 }
 
+// MurmurHash3's 32-bit finalizer: a bijection on uint32 with full avalanche.
+inline uint32_t fmix32(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x85ebca6bu;
+  x ^= x >> 13;
+  x *= 0xc2b2ae35u;
+  x ^= x >> 16;
+  return x;
+}
+
+// Per-element key of the upper 32 index bits (constant over any aligned vector).
+inline uint32_t sr_key_hi(uint32_t key, int64_t i) {
+  return key ^ (static_cast<uint32_t>(static_cast<uint64_t>(i) >> 32) * 0x9e3779b9u);
+}
+
+// 32 random bits of element i ([Note: bf16 moments]).
+inline uint32_t sr_bits(uint32_t key, int64_t i) {
+  return fmix32(static_cast<uint32_t>(i) + sr_key_hi(key, i));
+}
+
+// fp32 -> bf16 with stochastic rounding by the 16 random bits r16 (< 65536); NaN -> 0xFFFF.
+inline uint16_t f32_to_bf16_sr(float x, uint32_t r16) {
+  const uint32_t u = f32_bits(x);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return 0xffffu;
+  return static_cast<uint16_t>((u + r16) >> 16);
+}
+
+inline float load_state_scalar(const void* state, DType dt, int64_t i) {
+  if (dt == DType::kBF16) return bf16_to_f32(static_cast<const uint16_t*>(state)[i]);
+  return static_cast<const float*>(state)[i];
+}
+
 inline float load_grad_scalar(const void* grad, DType dt, int64_t i) {
   switch (dt) {
     case DType::kBF16: return bf16_to_f32(static_cast<const uint16_t*>(grad)[i]);
@@ -112,8 +161,8 @@ inline void store_out_scalar(void* out, DType dt, int64_t i, float x) {
 inline void adam_element(const AdamBuffers& b, const AdamHyper& h, int64_t i) {
   float g = load_grad_scalar(b.grad, b.grad_dtype, i);
   float p = b.param[i];
-  float m = b.exp_avg[i];
-  float v = b.exp_avg_sq[i];
+  float m = load_state_scalar(b.exp_avg, b.state_dtype, i);
+  float v = load_state_scalar(b.exp_avg_sq, b.state_dtype, i);
   if (h.scale_grad) g = g * h.grad_scale;
   if (h.l2) g = std::fma(p, h.l2_decay, g);
   if (h.decoupled) p = p * h.decay_factor;
@@ -123,8 +172,14 @@ inline void adam_element(const AdamBuffers& b, const AdamHyper& h, int64_t i) {
   const float denom = std::sqrt(v) / h.bc2_sqrt + h.eps;
   p = p + (h.neg_step_size * m) / denom;
   b.param[i] = p;
-  b.exp_avg[i] = m;
-  b.exp_avg_sq[i] = v;
+  if (b.state_dtype == DType::kBF16) {
+    const uint32_t r = sr_bits(h.sr_key, i);
+    static_cast<uint16_t*>(b.exp_avg)[i] = f32_to_bf16_sr(m, r & 0xffffu);
+    static_cast<uint16_t*>(b.exp_avg_sq)[i] = f32_to_bf16_sr(v, r >> 16);
+  } else {
+    static_cast<float*>(b.exp_avg)[i] = m;
+    static_cast<float*>(b.exp_avg_sq)[i] = v;
+  }
   store_out_scalar(b.out, b.out_dtype, i, p);
 }
 

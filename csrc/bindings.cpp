@@ -49,7 +49,8 @@ bool adam_step(uintptr_t param_ptr, uintptr_t grad_ptr, uintptr_t exp_avg_ptr,
                uintptr_t exp_avg_sq_ptr, int64_t numel, const std::string& grad_dtype,
                uintptr_t out_ptr, const py::object& out_dtype, int64_t step, double lr,
                double beta1, double beta2, double eps, double weight_decay, bool adamw,
-               bool bias_correction, double grad_scale, int num_threads) {
+               bool bias_correction, double grad_scale, int num_threads,
+               const std::string& state_dtype, int64_t sr_seed) {
   if (numel < 0) throw py::value_error("numel=" + std::to_string(numel) + " is negative");
   if (step < 1) throw py::value_error("step=" + std::to_string(step) + " must be >= 1");
   if (num_threads < 0) {
@@ -62,6 +63,9 @@ bool adam_step(uintptr_t param_ptr, uintptr_t grad_ptr, uintptr_t exp_avg_ptr,
   check_finite_range(beta2, 0.0, 1.0, true, "beta2");
   check_finite_range(eps, 0.0, inf, true, "eps");
   check_finite_range(weight_decay, 0.0, inf, true, "weight_decay");
+  if (sr_seed < 0 || sr_seed > 0xffffffffLL) {
+    throw py::value_error("sr_seed=" + std::to_string(sr_seed) + " is outside [0, 2**32)");
+  }
   if (!std::isfinite(grad_scale)) {
     throw py::value_error("grad_scale=" + std::to_string(grad_scale) + " is not finite");
   }
@@ -72,9 +76,12 @@ bool adam_step(uintptr_t param_ptr, uintptr_t grad_ptr, uintptr_t exp_avg_ptr,
                                     : parse_dtype(py::cast<std::string>(out_dtype), "out");
   b.param = static_cast<float*>(checked_ptr(param_ptr, numel, DType::kF32, "param"));
   b.grad = checked_ptr(grad_ptr, numel, b.grad_dtype, "grad");
-  b.exp_avg = static_cast<float*>(checked_ptr(exp_avg_ptr, numel, DType::kF32, "exp_avg"));
-  b.exp_avg_sq =
-      static_cast<float*>(checked_ptr(exp_avg_sq_ptr, numel, DType::kF32, "exp_avg_sq"));
+  b.state_dtype = parse_dtype(state_dtype, "state");
+  if (b.state_dtype == DType::kF16) {
+    throw py::value_error("state dtype 'float16' is not supported (float32 or bfloat16)");
+  }
+  b.exp_avg = checked_ptr(exp_avg_ptr, numel, b.state_dtype, "exp_avg");
+  b.exp_avg_sq = checked_ptr(exp_avg_sq_ptr, numel, b.state_dtype, "exp_avg_sq");
   if (b.out_dtype != DType::kNone) {
     b.out = checked_ptr(out_ptr, numel, b.out_dtype, "out");
   } else if (out_ptr != 0) {
@@ -82,7 +89,8 @@ bool adam_step(uintptr_t param_ptr, uintptr_t grad_ptr, uintptr_t exp_avg_ptr,
                           " given without an out dtype");
   }
 
-  AdamOptions o{step, lr, beta1, beta2, eps, weight_decay, adamw, bias_correction, grad_scale};
+  AdamOptions o{step,  lr,    beta1,           beta2,      eps,
+                weight_decay, adamw, bias_correction, grad_scale, static_cast<uint32_t>(sr_seed)};
   const AdamHyper h = make_hyper(o);
   // Environment variables are read while we still hold the GIL.
   const AdamKernels& k = select_kernels();
@@ -92,6 +100,11 @@ bool adam_step(uintptr_t param_ptr, uintptr_t grad_ptr, uintptr_t exp_avg_ptr,
 }
 
 std::string selected_isa() { return select_kernels().name; }
+
+void set_threads(int n) {
+  if (n < 0) throw py::value_error("num_threads=" + std::to_string(n) + " must be >= 0");
+  set_num_threads(n);
+}
 
 }  // namespace
 }  // namespace oz
@@ -103,16 +116,24 @@ PYBIND11_MODULE(_C, m) {
         py::arg("grad_dtype"), py::arg("out_ptr"), py::arg("out_dtype"), py::arg("step"),
         py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),
         py::arg("weight_decay"), py::arg("adamw"), py::arg("bias_correction"),
-        py::arg("grad_scale"), py::arg("num_threads"),
+        py::arg("grad_scale"), py::arg("num_threads"), py::arg("state_dtype") = "float32",
+        py::arg("sr_seed") = 0,
         "One Adam/AdamW step in place over raw buffers of `numel` elements.\n\n"
-        "param/exp_avg/exp_avg_sq: fp32; grad: grad_dtype ('float32'|'bfloat16'|'float16');\n"
+        "param: fp32; exp_avg/exp_avg_sq: state_dtype ('float32'|'bfloat16', the latter\n"
+        "stored with stochastic rounding keyed by (sr_seed, step));\n"
+        "grad: grad_dtype ('float32'|'bfloat16'|'float16');\n"
         "out: optional copy of the new weight in out_dtype (None: no copy, out_ptr must be 0).\n"
-        "num_threads=0 uses OFFLOAD_ZERO_ADAM_THREADS or all CPUs. Returns True (nothing\n"
-        "written) when any gradient times grad_scale is inf or nan. Raises ValueError for bad\n"
-        "pointers, sizes, dtypes or hyperparameters.");
+        "num_threads=0 uses set_num_threads(), OFFLOAD_ZERO_ADAM_THREADS or all CPUs.\n"
+        "Returns True (nothing written) when any gradient times grad_scale is inf or nan.\n"
+        "Raises ValueError for bad pointers, sizes, dtypes or hyperparameters.");
   m.def("selected_isa", &oz::selected_isa,
         "Instruction set adam_step uses now: 'scalar', 'avx2' or 'avx512' "
         "(honours OFFLOAD_ZERO_ADAM_ISA, re-read on every call).");
+  m.def("set_num_threads", &oz::set_threads, py::arg("num_threads"),
+        "Process-wide thread count for adam_step calls given num_threads=0 (>= 1; 0 clears it,\n"
+        "so OFFLOAD_ZERO_ADAM_THREADS or the CPU count apply again).");
+  m.def("get_num_threads", &oz::default_num_threads,
+        "Threads an adam_step call with num_threads=0 uses now.");
   m.def("available_isas", &oz::available_isas,
         "Instruction sets this CPU and OS support, 'scalar' first.");
 }

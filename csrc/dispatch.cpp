@@ -14,6 +14,8 @@
 #include <system_error>
 #include <thread>
 
+#include "adam_scalar.h"
+
 namespace oz {
 namespace {
 
@@ -25,6 +27,9 @@ constexpr int64_t kChunksPerThread = 8;
 constexpr int64_t kChunkAlignNumel = 32;
 // Non-temporal stores for the weight copy only pay off once it no longer fits in cache.
 constexpr int64_t kStreamMinNumel = 1 << 18;
+
+// Set by set_num_threads(); 0: not set.
+std::atomic<int> g_num_threads{0};
 
 uint64_t read_xcr0() {
   uint32_t eax = 0, edx = 0;
@@ -124,7 +129,11 @@ const AdamKernels& select_kernels() {
   return scalar_kernels();
 }
 
+void set_num_threads(int n) { g_num_threads.store(n > 0 ? n : 0); }
+
 int default_num_threads() {
+  const int set = g_num_threads.load();
+  if (set > 0) return set;
   const char* env = std::getenv("OFFLOAD_ZERO_ADAM_THREADS");
   if (env && *env) {
     char* end = nullptr;
@@ -159,6 +168,7 @@ AdamHyper make_hyper(const AdamOptions& o) {
   h.bc2_sqrt = static_cast<float>(std::sqrt(bc2));
   h.eps = static_cast<float>(o.eps);
   h.neg_step_size = static_cast<float>(-(o.lr / bc1));
+  h.sr_key = fmix32(fmix32(o.sr_seed) + static_cast<uint32_t>(o.step));
   return h;
 }
 

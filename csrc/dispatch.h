@@ -18,9 +18,14 @@ std::vector<std::string> available_isas();
 // the named instruction set is not supported by this CPU/OS.
 const AdamKernels& select_kernels();
 
-// Threads used when the caller passes 0: OFFLOAD_ZERO_ADAM_THREADS if set (a positive
-// integer, else std::invalid_argument), otherwise the CPUs this process may run on.
+// Threads used when the caller passes 0: the value of set_num_threads() if one is set, else
+// OFFLOAD_ZERO_ADAM_THREADS if set (a positive integer, else std::invalid_argument), otherwise
+// the CPUs this process may run on.
 int default_num_threads();
+
+// Sets the process-wide thread count default_num_threads() returns (n >= 1), or clears it
+// (n == 0) so the environment variable / CPU count apply again. Thread-safe.
+void set_num_threads(int n);
 
 // The scalars of one step, as the user gives them (doubles, like Python floats).
 struct AdamOptions {
@@ -33,6 +38,7 @@ struct AdamOptions {
   bool adamw;          // decoupled weight decay (AdamW) instead of L2 (Adam)
   bool bias_correction;
   double grad_scale;
+  uint32_t sr_seed;    // stochastic-rounding seed of bf16 moments ([Note: bf16 moments])
 };
 
 // Reduces the options to the floats the kernels use, in double first like torch does.

@@ -20,6 +20,16 @@ SIZES = [0, 1, 7, 15, 16, 17, 31, 33, 1023, 1_000_003]
 BIG = 1_000_003
 
 
+
+@pytest.fixture(autouse=True, scope="module")
+def _torch_single_thread():
+    """torch's reference ops on one thread: on a small shared machine its OpenMP workers
+    otherwise spin against our kernel's threads and other jobs (10x slower, no better test)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
 @pytest.fixture(params=ISAS)
 def isa(request, monkeypatch):
     monkeypatch.setenv("OFFLOAD_ZERO_ADAM_ISA", request.param)
@@ -237,17 +247,164 @@ def test_unaligned_views(isa):
     assert _bits_equal(p, p_ref) and _bits_equal(out, p_ref.to(torch.bfloat16))
 
 
-def test_isas_agree_bit_for_bit(monkeypatch):
+# ---------------------------------------------------------------------------- bf16 moments
+
+_M32 = 0xFFFFFFFF
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """(x * c) mod 2**32 for int64 x in [0, 2**32), without int64 overflow."""
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _M32
+
+
+def _fmix32(x):
+    """MurmurHash3's 32-bit finalizer on a Python int or an int64 tensor of uint32 values."""
+    if isinstance(x, int):
+        x ^= x >> 16
+        x = (x * 0x85EBCA6B) & _M32
+        x ^= x >> 13
+        x = (x * 0xC2B2AE35) & _M32
+        return x ^ (x >> 16)
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x85EBCA6B)
+    x = x ^ (x >> 13)
+    x = _mul32(x, 0xC2B2AE35)
+    return x ^ (x >> 16)
+
+
+def _sr_bits(seed: int, step: int, n: int) -> torch.Tensor:
+    """The kernel's 32 random bits per element (csrc/adam_scalar.h, [Note: bf16 moments])."""
+    key = _fmix32((_fmix32(seed) + step) & _M32)
+    return _fmix32((torch.arange(n, dtype=torch.int64) + key) & _M32)  # index < 2**32
+
+
+def _to_bf16_sr(x: torch.Tensor, r16: torch.Tensor) -> torch.Tensor:
+    """fp32 -> bf16 by stochastic rounding: the top half of bits(x) + r16; NaN -> 0xFFFF."""
+    u = x.view(torch.int32).to(torch.int64) & _M32
+    top = ((u + r16) >> 16) & 0xFFFF
+    top = torch.where(x.isnan(), torch.full_like(top, 0xFFFF), top)
+    return ((top ^ 0x8000) - 0x8000).to(torch.int16).view(torch.bfloat16)
+
+
+def test_sr_reference_rounds_to_a_neighbour_and_is_unbiased():
+    """The test's own reference: each value lands on one of its two bf16 neighbours, and the
+    mean over many draws is the fp32 value."""
+    x = torch.full((200_000,), 1.0 + 2 ** -10)  # a quarter of a bf16 ulp above 1.0
+    r = _sr_bits(3, 1, x.numel())
+    y = _to_bf16_sr(x, r & 0xFFFF).float()
+    assert set(y.unique().tolist()) == {1.0, 1.0 + 2 ** -7}
+    assert abs(y.double().mean().item() - (1.0 + 2 ** -10)) < 2e-5
+
+
+def _bf16_reference_step(p, g, m_bf16, v_bf16, *, seed, step, **kw):
+    """torch ops in fp32 from the bf16 moments, then the kernel's stochastic rounding."""
+    m, v = m_bf16.float(), v_bf16.float()
+    _reference_step(p, g, m, v, step=step, **kw)
+    r = _sr_bits(seed, step, p.numel())
+    return _to_bf16_sr(m, r & 0xFFFF), _to_bf16_sr(v, r >> 16)
+
+
+def _assert_within_one_bf16_ulp(ours: torch.Tensor, ref: torch.Tensor, what: str) -> None:
+    """Equal, or (where torch's fp32 op differed by an ulp before rounding) one bf16 step."""
+    a, b = ours.view(torch.int16).int(), ref.view(torch.int16).int()
+    off = (a - b).abs()
+    assert int(off.max()) <= 1 if off.numel() else True, f"{what}: off by {int(off.max())} ulps"
+    assert int((off != 0).sum()) <= max(2, off.numel() // 1000), \
+        f"{what}: {int((off != 0).sum())} of {off.numel()} differ"
+
+
+@pytest.mark.parametrize("n", [1, 17, 1023, 100_003])
+@pytest.mark.parametrize("adamw,weight_decay,bias_correction",
+                         [(True, 0.1, True), (False, 0.1, False)])
+def test_bf16_moments_match_torch_reference(isa, n, adamw, weight_decay, bias_correction):
+    """Each step from the kernel's own state (so rounding differences cannot compound): torch
+    in fp32 on the bf16 moments plus the same stochastic rounding gives the same moments, and
+    the weights agree as for fp32 moments."""
+    kw = dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8)
+    seed = 12345
+    param = torch.randn(n, generator=torch.Generator().manual_seed(n))
+    m = torch.zeros(n, dtype=torch.bfloat16)
+    v = torch.zeros(n, dtype=torch.bfloat16)
+    for step, grad in enumerate(_grads(n, 20, seed=6), start=1):
+        p_ref = param.clone()
+        m_ref, v_ref = _bf16_reference_step(p_ref, grad, m, v, seed=seed, step=step,
+                                            wd=weight_decay, adamw=adamw,
+                                            bias_correction=bias_correction, **kw)
+        assert not adam_step_(param, grad, m, v, step=step, weight_decay=weight_decay,
+                              adamw=adamw, bias_correction=bias_correction, sr_seed=seed,
+                              state_dtype=torch.bfloat16, **kw)
+        _assert_close_to(param, p_ref, f"{isa} n={n} step={step} param")
+        _assert_within_one_bf16_ulp(m, m_ref, f"{isa} n={n} step={step} exp_avg")
+        _assert_within_one_bf16_ulp(v, v_ref, f"{isa} n={n} step={step} exp_avg_sq")
+
+
+def test_bf16_moments_deterministic_and_seeded(isa):
+    n = 100_003
+    runs = []
+    for seed, threads in ((1, 1), (1, 3), (2, 1)):
+        p, g = torch.randn(n, generator=torch.Generator().manual_seed(0)), torch.randn(n)
+        m = torch.zeros(n, dtype=torch.bfloat16)
+        v = torch.zeros(n, dtype=torch.bfloat16)
+        g = torch.randn(n, generator=torch.Generator().manual_seed(1))
+        for step in (1, 2):
+            adam_step_(p, g, m, v, step=step, lr=1e-2, sr_seed=seed, num_threads=threads)
+        runs.append((p, m, v))
+    assert all(_bits_equal(a, b) for a, b in zip(runs[0], runs[1]))  # thread split: same bits
+    assert not _bits_equal(runs[0][1], runs[2][1])                     # another seed: not
+
+
+@pytest.mark.parametrize("n", [17, 200_003])
+@pytest.mark.parametrize("bad", [math.inf, math.nan])
+def test_overflow_leaves_bf16_moments_unchanged(isa, n, bad):
+    param = torch.randn(n)
+    m, v = torch.randn(n).to(torch.bfloat16), torch.rand(n).to(torch.bfloat16)
+    out = torch.full((n,), 7.0, dtype=torch.bfloat16)
+    before = [t.clone() for t in (param, m, v, out)]
+    grad = torch.randn(n).to(torch.bfloat16)
+    grad[n - 1] = bad
+    assert adam_step_(param, grad, m, v, step=3, lr=1e-2, weight_decay=0.1, out=out) is True
+    assert all(_bits_equal(a, b) for a, b in zip((param, m, v, out), before))
+
+
+def test_bf16_moments_train_like_fp32_moments():
+    """A small least-squares problem: bf16 moments (stochastic rounding) reach the loss fp32
+    moments reach; round-to-nearest-even moments (emulated) are shown to stall v."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(512, 64, generator=gen)
+    w_true = torch.randn(64, 16, generator=gen)
+    y = x @ w_true + 0.01 * torch.randn(512, 16, generator=gen)
+    w0 = torch.zeros(64, 16)
+    losses = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        w = w0.clone()
+        m, v = torch.zeros(w.shape, dtype=dtype), torch.zeros(w.shape, dtype=dtype)
+        for step in range(1, 401):
+            grad = 2.0 / len(x) * x.t() @ (x @ w - y)
+            adam_step_(w, grad, m, v, step=step, lr=2e-2, num_threads=1)
+        losses[dtype] = float(((x @ w - y) ** 2).mean())
+    start = float((y ** 2).mean())
+    assert losses[torch.float32] < 1e-2 * start
+    assert losses[torch.bfloat16] < 1e-2 * start
+    assert losses[torch.bfloat16] < 3 * losses[torch.float32] + 1e-4, losses
+    # Why not RNE: v * 0.999 is within half a bf16 ulp of v, so RNE never lets v decay.
+    v = torch.tensor([1.0, 0.37, 123.0]).to(torch.bfloat16)
+    assert torch.equal((v.float() * 0.999).to(torch.bfloat16), v)
+
+
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+def test_isas_agree_bit_for_bit(monkeypatch, state_dtype):
     n = 100_003
     outs = {}
     for name in ISAS:
         monkeypatch.setenv("OFFLOAD_ZERO_ADAM_ISA", name)
         gen = torch.Generator().manual_seed(0)
-        p, m, v = torch.randn(n, generator=gen), torch.zeros(n), torch.zeros(n)
+        p = torch.randn(n, generator=gen)
+        m, v = torch.zeros(n, dtype=state_dtype), torch.zeros(n, dtype=state_dtype)
+        out = torch.empty(n, dtype=torch.bfloat16)
         for step, grad in enumerate(_grads(n, 3, seed=9), start=1):
             adam_step_(p, grad.to(torch.float16), m, v, step=step, lr=1e-2, weight_decay=0.1,
-                       adamw=False, grad_scale=0.75)
-        outs[name] = (p, m, v)
+                       adamw=False, grad_scale=0.75, sr_seed=7, out=out)
+        outs[name] = (p, m, v, out)
     for name in ISAS[1:]:
         assert all(_bits_equal(a, b) for a, b in zip(outs[ISAS[0]], outs[name])), name
 
@@ -266,6 +423,7 @@ def _ok_args(n=8):
     (2, torch.zeros(4, 4)[:, :2], "exp_avg must be a contiguous"),
     (3, torch.zeros(8, device="meta"), "exp_avg_sq must be on the CPU"),
     (3, torch.zeros(8, dtype=torch.bfloat16), "exp_avg_sq dtype torch.bfloat16"),
+    (2, torch.zeros(8, dtype=torch.float16), "exp_avg dtype torch.float16"),
 ])
 def test_bad_tensors_raise(index, bad, match):
     args = _ok_args()
@@ -287,6 +445,9 @@ def test_bad_tensors_raise(index, bad, match):
     (dict(weight_decay=-0.1), "weight_decay=-0.1"),
     (dict(grad_scale=math.inf), "grad_scale=inf"),
     (dict(num_threads=0), "num_threads=0"),
+    (dict(state_dtype=torch.bfloat16), "state_dtype=torch.bfloat16 but"),
+    (dict(sr_seed=-1), "sr_seed=-1"),
+    (dict(sr_seed=2**32), "sr_seed=4294967296"),
     (dict(out=torch.zeros(8, dtype=torch.int8)), "out dtype torch.int8"),
     (dict(out=torch.zeros(7)), "out has numel=7"),
 ])
@@ -312,6 +473,8 @@ def test_binding_rejects_bad_pointers_and_sizes():
                           (dict(out_ptr=ptr), "given without an out dtype"),
                           (dict(exp_avg_ptr=ptr + 1), "not aligned"),
                           (dict(beta2=1.0), "beta2=1"),
+                          (dict(state_dtype="float16"), "state dtype 'float16'"),
+                          (dict(sr_seed=-1), "sr_seed=-1"),
                           (dict(step=0), "step=0")]:
         with pytest.raises(ValueError, match=match):
             _C.adam_step(**{**base, **change})

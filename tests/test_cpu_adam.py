@@ -10,6 +10,16 @@ from offload_zero.optim import CPUAdam
 SIZES = [1, 7, 15, 16, 17, 1023, 1_000_003]
 
 
+
+@pytest.fixture(autouse=True, scope="module")
+def _torch_single_thread():
+    """torch's reference ops on one thread: on a small shared machine its OpenMP workers
+    otherwise spin against our kernel's threads and other jobs (10x slower, no better test)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
 def _params(seed=0, sizes=SIZES):
     gen = torch.Generator().manual_seed(seed)
     shapes = [(n,) if n % 2 else (n // 1, 1) for n in sizes]  # mix 1-D and 2-D
@@ -194,3 +204,41 @@ def test_bad_params_raise(make, match):
 def test_bad_hyperparameters_raise(kwargs, match):
     with pytest.raises(ValueError, match=match):
         CPUAdam([torch.zeros(3)], **kwargs)
+
+
+def test_bf16_state_dtype_keeps_bf16_moments_near_fp32_ones():
+    fp32_p = [p.requires_grad_(True) for p in _params(sizes=[17, 1023])]
+    bf16_p = [p.detach().clone().requires_grad_(True) for p in fp32_p]
+    fp32 = CPUAdam(fp32_p, lr=1e-2, weight_decay=0.1)
+    bf16 = CPUAdam(bf16_p, lr=1e-2, weight_decay=0.1, state_dtype=torch.bfloat16)
+    for step in range(1, 11):
+        _set_grads(fp32_p, step)
+        for a, b in zip(bf16_p, fp32_p):
+            a.grad = b.grad.clone()
+        fp32.step()
+        bf16.step()
+    for a, b in zip(bf16_p, fp32_p):
+        for key in ("exp_avg", "exp_avg_sq"):
+            ours, ref = bf16.state[a][key], fp32.state[b][key]
+            assert ours.dtype == torch.bfloat16 and ours.shape == a.shape
+            # Ten stochastic roundings, each under one bf16 ulp (2**-8 relative); m also has
+            # elements near zero after cancellation, so an absolute term at the tensor's scale.
+            tol = 2 ** -5 * ref.abs() + 2 ** -8 * ref.abs().max()
+            assert ((ours.float() - ref).abs() <= tol).all(), key
+        assert torch.allclose(a.detach(), b.detach(), rtol=0, atol=1e-3)
+    # A state dict round trip (torch casts moments to the parameter's fp32 on load) comes back
+    # to bf16 on the next step without changing a bit of the moments.
+    sd = copy.deepcopy(bf16.state_dict())
+    again = CPUAdam([p.detach().clone().requires_grad_(True) for p in bf16_p])
+    again.load_state_dict(sd)
+    assert again.param_groups[0]["state_dtype"] == torch.bfloat16
+    for p in again.param_groups[0]["params"]:
+        p.grad = torch.zeros_like(p)
+    again.step()
+    m0 = again.state[again.param_groups[0]["params"][0]]["exp_avg"]
+    assert m0.dtype == torch.bfloat16
+
+
+def test_bad_state_dtype_raises():
+    with pytest.raises(ValueError, match="state_dtype=torch.float16"):
+        CPUAdam([torch.zeros(3)], state_dtype=torch.float16)

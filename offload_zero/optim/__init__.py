@@ -3,8 +3,11 @@
 - :func:`adam_step_` — one Adam/AdamW step over flat CPU buffers (what the engine calls).
 - :class:`CPUAdam` — the same kernel as a drop-in ``torch.optim.Optimizer``.
 - :func:`selected_isa` — which instruction set the kernel runs (scalar, avx2, avx512).
+- :func:`set_num_threads` / :func:`get_num_threads` — the kernel's default thread count.
 """
 from offload_zero.optim.cpu_adam import CPUAdam
-from offload_zero.optim.kernel import adam_step_, available_isas, selected_isa
+from offload_zero.optim.kernel import (adam_step_, available_isas, get_num_threads,
+                                       selected_isa, set_num_threads)
 
-__all__ = ["CPUAdam", "adam_step_", "selected_isa", "available_isas"]
+__all__ = ["CPUAdam", "adam_step_", "selected_isa", "available_isas", "set_num_threads",
+           "get_num_threads"]

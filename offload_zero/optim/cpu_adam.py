@@ -4,6 +4,8 @@ A drop-in for ``torch.optim.AdamW`` (``adamw_mode=True``) or ``torch.optim.Adam`
 (``adamw_mode=False``) on CPU fp32 parameters: param groups, LR schedulers (``group['lr']`` is
 read on every step) and ``state_dict``/``load_state_dict`` with torch's state keys (``step``,
 ``exp_avg``, ``exp_avg_sq``) all work, so states move between this class and torch's.
+With ``state_dtype=torch.bfloat16`` the moments are kept in bf16 (stochastic rounding, see
+:func:`offload_zero.optim.adam_step_`): 4 bytes per parameter less.
 """
 from __future__ import annotations
 
@@ -47,6 +49,12 @@ class CPUAdam(torch.optim.Optimizer):
         weight_decay: >= 0; decoupled for ``adamw_mode=True``, an L2 term otherwise.
         adamw_mode: AdamW (True) or Adam (False).
         bias_correction: apply Adam's bias correction (True, as torch) or not.
+        state_dtype: dtype of ``exp_avg``/``exp_avg_sq``: ``torch.float32`` (default, matches
+            torch) or ``torch.bfloat16`` (half the moment memory; stored with stochastic
+            rounding, seeded per parameter by its position in the groups, deterministic given
+            the step). A per-group key like ``lr``. Moments loaded with another dtype (e.g.
+            fp32 from a torch state dict, or bf16 ones that ``load_state_dict`` cast to the
+            parameter's fp32) are converted on the next step.
 
     Parameters whose ``.grad`` is None are skipped. If a parameter's gradient holds an inf or
     nan, that parameter and its moments are left unchanged and its step count is not advanced;
@@ -60,14 +68,18 @@ class CPUAdam(torch.optim.Optimizer):
     def __init__(self, params: Iterable, lr: float = 1e-3,
                  betas: Tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, adamw_mode: bool = True,
-                 bias_correction: bool = True) -> None:
+                 bias_correction: bool = True,
+                 state_dtype: torch.dtype = torch.float32) -> None:
         _check_hyper(lr, betas, eps, weight_decay)
+        _check_state_dtype(state_dtype)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
-                        adamw_mode=bool(adamw_mode), bias_correction=bool(bias_correction))
+                        adamw_mode=bool(adamw_mode), bias_correction=bool(bias_correction),
+                        state_dtype=state_dtype)
         super().__init__(params, defaults)
         self.last_step_overflow = False
         for gi, group in enumerate(self.param_groups):
             _check_hyper(group["lr"], group["betas"], group["eps"], group["weight_decay"])
+            _check_state_dtype(group["state_dtype"])
             for pi, p in enumerate(group["params"]):
                 _check_param(gi, pi, p)
 
@@ -91,6 +103,7 @@ class CPUAdam(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         overflow = False
+        seed = 0  # a parameter's position over all groups: its stochastic-rounding seed
         for gi, group in enumerate(self.param_groups):
             lr = float(group["lr"])
             beta1, beta2 = (float(b) for b in group["betas"])
@@ -99,7 +112,10 @@ class CPUAdam(torch.optim.Optimizer):
             _check_hyper(lr, (beta1, beta2), eps, weight_decay)
             adamw = bool(group.get("adamw_mode", True))
             bias_correction = bool(group.get("bias_correction", True))
+            state_dtype = group.get("state_dtype", self.defaults["state_dtype"])
+            _check_state_dtype(state_dtype)
             for pi, p in enumerate(group["params"]):
+                seed += 1
                 if p.grad is None:
                     continue
                 _check_param(gi, pi, p)
@@ -113,14 +129,17 @@ class CPUAdam(torch.optim.Optimizer):
                 state = self.state[p]
                 if len(state) == 0:
                     state["step"] = torch.tensor(0.0, dtype=torch.float32)
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
-                    state["exp_avg_sq"] = torch.zeros_like(
-                        p, memory_format=torch.contiguous_format)
+                    for key in ("exp_avg", "exp_avg_sq"):
+                        state[key] = torch.zeros_like(p, dtype=state_dtype,
+                                                      memory_format=torch.contiguous_format)
+                for key in ("exp_avg", "exp_avg_sq"):
+                    if state[key].dtype != state_dtype or not state[key].is_contiguous():
+                        state[key] = state[key].to(state_dtype).contiguous()
                 step = int(state["step"].item()) + 1
                 skipped = adam_step_(
                     p, grad.contiguous(), state["exp_avg"], state["exp_avg_sq"], step=step,
                     lr=lr, betas=(beta1, beta2), eps=eps, weight_decay=weight_decay,
-                    adamw=adamw, bias_correction=bias_correction)
+                    adamw=adamw, bias_correction=bias_correction, sr_seed=seed)
                 if skipped:
                     overflow = True
                 else:
@@ -144,6 +163,12 @@ def _check_hyper(lr, betas, eps, weight_decay) -> None:
     if not isinstance(weight_decay, (int, float)) or not math.isfinite(weight_decay) \
             or weight_decay < 0:
         raise ValueError(f"Invalid weight_decay value: {weight_decay!r} (must be >= 0)")
+
+
+def _check_state_dtype(state_dtype) -> None:
+    if state_dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"Invalid state_dtype={state_dtype!r} (must be torch.float32 or "
+                         "torch.bfloat16)")
 
 
 def _check_param(group_index: int, param_index: int, p: torch.Tensor) -> None:

@@ -18,6 +18,15 @@ Math (Kingma & Ba 2015, "Adam: A Method for Stochastic Optimization"; Loshchilov
 
 The operations and their rounding follow ``torch.optim.Adam``/``AdamW`` with
 ``foreach=False`` (see csrc/adam_scalar.h, [Note: Adam math]).
+
+The moments may be kept in bfloat16 (2 B each instead of 4: 4 B per parameter less memory and
+traffic). They are then computed in fp32 and stored with stochastic rounding from a
+counter-based hash of (``sr_seed``, ``step``, element index), so a step is deterministic and
+the same on every instruction set and thread count (csrc/adam_scalar.h,
+[Note: bf16 moments]).
+
+Threads: the per-call ``num_threads`` wins; otherwise :func:`set_num_threads`, then the
+environment variable ``OFFLOAD_ZERO_ADAM_THREADS``, then every CPU this process may run on.
 """
 from __future__ import annotations
 
@@ -28,10 +37,12 @@ import torch
 
 from offload_zero import _C
 
-__all__ = ["adam_step_", "selected_isa", "available_isas"]
+__all__ = ["adam_step_", "selected_isa", "available_isas", "set_num_threads",
+           "get_num_threads"]
 
 _GRAD_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _OUT_DTYPES = _GRAD_DTYPES
+_STATE_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
 
 
 def selected_isa() -> str:
@@ -45,6 +56,32 @@ def selected_isa() -> str:
         RuntimeError: ``OFFLOAD_ZERO_ADAM_ISA`` names an instruction set this CPU lacks.
     """
     return _C.selected_isa()
+
+
+def set_num_threads(num_threads: Optional[int]) -> None:
+    """Set the threads every later :func:`adam_step_` call uses when it gets no ``num_threads``.
+
+    Process-wide; overrides ``OFFLOAD_ZERO_ADAM_THREADS``. ``None`` clears the setting, so the
+    environment variable (or else every CPU this process may run on) applies again.
+
+    Raises:
+        ValueError: ``num_threads`` is not None or an int >= 1.
+    """
+    if num_threads is None:
+        _C.set_num_threads(0)
+        return
+    if isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 1:
+        raise ValueError(f"num_threads={num_threads!r} must be None or an int >= 1")
+    _C.set_num_threads(num_threads)
+
+
+def get_num_threads() -> int:
+    """Threads an :func:`adam_step_` call without ``num_threads`` uses now.
+
+    Raises:
+        ValueError: ``OFFLOAD_ZERO_ADAM_THREADS`` is consulted and is not a positive integer.
+    """
+    return int(_C.get_num_threads())
 
 
 def available_isas() -> list:
@@ -94,15 +131,17 @@ def adam_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
                betas: Tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                weight_decay: float = 0.0, adamw: bool = True, bias_correction: bool = True,
                grad_scale: float = 1.0, out: Optional[torch.Tensor] = None,
-               num_threads: Optional[int] = None) -> bool:
+               num_threads: Optional[int] = None, state_dtype: Optional[torch.dtype] = None,
+               sr_seed: int = 0) -> bool:
     """One Adam/AdamW step over flat CPU buffers, in place; returns True on overflow.
 
     Args:
         param: fp32 master weights, contiguous, CPU, any shape with N elements. Updated in place.
         grad: gradient, contiguous CPU tensor of N elements, float32, bfloat16 or float16.
             Read only.
-        exp_avg: fp32 first moment, contiguous CPU, N elements. Updated in place.
-        exp_avg_sq: fp32 second moment, contiguous CPU, N elements. Updated in place.
+        exp_avg: first moment, contiguous CPU, N elements, float32 or bfloat16. Updated in
+            place.
+        exp_avg_sq: second moment, same dtype as ``exp_avg``. Updated in place.
         step: the step count including this update (1 on the first call), int >= 1.
         lr: learning rate, >= 0.
         betas: (beta1, beta2), each in [0, 1).
@@ -116,8 +155,20 @@ def adam_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
         out: None, or a contiguous CPU tensor of N elements, float32, bfloat16 or float16, that
             receives the new weight rounded to nearest even (bit-identical to
             ``param.to(out.dtype)``), written in the same pass.
-        num_threads: threads to use; None means ``OFFLOAD_ZERO_ADAM_THREADS`` or every CPU
-            this process may run on. Buffers under ~64K elements per thread use fewer threads.
+        num_threads: threads to use; None means :func:`set_num_threads`'s value, else
+            ``OFFLOAD_ZERO_ADAM_THREADS``, else every CPU this process may run on. Buffers
+            under ~64K elements per thread use fewer threads. The GIL is released meanwhile.
+        state_dtype: None (take the moments' dtype), or the dtype the moments must have:
+            ``torch.float32`` or ``torch.bfloat16``. bfloat16 moments are updated in fp32 and
+            stored with stochastic rounding, not round-to-nearest-even: bf16 keeps 8
+            significand bits, so RNE drops any relative change under 2^-9; with beta2=0.999,
+            ``v * beta2`` is such a change and v would never decay (nor absorb small
+            ``(1 - beta2) * g**2``). Stochastic rounding is unbiased, so the moments follow
+            the fp32 ones on average. The random bits are a hash of (``sr_seed``, ``step``,
+            element index): deterministic given the step, the same for every thread count
+            and instruction set.
+        sr_seed: int in [0, 2**32), the stochastic-rounding seed (use a different one per
+            tensor for independent rounding); ignored for float32 moments.
 
     Returns:
         True when any ``grad * grad_scale`` element is inf or nan; then param, exp_avg,
@@ -135,8 +186,12 @@ def adam_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
     numel = param.numel()
     _check_tensor("param", param, numel, (torch.float32,))
     _check_tensor("grad", grad, numel, tuple(_GRAD_DTYPES))
-    _check_tensor("exp_avg", exp_avg, numel, (torch.float32,))
-    _check_tensor("exp_avg_sq", exp_avg_sq, numel, (torch.float32,))
+    _check_tensor("exp_avg", exp_avg, numel, tuple(_STATE_DTYPES))
+    _check_tensor("exp_avg_sq", exp_avg_sq, numel, (exp_avg.dtype,))
+    if state_dtype is not None and state_dtype != exp_avg.dtype:
+        raise ValueError(f"state_dtype={state_dtype} but exp_avg/exp_avg_sq are {exp_avg.dtype}")
+    if isinstance(sr_seed, bool) or not isinstance(sr_seed, int) or not 0 <= sr_seed < 2**32:
+        raise ValueError(f"sr_seed={sr_seed!r} must be an int in [0, 2**32)")
     if out is not None:
         _check_tensor("out", out, numel, tuple(_OUT_DTYPES))
     _check_scalars(step, lr, betas, eps, weight_decay, grad_scale, num_threads)
@@ -147,4 +202,5 @@ def adam_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
         None if out is None else _OUT_DTYPES[out.dtype],
         int(step), float(lr), float(betas[0]), float(betas[1]), float(eps),
         float(weight_decay), bool(adamw), bool(bias_correction), float(grad_scale),
-        0 if num_threads is None else int(num_threads))
+        0 if num_threads is None else int(num_threads), _STATE_DTYPES[exp_avg.dtype],
+        int(sr_seed))
