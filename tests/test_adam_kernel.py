@@ -5,7 +5,8 @@ on every call). Weights are compared element by element with torch.optim.Adam/Ad
 (foreach=False); torch's float sqrt here is not always correctly rounded (MKL VML), so the
 comparison allows |ours - torch| <= 1e-6 * max(1, |w|) rather than equal bits. Everything that
 does not go through torch's sqrt (bf16/fp16 conversions, grad dtypes, overflow, threads) is
-compared bit for bit.
+compared bit for bit. The 100-step comparison runs every ISA side by side against one
+reference run so the 1M-element case stays cheap; torch's own ops run on one thread.
 """
 import math
 
@@ -16,7 +17,7 @@ from offload_zero import _C
 from offload_zero.optim import adam_step_, available_isas, selected_isa
 
 ISAS = available_isas()
-SIZES = [0, 1, 7, 15, 16, 17, 31, 33, 1023, 1_000_003]
+SIZES = [0, 1, 7, 15, 16, 17, 31, 33, 1023, 1_000_003]  # SIMD widths 8 and 16 +- 1
 BIG = 1_000_003
 
 
@@ -37,8 +38,13 @@ def isa(request, monkeypatch):
     return request.param
 
 
-def _assert_close_to(ours: torch.Tensor, ref: torch.Tensor, what: str) -> None:
+def _assert_close_to(ours: torch.Tensor, ref: torch.Tensor, what: str,
+                     moment: bool = False) -> None:
     tol = 1e-6 * ref.abs().clamp(min=1.0)
+    if moment and ref.numel():
+        # A moment that cancelled down to a small value keeps the rounding error of the
+        # largest gradients it averaged (ulps of ~1e2 here), not of its own magnitude.
+        tol = tol + 1e-7 * ref.abs().max()
     bad = ~((ours - ref).abs() <= tol)
     if bad.any():
         i = int(bad.nonzero()[0])
@@ -57,27 +63,57 @@ def _grads(n: int, steps: int, seed: int):
     return [torch.randn(n, generator=gen) * (10.0 ** ((s % 5) - 2)) for s in range(steps)]
 
 
-@pytest.mark.parametrize("n", SIZES)
-@pytest.mark.parametrize("adamw,weight_decay", [(True, 0.0), (True, 0.1), (False, 0.1)])
-def test_matches_torch(isa, n, adamw, weight_decay):
-    steps = 20 if n < BIG or isa == ISAS[-1] else 5
+# (adamw, weight_decay, bias_correction). torch.optim has no bias_correction switch, so
+# without it the reference is _reference_step (the same torch ops, op by op).
+CONFIGS = [(True, 0.0, True), (True, 0.1, True), (False, 0.1, True),
+           (True, 0.0, False), (True, 0.1, False), (False, 0.1, False)]
+BIG_CONFIGS = [(True, 0.1, True), (False, 0.1, False)]
+STEPS = 100
+CHECK_STEPS = {1, 2, 10, 50, STEPS}
+
+
+def _config_cases():
+    for n in SIZES:
+        for config in (BIG_CONFIGS if n == BIG else CONFIGS):
+            yield pytest.param(n, *config, id=f"n{n}-{'adamw' if config[0] else 'adam'}"
+                               f"-wd{config[1]}-bc{int(config[2])}")
+
+
+@pytest.mark.parametrize("n,adamw,weight_decay,bias_correction", list(_config_cases()))
+def test_matches_torch_over_100_steps(monkeypatch, n, adamw, weight_decay, bias_correction):
+    """Every ISA side by side with one reference over 100 steps (one reference run, one
+    gradient stream): |ours - torch| <= 1e-6 * max(1, |w|) element by element."""
     lr, betas, eps = 1e-2, (0.9, 0.999), 1e-8
     param = torch.randn(n, generator=torch.Generator().manual_seed(n))
     ref = param.clone().requires_grad_(True)
-    cls = torch.optim.AdamW if adamw else torch.optim.Adam
-    opt = cls([ref], lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=False)
-    exp_avg, exp_avg_sq = torch.zeros(n), torch.zeros(n)
-    for step, grad in enumerate(_grads(n, steps, seed=7), start=1):
-        ref.grad = grad.clone()
-        opt.step()
-        overflow = adam_step_(param, grad, exp_avg, exp_avg_sq, step=step, lr=lr, betas=betas,
-                              eps=eps, weight_decay=weight_decay, adamw=adamw)
-        assert overflow is False
-        _assert_close_to(param, ref.detach(), f"{isa} n={n} step={step}")
+    if bias_correction:
+        cls = torch.optim.AdamW if adamw else torch.optim.Adam
+        opt = cls([ref], lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=False)
+    else:
+        ref_m, ref_v = torch.zeros(n), torch.zeros(n)
+    ours = {isa: (param.clone(), torch.zeros(n), torch.zeros(n)) for isa in ISAS}
+    gen = torch.Generator().manual_seed(7)
+    for step in range(1, STEPS + 1):
+        grad = torch.randn(n, generator=gen) * (10.0 ** ((step % 5) - 2))
+        if bias_correction:
+            ref.grad = grad
+            opt.step()
+        else:
+            _reference_step(ref.detach(), grad, ref_m, ref_v, step=step, lr=lr, betas=betas,
+                            eps=eps, wd=weight_decay, adamw=adamw, bias_correction=False)
+        for isa, (p, m, v) in ours.items():
+            monkeypatch.setenv("OFFLOAD_ZERO_ADAM_ISA", isa)
+            assert adam_step_(p, grad, m, v, step=step, lr=lr, betas=betas, eps=eps,
+                              weight_decay=weight_decay, adamw=adamw,
+                              bias_correction=bias_correction) is False
+            if step in CHECK_STEPS:
+                _assert_close_to(p, ref.detach(), f"{isa} n={n} step={step}")
     if n:
-        state = opt.state[ref]
-        _assert_close_to(exp_avg, state["exp_avg"], "exp_avg")
-        _assert_close_to(exp_avg_sq, state["exp_avg_sq"], "exp_avg_sq")
+        m_ref, v_ref = ((opt.state[ref]["exp_avg"], opt.state[ref]["exp_avg_sq"])
+                        if bias_correction else (ref_m, ref_v))
+        for isa, (_, m, v) in ours.items():
+            _assert_close_to(m, m_ref, f"{isa} exp_avg", moment=True)
+            _assert_close_to(v, v_ref, f"{isa} exp_avg_sq", moment=True)
 
 
 def _reference_step(p, g, m, v, *, step, lr, betas, eps, wd, adamw, bias_correction):
@@ -93,22 +129,6 @@ def _reference_step(p, g, m, v, *, step, lr, betas, eps, wd, adamw, bias_correct
     bc2 = 1 - beta2 ** step if bias_correction else 1.0
     denom = (v.sqrt() / math.sqrt(bc2)).add_(eps)
     p.addcdiv_(m, denom, value=-lr / bc1)
-
-
-@pytest.mark.parametrize("n", [1, 17, 1023, 100_003])
-@pytest.mark.parametrize("bias_correction", [True, False])
-@pytest.mark.parametrize("adamw,weight_decay", [(True, 0.05), (False, 0.05)])
-def test_bias_correction_matches_reference(isa, n, bias_correction, adamw, weight_decay):
-    kw = dict(lr=3e-3, betas=(0.8, 0.99), eps=1e-6)
-    param = torch.randn(n)
-    p_ref, m_ref, v_ref = param.clone(), torch.zeros(n), torch.zeros(n)
-    m, v = torch.zeros(n), torch.zeros(n)
-    for step, grad in enumerate(_grads(n, 20, seed=3), start=1):
-        _reference_step(p_ref, grad, m_ref, v_ref, step=step, wd=weight_decay, adamw=adamw,
-                        bias_correction=bias_correction, **kw)
-        assert not adam_step_(param, grad, m, v, step=step, weight_decay=weight_decay,
-                              adamw=adamw, bias_correction=bias_correction, **kw)
-        _assert_close_to(param, p_ref, f"step {step}")
 
 
 def test_small_beta1_uses_other_lerp_branch(isa):

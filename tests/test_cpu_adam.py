@@ -32,8 +32,10 @@ def _set_grads(params, step, seed=1):
         p.grad = torch.randn(p.shape, generator=gen) * (10.0 ** ((step % 4) - 2))
 
 
-def _assert_close(ours, ref, what):
+def _assert_close(ours, ref, what, moment=False):
     tol = 1e-6 * ref.abs().clamp(min=1.0)
+    if moment and ref.numel():  # see tests/test_adam_kernel.py::_assert_close_to
+        tol = tol + 1e-7 * ref.abs().max()
     bad = ~((ours - ref).abs() <= tol)
     assert not bad.any(), f"{what}: {int(bad.sum())} elements off, max diff " \
                           f"{(ours - ref).abs().max().item()}"
@@ -50,10 +52,10 @@ def _pair(adamw, **kw):
 
 @pytest.mark.parametrize("adamw", [True, False])
 @pytest.mark.parametrize("weight_decay", [0.0, 0.1])
-def test_matches_torch_over_20_steps(adamw, weight_decay):
+def test_matches_torch_over_100_steps(adamw, weight_decay):
     ours_p, ours, ref_p, ref = _pair(adamw, lr=1e-2, betas=(0.9, 0.99), eps=1e-8,
                                      weight_decay=weight_decay)
-    for step in range(1, 21):
+    for step in range(1, 101):
         _set_grads(ours_p, step)
         for a, b in zip(ours_p, ref_p):
             b.grad = a.grad.clone()
@@ -62,8 +64,8 @@ def test_matches_torch_over_20_steps(adamw, weight_decay):
     for i, (a, b) in enumerate(zip(ours_p, ref_p)):
         _assert_close(a.detach(), b.detach(), f"param {i} (numel {a.numel()})")
         for key in ("exp_avg", "exp_avg_sq"):
-            _assert_close(ours.state[a][key], ref.state[b][key], f"{key} {i}")
-        assert float(ours.state[a]["step"]) == float(ref.state[b]["step"]) == 20.0
+            _assert_close(ours.state[a][key], ref.state[b][key], f"{key} {i}", moment=True)
+        assert float(ours.state[a]["step"]) == float(ref.state[b]["step"]) == 100.0
 
 
 def test_bias_correction_off_matches_formula():
