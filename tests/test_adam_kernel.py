@@ -9,12 +9,16 @@ compared bit for bit. The 100-step comparison runs every ISA side by side agains
 reference run so the 1M-element case stays cheap; torch's own ops run on one thread.
 """
 import math
+import os
+import threading
+import time
 
 import pytest
 import torch
 
 from offload_zero import _C
-from offload_zero.optim import adam_step_, available_isas, selected_isa
+from offload_zero.optim import (adam_step_, available_isas, get_num_threads, selected_isa,
+                                set_num_threads)
 
 ISAS = available_isas()
 SIZES = [0, 1, 7, 15, 16, 17, 31, 33, 1023, 1_000_003]  # SIMD widths 8 and 16 +- 1
@@ -521,3 +525,77 @@ def test_bad_thread_env(monkeypatch):
         adam_step_(*_ok_args(), step=1, lr=1e-3)
     # An explicit num_threads does not consult the variable.
     assert adam_step_(*_ok_args(), step=1, lr=1e-3, num_threads=1) is False
+
+
+# ---------------------------------------------------------------------------- threads, GIL
+
+
+def test_set_num_threads_overrides_env_and_clears(monkeypatch):
+    monkeypatch.delenv("OFFLOAD_ZERO_ADAM_THREADS", raising=False)
+    cpus = len(os.sched_getaffinity(0))
+    try:
+        assert get_num_threads() == cpus
+        monkeypatch.setenv("OFFLOAD_ZERO_ADAM_THREADS", "3")
+        assert get_num_threads() == 3
+        set_num_threads(5)
+        assert get_num_threads() == 5  # the setting wins over the variable
+        assert adam_step_(*_ok_args(), step=1, lr=1e-3) is False
+        set_num_threads(None)
+        assert get_num_threads() == 3
+        monkeypatch.delenv("OFFLOAD_ZERO_ADAM_THREADS")
+        assert get_num_threads() == cpus
+    finally:
+        set_num_threads(None)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.0, True, "2"])
+def test_set_num_threads_rejects_bad_values(bad):
+    with pytest.raises(ValueError, match="num_threads="):
+        set_num_threads(bad)
+    assert get_num_threads() >= 1
+
+
+def test_thread_setting_gives_identical_bits():
+    n = 300_007
+    results = []
+    try:
+        for threads in (1, 3):
+            set_num_threads(threads)
+            gen = torch.Generator().manual_seed(0)
+            p, g = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
+            m, v = torch.zeros(n), torch.zeros(n)
+            adam_step_(p, g, m, v, step=1, lr=1e-2)
+            results.append((p, m, v))
+    finally:
+        set_num_threads(None)
+    assert all(_bits_equal(a, b) for a, b in zip(*results))
+
+
+def test_gil_is_released_during_the_update():
+    """A Python thread keeps running while another thread is inside a long adam_step_ call.
+    Were the GIL held, the ticking thread would stop for a whole call; allow it pauses of up
+    to 60% of the shortest call (the scheduler of a busy 2-CPU machine pauses it too)."""
+    n = 12_000_000
+    p, g, m, v = torch.zeros(n), torch.full((n,), 1e-3), torch.zeros(n), torch.zeros(n)
+    calls = []
+
+    def update():
+        for step in (1, 2):
+            t0 = time.perf_counter()
+            adam_step_(p, g, m, v, step=step, lr=1e-3, num_threads=1)
+            calls.append((t0, time.perf_counter()))
+
+    ticks = []
+    worker = threading.Thread(target=update)
+    worker.start()
+    while worker.is_alive():
+        ticks.append(time.perf_counter())
+    worker.join()
+    shortest = min(end - start for start, end in calls)
+    assert shortest > 0.01, f"a call took {shortest * 1e3:.1f} ms: too short to tell"
+    for start, end in calls:
+        inside = [start] + [t for t in ticks if start <= t <= end] + [end]
+        gap = max(b - a for a, b in zip(inside, inside[1:]))
+        assert gap < 0.6 * shortest, (
+            f"the Python thread paused {gap * 1e3:.1f} ms during a {(end - start) * 1e3:.1f} ms "
+            "adam_step_ call: the GIL was held")
