@@ -13,7 +13,8 @@ from typing import Optional, Tuple
 
 import torch
 
-OFFLOAD_CHOICES = ("none", "cpu", "nvme")
+OFFLOAD_CHOICES = ("none", "cpu", "nvme", "auto")
+TIER_CHOICES = ("none", "cpu", "nvme")
 STAGE_CHOICES = (1, 2, 3)
 DTYPE_CHOICES = (torch.float32, torch.bfloat16, torch.float16)
 AIO_BACKENDS = ("auto", "libaio", "threads")
@@ -35,9 +36,17 @@ class EngineConfig:
     """Configuration of one engine; all fields are validated on construction.
 
     Fields:
-        offload: where fp32 master weights, Adam moments and gradient shards live.
-            ``"none"``: on the device; ``"cpu"``: host RAM; ``"nvme"``: master weights and moments
-            in files under ``path`` (gradient shards in host RAM). Default ``"none"``.
+        offload: shorthand for the two settings below. ``"none"``: everything on the device;
+            ``"cpu"``: optimizer state (fp32 master weights, moments) and gradient shards in host
+            RAM; ``"nvme"``: optimizer state in files under ``path`` and, at stage 3, the
+            parameter shards too (gradient shards in host RAM); ``"auto"``: the engine measures
+            the device, host and disk and picks the cheapest placement that fits (see
+            :mod:`offload_zero.placement`). Default ``"none"``.
+        offload_optimizer: ``"none"``/``"cpu"``/``"nvme"``, overrides ``offload`` for the fp32
+            master weights and moments. Default: from ``offload``.
+        offload_param: ``"none"``/``"cpu"``/``"nvme"``, overrides ``offload`` for the
+            compute-dtype parameter shards (stage 3 only); NVMe shards are read ahead of use
+            into a fixed pool of host buffers. Default: from ``offload``.
         path: folder for NVMe swap files (required for ``offload="nvme"``; must exist and be
             writable). Each rank uses its own sub-folder ``rank<r>``. Default ``None``.
         stage: ZeRO stage, 1 (optimizer state partitioned), 2 (+ gradients) or 3 (+ parameters).
@@ -59,6 +68,13 @@ class EngineConfig:
         aio_backend: NVMe I/O backend, ``"auto"``, ``"libaio"`` or ``"threads"``. Default auto.
         aio_block_size: bytes per NVMe request, positive multiple of 4096. Default 1 MiB.
         aio_queue_depth: NVMe requests in flight, >= 1. Default 8.
+        activation_checkpointing: recompute each block unit's forward in backward (ZeRO-R's
+            activation partitioning on one rank: non-reentrant torch checkpointing); parameters
+            are gathered again for the recomputation. Default False.
+        offload_activations: with checkpointing on an accelerator, keep the checkpointed inputs
+            in host memory until backward. Default False.
+        max_device_bytes, max_host_bytes: budgets (bytes) that ``offload="auto"`` must fit in,
+            instead of the measured free device memory and available RAM. Default None.
     """
 
     offload: str = "none"
@@ -77,12 +93,35 @@ class EngineConfig:
     aio_backend: str = "auto"
     aio_block_size: int = 1 << 20
     aio_queue_depth: int = 8
+    offload_optimizer: Optional[str] = None
+    offload_param: Optional[str] = None
+    activation_checkpointing: bool = False
+    offload_activations: bool = False
+    max_device_bytes: Optional[int] = None
+    max_host_bytes: Optional[int] = None
 
     def __post_init__(self):
         if self.offload not in OFFLOAD_CHOICES:
             raise ValueError(f"offload={self.offload!r} is not valid; choose one of {OFFLOAD_CHOICES}")
         if isinstance(self.stage, bool) or self.stage not in STAGE_CHOICES:
             raise ValueError(f"stage={self.stage!r} is not valid; choose one of {STAGE_CHOICES}")
+        if self.offload != "auto":
+            if self.offload_optimizer is None:
+                object.__setattr__(self, "offload_optimizer", self.offload)
+            if self.offload_param is None:
+                default = "nvme" if (self.offload == "nvme" and self.stage == 3) else "none"
+                object.__setattr__(self, "offload_param", default)
+            for name in ("offload_optimizer", "offload_param"):
+                value = getattr(self, name)
+                if value not in TIER_CHOICES:
+                    raise ValueError(f"{name}={value!r} is not valid; choose one of {TIER_CHOICES}")
+            if self.offload_param != "none" and self.stage != 3:
+                raise ValueError(f"offload_param={self.offload_param!r} needs stage=3 (parameters "
+                                 f"are only partitioned at stage 3); got stage={self.stage}")
+        for name in ("max_device_bytes", "max_host_bytes"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+                raise ValueError(f"{name}={value!r} is not valid; it must be an int >= 0 (bytes) or None")
         _check_float("lr", self.lr, low=0.0, low_inclusive=False)
         if len(tuple(self.betas)) != 2:
             raise ValueError(f"betas={self.betas!r} must be a pair (beta1, beta2), each in [0, 1)")
@@ -109,18 +148,26 @@ class EngineConfig:
             if not (isinstance(cls, type) and issubclass(cls, torch.nn.Module)):
                 raise ValueError(f"unit_classes entry {cls!r} is not a torch.nn.Module subclass")
         object.__setattr__(self, "device", _resolve_device(self.device))
-        if self.offload == "nvme":
+        if "nvme" in (self.offload, self.offload_optimizer, self.offload_param):
             _check_swap_path(self.path)
 
     @property
     def optimizer_tier(self) -> Tier:
         """Tier of the fp32 master weights and moments."""
-        return {"none": Tier.DEVICE, "cpu": Tier.HOST, "nvme": Tier.NVME}[self.offload]
+        return _TIERS[self.offload_optimizer]
+
+    @property
+    def param_tier(self) -> Tier:
+        """Tier of the compute-dtype parameter shards."""
+        return _TIERS[self.offload_param]
 
     @property
     def grad_tier(self) -> Tier:
         """Tier of the reduced gradient shards (fp32 on the host when offloading)."""
-        return Tier.DEVICE if self.offload == "none" else Tier.HOST
+        return Tier.DEVICE if self.offload_optimizer == "none" else Tier.HOST
+
+
+_TIERS = {"none": Tier.DEVICE, "cpu": Tier.HOST, "nvme": Tier.NVME}
 
 
 def _check_float(name, value, low, low_inclusive=True):

@@ -20,8 +20,10 @@ from offload_zero.comm import Comm, init_from_env
 from offload_zero.config import EngineConfig, Tier
 from offload_zero.memory.accounting import StateKind, TierAccountant
 from offload_zero.memory.aligned import aligned_empty
-from offload_zero.memory.tiers import DeviceStore, HostStore, NVMeStore
-from offload_zero.partition.flat_param import FlatParam, build_entries
+from offload_zero.memory.pool import HostBufferPool
+from offload_zero.memory.tiers import (DeviceStore, HostParamHome, HostStore, NVMeParamHome,
+                                       NVMeStore)
+from offload_zero.partition.flat_param import FlatParam, build_entries, shard_numel_for
 from offload_zero.partition.grads import GradientShards
 from offload_zero.partition.schedule import UnitScheduler
 from offload_zero.partition.units import Unit, find_unit_modules, group_parameters
@@ -84,12 +86,48 @@ class OffloadEngine:
         pin = self.device.type == "cuda"
         self._host_alloc = lambda n, dt: aligned_empty(n, dt, pin=pin)
 
-        self.blocks, self.root = self._build_units(model)
+        self.swapper = None
+        self.param_home = None
+        self.pools: Dict[str, HostBufferPool] = {}
+        try:
+            self._build(model)
+        except BaseException:
+            _release(getattr(self, "store", None), getattr(self, "param_home", None), self.swapper,
+                     self.pools, getattr(self, "scheduler", None), getattr(self, "grads", None),
+                     getattr(self, "flat_params", []))
+            raise
+        # Hooks on tensors live in C++, where the cycle collector cannot see them: the finalizer
+        # must not reference the engine, and it removes the hooks itself.
+        self._finalizer = weakref.finalize(self, _release, self.store, self.param_home,
+                                           self.swapper, self.pools, self.scheduler, self.grads,
+                                           self.flat_params)
+
+    # -- construction ------------------------------------------------------------------------
+    def _build(self, model: nn.Module) -> None:
+        cfg = self.config
+        plan = self._plan_units(model)
+        if not any(members for _, _, members in plan[2]):
+            raise ValueError("model has no parameters to train")
+        if "nvme" in (cfg.offload_optimizer, cfg.offload_param):
+            from offload_zero.memory.swapper import Swapper
+            self.swapper = Swapper(os.path.join(os.fspath(cfg.path), f"rank{self.rank}"),
+                                   backend=cfg.aio_backend, block_size=cfg.aio_block_size,
+                                   queue_depth=cfg.aio_queue_depth)
+        max_shard = max(shard_numel_for(sum(p.numel() for p, _ in members), self.world_size, cfg.dtype)
+                        for _, _, members in plan[2])
+        if cfg.param_tier is Tier.HOST:
+            self.param_home = HostParamHome(self._acct, self._host_alloc)
+        elif cfg.param_tier is Tier.NVME:
+            # in flight at once: (prefetch + 1) units of at most 2 flat parameters, plus the
+            # write-back ring of the step
+            count = 2 * (cfg.prefetch + 2) + NVMeParamHome._WRITE_RING
+            self.pools["param_shards"] = HostBufferPool("param_shards", count, max_shard, cfg.dtype,
+                                                        self._host_alloc, self._acct)
+            self.param_home = NVMeParamHome(self.swapper, self.pools["param_shards"], self._acct)
+        self.blocks, self.root = self._build_units(*plan)
         self.units: List[Unit] = self.blocks + [self.root]
         self.flat_params = [fp for u in self.units for fp in u.flat_params]
         self.trainable = [fp for fp in self.flat_params if fp.requires_grad]
-        if not self.flat_params:
-            raise ValueError("model has no parameters to train")
         for mod in model.modules():  # buffers are not sharded; they follow the device
             for k, b in list(mod._buffers.items()):
                 if b is not None:
@@ -98,56 +136,58 @@ class OffloadEngine:
         self.grads = GradientShards(self.trainable, cfg.grad_tier, self.comm, cfg.stage,
                                     self._acct, self._host_alloc)
         self.store = self._build_store()
+        alias_ok = (cfg.optimizer_tier is Tier.DEVICE and cfg.param_tier is Tier.DEVICE
+                    and cfg.dtype == torch.float32)
         for fp in self.trainable:
             master = self._initial_master.pop(fp)
-            alias = fp.sharded if (cfg.offload == "none" and fp.dtype == torch.float32) else None
-            self.store.add(fp, master, alias=alias)
+            self.store.add(fp, master, alias=fp.sharded if alias_ok else None)
             self._step_count[fp] = 0
         del self._initial_master
         self._staging = None
-        if self.device.type != "cpu" and cfg.offload != "none" and self.trainable:
+        if (self.device.type != "cpu" and cfg.optimizer_tier is not Tier.DEVICE
+                and cfg.param_tier is Tier.DEVICE and self.trainable):
             n = max(fp.shard_numel for fp in self.trainable)
             self._staging = self._host_alloc(n, cfg.dtype)
             self._acct.add(Tier.HOST, StateKind.BUFFERS, n * self._staging.element_size())
-
         self.scheduler = UnitScheduler(self.blocks, self.root, self.comm, cfg.prefetch,
                                        reshard_after_forward=cfg.stage == 3,
                                        on_grad=self.grads.on_full_grad)
-        # Hooks on tensors live in C++, where the cycle collector cannot see them: the finalizer
-        # must not reference the engine, and it removes the hooks itself.
-        self._finalizer = weakref.finalize(self, _release, self.store, self.scheduler, self.grads,
-                                           self.flat_params)
 
-    # -- construction ------------------------------------------------------------------------
-    def _build_units(self, model: nn.Module):
-        cfg = self.config
-        block_mods = find_unit_modules(model, cfg.unit_classes)
-        names = [n for n, _ in block_mods]
-        groups, users = group_parameters(model, names)
+    def _plan_units(self, model: nn.Module):
+        """Units and, per unit, its trainable and frozen parameter groups (nothing built yet)."""
+        block_mods = find_unit_modules(model, self.config.unit_classes)
+        groups, users = group_parameters(model, [n for n, _ in block_mods])
         blocks = [Unit(i, n, m, is_root=False) for i, (n, m) in enumerate(block_mods)]
         root = Unit(len(blocks), "", model, is_root=True)
+        planned = []
+        for unit, group in zip(blocks + [root], groups):
+            for trainable in (True, False):
+                members = [(p, refs) for p, refs in group if p.requires_grad == trainable]
+                if members:
+                    planned.append((unit, trainable, members))
+        return blocks, root, planned, users
+
+    def _build_units(self, blocks, root, planned, users):
+        cfg = self.config
         units = blocks + [root]
         self._initial_master: Dict[FlatParam, torch.Tensor] = {}
         owner_of = {}
-        for unit, group in zip(units, groups):
-            for trainable in (True, False):
-                members = [(p, refs) for p, refs in group if p.requires_grad == trainable]
-                if not members:
-                    continue
-                entries = build_entries(members)
-                values = [p.detach() for p, _ in members]
-                tag = "root" if unit.is_root else f"unit{unit.index}"
-                fp = FlatParam(f"{tag}.{'trainable' if trainable else 'frozen'}", entries, values,
-                               trainable, cfg.dtype, self.device, self.rank, self.world_size,
-                               keep_unsharded=cfg.stage < 3, accountant=self._acct)
-                if trainable:
-                    self._initial_master[fp] = _flat_shard_fp32(fp, values)
-                unit.flat_params.append(fp)
-                for p, refs in members:
-                    owner_of[id(p)] = unit
-                    for mod, attr, _ in refs:
-                        mod._parameters.pop(attr, None)
-                    p.data = torch.empty(0, dtype=p.dtype)  # the engine holds the only copy now
+        for unit, trainable, members in planned:
+            entries = build_entries(members)
+            values = [p.detach() for p, _ in members]
+            tag = "root" if unit.is_root else f"unit{unit.index}"
+            fp = FlatParam(f"{tag}.{'trainable' if trainable else 'frozen'}", entries, values,
+                           trainable, cfg.dtype, self.device, self.rank, self.world_size,
+                           keep_unsharded=cfg.stage < 3, accountant=self._acct,
+                           home=self.param_home)
+            if trainable:
+                self._initial_master[fp] = _flat_shard_fp32(fp, values)
+            unit.flat_params.append(fp)
+            for p, refs in members:
+                owner_of[id(p)] = unit
+                for mod, attr, _ in refs:
+                    mod._parameters.pop(attr, None)
+                p.data = torch.empty(0, dtype=p.dtype)  # the engine holds the only copy now
         for unit_index, unit in enumerate(units):
             deps = {owner_of[k] for k, us in users.items() if unit_index in us} - {unit, root}
             unit.deps = sorted(deps, key=lambda u: u.index)
@@ -157,15 +197,13 @@ class OffloadEngine:
         return blocks, root
 
     def _build_store(self):
-        cfg = self.config
-        if cfg.offload == "none":
+        tier = self.config.optimizer_tier
+        if tier is Tier.DEVICE:
             return DeviceStore(self._acct, self.device)
-        if cfg.offload == "cpu":
+        if tier is Tier.HOST:
             return HostStore(self._acct, self._host_alloc)
-        folder = os.path.join(os.fspath(cfg.path), f"rank{self.rank}")
         max_n = max((fp.shard_numel for fp in self.trainable), default=1024)
-        return NVMeStore(folder, self._acct, self._host_alloc, max_n, backend=cfg.aio_backend,
-                         block_size=cfg.aio_block_size, queue_depth=cfg.aio_queue_depth)
+        return NVMeStore(self.swapper, self._acct, self._host_alloc, max_n)
 
     # -- training loop -----------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
@@ -213,9 +251,13 @@ class OffloadEngine:
             self.last_grad_norm = norm
         with_grad = [fp for fp in self.trainable if self.grads.has_grad[fp]]
         overflow = False
-        for fp, master, m, v in self.store.iter_states(with_grad):
-            self._step_count[fp] += 1
-            overflow |= self._update(fp, master, m, v, coef)
+        try:
+            for fp, master, m, v in self.store.iter_states(with_grad):
+                self._step_count[fp] += 1
+                overflow |= self._update(fp, master, m, v, coef)
+        finally:
+            if self.param_home is not None:
+                self.param_home.drain()
         if overflow:
             self.skipped_steps += 1
         if cfg.stage < 3:
@@ -229,14 +271,23 @@ class OffloadEngine:
         cfg = self.config
         grad = self.grads.buf[fp]
         step = self._step_count[fp]
+        home = fp.home
         if master.device.type == "cpu":
-            out = None
-            if master.data_ptr() != fp.sharded.data_ptr():
-                out = fp.sharded if fp.sharded.device.type == "cpu" else self._staging[:fp.shard_numel]
+            # where the kernel writes the new compute-dtype shard, in the same pass
+            if home is not None:
+                out = home.update_target(fp)
+            elif master.data_ptr() == fp.sharded.data_ptr():
+                out = None
+            elif fp.sharded.device.type == "cpu":
+                out = fp.sharded
+            else:
+                out = self._staging[:fp.shard_numel]
             overflow = adam_step_(master, grad, m, v, step=step, lr=self.lr, betas=cfg.betas,
                                   eps=cfg.eps, weight_decay=cfg.weight_decay, adamw=cfg.adamw,
                                   grad_scale=coef, out=out)
-            if out is not None and out.data_ptr() != fp.sharded.data_ptr() and not overflow:
+            if home is not None:
+                home.commit(fp, out) if not overflow else home.discard(fp)
+            elif out is not None and out.data_ptr() != fp.sharded.data_ptr() and not overflow:
                 fp.sharded.copy_(out)
         else:
             overflow = _torch_adam_(master, grad, m, v, step, self.lr, cfg.betas, cfg.eps,
@@ -274,6 +325,7 @@ class OffloadEngine:
         rep["nvme"]["read_bytes"] = getattr(self.store, "read_bytes", 0)
         rep["nvme"]["written_bytes"] = getattr(self.store, "written_bytes", 0)
         rep["live_units"] = {"current": self.scheduler.live_units(), "peak": self.scheduler.live_peak}
+        rep["pools"] = {name: pool.report() for name, pool in self.pools.items()}
         return rep
 
     def comm_report(self) -> dict:
@@ -294,6 +346,8 @@ class OffloadEngine:
         for fp in self.flat_params:
             if fp.requires_grad:
                 shard = self.store.read_master(fp).to(self.device)
+            elif fp.home is not None:
+                shard = fp.home.read(fp).float().to(self.device)
             else:
                 shard = fp.sharded.float()
             full = torch.empty(fp.padded_numel, dtype=torch.float32, device=self.device)
@@ -329,15 +383,25 @@ class OffloadEngine:
         self.close()
 
 
-def _release(store, scheduler, grads, flat_params) -> None:
-    """Close the engine's resources (swap files first: they must not outlive the process)."""
+def _release(store, param_home, swapper, pools, scheduler, grads, flat_params) -> None:
+    """Close the engine's resources; swap files go first: they must not outlive the process.
+
+    Any of them may be None (a constructor that failed half-way)."""
     try:
-        store.close()
+        for part in (store, param_home):
+            if part is not None:
+                part.close()
     finally:
-        scheduler.remove_hooks()
-        grads.release()
+        if swapper is not None:
+            swapper.close()
+        if scheduler is not None:
+            scheduler.remove_hooks()
+        if grads is not None:
+            grads.release()
         for fp in flat_params:
             fp.release()
+        for pool in pools.values():
+            pool.close()
 
 
 def _flat_shard_fp32(fp: FlatParam, values: List[torch.Tensor]) -> torch.Tensor:

@@ -15,7 +15,8 @@ partitions it over the N data-parallel ranks. Bytes per rank, K = 2:
 Offload moves the partitioned state off the device: ``"cpu"`` puts the fp32 master weights and
 moments (12Ψ/N) and the reduced gradient shards (fp32: 4Ψ/N) in host memory (ZeRO-Offload);
 ``"nvme"`` puts master weights and moments in NVMe files and keeps the gradient shards in host
-memory (ZeRO-Infinity). At stages 0 and 1 the full gradient (KΨ) stays on the device until the
+memory (ZeRO-Infinity); at stage 3 it puts the compute-dtype parameter shards (KΨ/N) in NVMe
+files too. At stages 0 and 1 the full gradient (KΨ) stays on the device until the
 step whatever the offload. With fp32 compute and no offload the master weights are the parameter
 shard itself (this engine keeps no second copy), so they cost 0 bytes.
 Frozen parameters (``requires_grad=False``) cost only their compute-dtype copy.
@@ -23,13 +24,16 @@ Frozen parameters (``requires_grad=False``) cost only their compute-dtype copy.
 [Note: engine extras]
 Besides model states this engine holds, at the peak of a step:
 - stage 3: the gathered units, up to ``prefetch + 1`` of the largest blocks plus the root unit,
-  each ``padded_numel * K`` bytes on the device (parameters);
+  each ``padded_numel * K`` bytes on the device (parameters); with parameters on NVMe the units
+  ahead are read into host buffers instead, so one block plus the root;
 - stages 2 and 3: one unit's full gradient in flight before it is reduce-scattered (the largest
   trainable flat parameter, ``padded_numel * K`` bytes, device gradients);
 - (stage 1 needs no gradient buffer beyond the full gradients: without offload it reduces in
   place and the shard is a window of the full gradient);
 - ``"nvme"``: three pipeline host buffer sets of ``3 * largest shard_numel * 4`` bytes each
-  (read k+1 | update k | write k-1);
+  (read k+1 | update k | write k-1); at stage 3 also the pool of parameter-shard buffers,
+  ``2 * (prefetch + 2) + 2`` buffers of ``largest shard_numel * K`` bytes (reads ahead of use and
+  the step's write-back ring);
 - with an accelerator and any offload: one host staging buffer of ``largest shard_numel * K``.
 Activations, the allocator's fragmentation and the framework's own workspace are not counted.
 
@@ -347,7 +351,8 @@ def _model_states(layout, stage, offload, n, k, padded) -> Dict[str, Dict[str, N
     for spec in layout:
         shard = _shard_numel(spec.numel, n, k, padded)
         full = shard * n
-        dev["parameters"] += k * (full if stage < 3 else shard)
+        param_tier = "nvme" if (offload == "nvme" and stage == 3) else "device"
+        out[param_tier]["parameters"] += k * (full if stage < 3 else shard)
         if not spec.trainable:
             continue
         opt = full if stage == 0 else shard  # optimizer state is partitioned from stage 1
@@ -371,15 +376,19 @@ def _extras(layout, stage, offload, n, k, padded, prefetch, accelerator):
     full = {}     # unit -> gathered bytes
     shards = []   # trainable shard_numel
     grad_full = []
+    all_shards = []
     for spec in layout:
         shard = _shard_numel(spec.numel, n, k, padded)
+        all_shards.append(shard)
         full[spec.unit] = full.get(spec.unit, 0) + k * shard * n
         if spec.trainable:
             shards.append(shard)
             grad_full.append(k * shard * n)
     if stage == 3:
         blocks = sorted((b for u, b in full.items() if u != -1), reverse=True)
-        out["device"]["parameters"] += sum(blocks[:prefetch + 1]) + full.get(-1, 0)
+        # NVMe-resident shards are read ahead, not gathered ahead: one block on the device
+        gathered = 1 if offload == "nvme" else prefetch + 1
+        out["device"]["parameters"] += sum(blocks[:gathered]) + full.get(-1, 0)
     if stage >= 2 and grad_full:
         out["device"]["gradients"] += max(grad_full)
     biggest = max(shards, default=0)
@@ -387,6 +396,8 @@ def _extras(layout, stage, offload, n, k, padded, prefetch, accelerator):
         if not shards:
             biggest = 1024  # the engine sizes its buffers for 1024 elements then
         out["host"]["buffers"] += 3 * 3 * biggest * 4
+        if stage == 3 and all_shards:
+            out["host"]["buffers"] += (2 * (prefetch + 2) + 2) * max(all_shards) * k
     if offload != "none" and accelerator and shards:
         out["host"]["buffers"] += biggest * k
     return out

@@ -17,16 +17,18 @@ OFFLOADS = ["none", "cpu", "nvme"]
 
 
 def _engine(model, offload, tmp_path, **kw):
-    path = str(tmp_path) if offload == "nvme" else None
-    return OffloadEngine(model, offload=offload, path=path, **kw)
+    kw.setdefault("path", str(tmp_path) if offload == "nvme" else None)
+    return OffloadEngine(model, offload=offload, **kw)
 
 
 def _train_both(model, engine_kw, tmp_path, offload, steps=5, adamw=True, lr=1e-2, wd=0.1,
-                before_step=None):
+                before_step=None, on_engine=None):
     ref = copy.deepcopy(model)
     opt_cls = torch.optim.AdamW if adamw else torch.optim.Adam
     opt = opt_cls(ref.parameters(), lr=lr, weight_decay=wd, foreach=False)
     eng = _engine(model, offload, tmp_path, lr=lr, weight_decay=wd, adamw=adamw, **engine_kw)
+    if on_engine:
+        on_engine(eng)
     for i, (x, y) in enumerate(batches(steps)):
         if before_step:
             before_step(i, model, ref)
@@ -123,15 +125,21 @@ def test_nvme_swap_files(tmp_path):
         eng.backward(lm_loss(eng(x), y))
         eng.step()
     files = sorted(folder.iterdir())
-    assert len(files) == len(eng.trainable) == 7
+    # per flat parameter: [master | exp_avg | exp_avg_sq] and, at stage 3, the parameter shard
+    assert len(files) == 2 * len(eng.trainable) == 14
     for f in files:
         st = f.stat()
         assert stat.S_IMODE(st.st_mode) == 0o600
         assert st.st_size > 0 and st.st_size % 4096 == 0
     total = sum(f.stat().st_size for f in files)
+    s = sum(fp.shard_numel for fp in eng.trainable)
     rep = eng.memory_report()
-    assert rep["nvme"]["current_bytes"] == total == 12 * sum(fp.shard_numel for fp in eng.trainable)
-    assert rep["nvme"]["read_bytes"] >= 2 * total and rep["nvme"]["written_bytes"] >= 3 * total
+    assert rep["nvme"]["current_bytes"] == total == (12 + 4) * s
+    assert rep["nvme"]["by_kind"]["parameters"]["current_bytes"] == 4 * s
+    # two steps: optimizer state read twice and written three times (with the initial write);
+    # parameter shards read in forward and backward of each step
+    assert rep["nvme"]["read_bytes"] >= 2 * 12 * s + 2 * 2 * 4 * s
+    assert rep["nvme"]["written_bytes"] >= 3 * 12 * s
     eng.close()
     assert not folder.exists()
     assert list(tmp_path.iterdir()) == []
@@ -157,7 +165,8 @@ def test_memory_report_matches_numel_arithmetic(offload, tmp_path):
         s = sum(fp.shard_numel for fp in eng.trainable)
         rep = eng.memory_report()
         kinds = {t: {k: v["current_bytes"] for k, v in rep[t]["by_kind"].items()} for t in ("device", "host", "nvme")}
-        assert kinds["device"]["parameters"] == 4 * s  # fp32 shards at rest, nothing gathered
+        param_tier = "nvme" if offload == "nvme" else "device"  # offload="nvme" at stage 3: both
+        assert kinds[param_tier]["parameters"] == 4 * s  # fp32 shards at rest, nothing gathered
         tier = {"none": "device", "cpu": "host", "nvme": "nvme"}[offload]
         assert kinds[tier]["moments"] == 8 * s
         # fp32 compute with master on the device: the shard is the master (no second copy)
@@ -170,9 +179,13 @@ def test_memory_report_matches_numel_arithmetic(offload, tmp_path):
         rep = eng.memory_report()
         biggest_unit = max(fp.padded_numel for fp in eng.flat_params)
         assert rep["device"]["peak_bytes"] >= rep["device"]["current_bytes"] + 4 * biggest_unit
-        # storage-level check: every device shard really holds its bytes
-        assert sum(fp.sharded.untyped_storage().nbytes() for fp in eng.flat_params) == 4 * sum(
-            fp.shard_numel for fp in eng.flat_params)
+        # storage-level check: every resident shard really holds its bytes
+        if offload != "nvme":
+            assert sum(fp.sharded.untyped_storage().nbytes() for fp in eng.flat_params) == 4 * sum(
+                fp.shard_numel for fp in eng.flat_params)
+        else:
+            assert all(fp.sharded is None for fp in eng.flat_params)
+            assert rep["pools"]["param_shards"]["in_use"] == 0
 
 
 def test_shards_are_4096_byte_aligned():
@@ -239,7 +252,8 @@ def test_frozen_parameters_stay_sharded_and_unchanged(tmp_path):
         assert all(fp.requires_grad for fp in eng.trainable)
         frozen_fps = [fp for fp in eng.flat_params if not fp.requires_grad]
         assert len(frozen_fps) == 4  # three blocks + root
-        assert eng.memory_report()["nvme"]["current_bytes"] == 12 * sum(fp.shard_numel for fp in eng.trainable)
+        assert eng.memory_report()["nvme"]["current_bytes"] == 12 * sum(
+            fp.shard_numel for fp in eng.trainable) + 4 * sum(fp.shard_numel for fp in eng.flat_params)
 
 
 def test_buffers_are_not_sharded_and_eval_between_steps():
@@ -351,7 +365,59 @@ def test_bf16_compute_trains_and_keeps_fp32_master(tmp_path):
             eng.backward(loss)
             eng.step()
         assert losses[-1] < losses[0] - 0.5
-        assert all(fp.sharded.dtype == torch.bfloat16 for fp in eng.flat_params)
+        assert all(fp.dtype == torch.bfloat16 for fp in eng.flat_params)
+        assert eng.pools["param_shards"].dtype == torch.bfloat16
         sd = eng.full_state_dict()
         # master weights carry precision bf16 cannot hold
         assert any(not torch.equal(t, t.bfloat16().float()) for t in sd.values())
+
+
+@pytest.mark.parametrize("offload_param", ["cpu", "nvme"])
+def test_parameter_offload_matches_and_bounds_host_residency(offload_param, tmp_path):
+    torch.manual_seed(8)
+    model = TinyLM(n_blocks=8)
+    seen = []
+    holder = []
+
+    def probe(mod, args):
+        if holder:
+            rep = holder[0].memory_report()
+            seen.append((rep["host"]["by_kind"]["parameters"]["current_bytes"],
+                         rep["pools"].get("param_shards", {}).get("in_use", 0)))
+
+    for b in model.blocks:
+        b.register_forward_pre_hook(probe)
+    eng, ref = _train_both(model, {"offload_param": offload_param, "offload_optimizer": "cpu",
+                                   "path": str(tmp_path)}, tmp_path, "cpu", on_engine=holder.append)
+    with eng:
+        assert max_param_diff(eng.full_state_dict(), ref) <= 1e-6
+        s_all = sum(fp.shard_numel for fp in eng.flat_params)
+        rep = eng.memory_report()
+        if offload_param == "cpu":
+            assert rep["host"]["by_kind"]["parameters"]["current_bytes"] == 4 * s_all
+            assert rep["device"]["by_kind"]["parameters"]["current_bytes"] == 0
+        else:
+            # host holds parameter shards only for the units in flight: the current unit and
+            # the one being read ahead (prefetch=1), never all eight
+            assert rep["nvme"]["by_kind"]["parameters"]["current_bytes"] == 4 * s_all
+            assert seen and all(host == 0 for host, _ in seen)
+            assert max(in_use for _, in_use in seen) <= 2
+            assert rep["pools"]["param_shards"]["peak_in_use"] <= eng.pools["param_shards"].count
+            assert rep["pools"]["param_shards"]["in_use"] == 0
+
+
+def test_nvme_matches_cpu_offload_bit_for_bit(tmp_path):
+    results = []
+    for offload in ("cpu", "nvme"):
+        torch.manual_seed(9)
+        with _engine(TinyLM(), offload, tmp_path, lr=1e-2) as eng:
+            for x, y in batches(5):
+                eng.backward(lm_loss(eng(x), y))
+                eng.step()
+            results.append(eng.full_state_dict())
+    assert all(torch.equal(results[0][k], results[1][k]) for k in results[0])
+
+
+def test_offload_param_needs_stage_3():
+    with pytest.raises(ValueError, match=r"offload_param='cpu' needs stage=3"):
+        OffloadEngine(TinyLM(), stage=2, offload_param="cpu")

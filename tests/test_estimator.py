@@ -71,16 +71,22 @@ def test_offload_moves_optimizer_state_and_gradient_shards(stage):
     assert none.model_state_bytes_per_device - cpu.model_state_bytes_per_device == \
         12 * shard + moved_grads
     assert cpu.host_bytes == 2 * cpu.host_bytes_per_rank  # two ranks per node
-    # nvme: master and moments in files; gradient shards stay on the host
-    assert nvme.model_states["nvme"] == {"parameters": 0, "gradients": 0,
+    # nvme: master and moments in files (and, at stage 3, the bf16 parameter shards);
+    # gradient shards stay on the host
+    params_on_disk = 2 * shard if stage == 3 else 0
+    assert nvme.model_states["nvme"] == {"parameters": params_on_disk, "gradients": 0,
                                          "master_weights": 4 * shard, "moments": 8 * shard,
                                          "buffers": 0}
     assert nvme.model_states["host"]["gradients"] == 4 * shard
-    assert nvme.model_states["device"] == cpu.model_states["device"]
-    # three pipeline host buffer sets of 3 x largest shard x 4 bytes
+    device = dict(cpu.model_states["device"], parameters=cpu.model_states["device"]["parameters"] - params_on_disk)
+    assert nvme.model_states["device"] == device
+    # three pipeline host buffer sets of 3 x largest shard x 4 bytes; at stage 3 the pool of
+    # parameter-shard buffers, 2 * (prefetch + 2) + 2 of the largest bf16 shard
     largest_shard = math.ceil(est.largest_unit_numel / n) if est.largest_unit_numel else 0
     root_shard = math.ceil(est.root_numel / n)
-    assert nvme.extras["host"]["buffers"] == 3 * 3 * max(largest_shard, root_shard) * 4
+    biggest = max(largest_shard, root_shard)
+    pool = (2 * (1 + 2) + 2) * biggest * 2 if stage == 3 else 0
+    assert nvme.extras["host"]["buffers"] == 3 * 3 * biggest * 4 + pool
     assert none.nvme_bytes == cpu.nvme_bytes == 0
 
 

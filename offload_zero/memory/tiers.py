@@ -96,25 +96,21 @@ class NVMeStore:
     """Master weights and moments in O_DIRECT files, streamed through three host buffer sets.
 
     Args:
-        folder: this rank's swap folder (created by the swapper; removed on close).
+        swapper: this rank's :class:`offload_zero.memory.swapper.Swapper` (closed by its owner).
         accountant: byte accounting (NVMe: file bytes; host: pipeline buffers).
         host_alloc: ``f(numel, dtype)`` returning 4096-aligned host tensors.
         max_shard_numel: the largest shard_numel of any flat parameter (sizes the buffers).
-        backend, block_size, queue_depth: swapper settings (see ``Swapper``).
 
     Raises:
-        ValueError: the folder cannot be used (from ``Swapper``).
         offload_zero.memory.swapper.SwapIOError: an I/O failed; it names file and offset.
     """
 
     tier = Tier.NVME
     _DEPTH = 3  # buffer sets: read k+1 | update k | write k-1
 
-    def __init__(self, folder: str, accountant: TierAccountant, host_alloc, max_shard_numel: int,
-                 backend: str = "auto", block_size: int = 1 << 20, queue_depth: int = 8):
-        from offload_zero.memory.swapper import Swapper
+    def __init__(self, swapper, accountant: TierAccountant, host_alloc, max_shard_numel: int):
         self._acct = accountant
-        self.swapper = Swapper(folder, backend=backend, block_size=block_size, queue_depth=queue_depth)
+        self.swapper = swapper
         self._max = max_shard_numel
         self._bufs = [host_alloc(3 * max_shard_numel, torch.float32) for _ in range(self._DEPTH)]
         self._buf_bytes = sum(b.numel() * 4 for b in self._bufs)
@@ -199,17 +195,196 @@ class NVMeStore:
         return self.swapper.bytes_written
 
     def close(self) -> None:
-        """Wait for I/O, remove the files and the folder, release buffers; idempotent."""
+        """Wait for I/O and release buffers; idempotent (the swapper's owner removes files)."""
         if self._closed:
             return
         self._closed = True
         try:
             self.drain()
         finally:
-            self.swapper.close()
             for fp, n in self._numel.items():
                 self._acct.sub(Tier.NVME, StateKind.MASTER, 4 * n)
                 self._acct.sub(Tier.NVME, StateKind.MOMENTS, 8 * n)
             self._numel.clear()
             self._acct.sub(Tier.HOST, StateKind.BUFFERS, self._buf_bytes)
             self._bufs = []
+
+
+# -- where compute-dtype parameter shards live when they are not on the device ---------------------
+
+class HostParamHome:
+    """Parameter shards in aligned (pinned) host memory (``offload_param="cpu"``).
+
+    The shard is copied to the device for each gather; the optimizer writes the new values
+    straight into it.
+    """
+
+    tier = Tier.HOST
+
+    def __init__(self, accountant: TierAccountant, host_alloc):
+        self._acct, self._alloc = accountant, host_alloc
+
+    def adopt(self, fp, device_shard: torch.Tensor) -> torch.Tensor:
+        """Move ``fp``'s initial shard home; returns the tensor ``fp.sharded`` becomes."""
+        host = self._alloc(device_shard.numel(), device_shard.dtype)
+        host.copy_(device_shard)
+        self._acct.add(Tier.HOST, StateKind.PARAMS, host.numel() * host.element_size())
+        return host
+
+    def fetch(self, fp) -> None:
+        """Nothing to bring in: the shard is resident."""
+
+    def shard_for_gather(self, fp) -> torch.Tensor:
+        """The shard to all-gather from (host tensor)."""
+        return fp.sharded
+
+    def done_with(self, fp) -> None:
+        """The gather no longer needs the host copy (it stays: it is the shard's home)."""
+
+    def update_target(self, fp) -> torch.Tensor:
+        """Host tensor the optimizer writes ``fp``'s new compute-dtype shard into."""
+        return fp.sharded
+
+    def commit(self, fp, target: torch.Tensor) -> None:
+        """Persist what the optimizer wrote into ``update_target(fp)`` (resident: nothing)."""
+
+    def discard(self, fp) -> None:
+        """The update was skipped (overflow): nothing to persist."""
+
+    def drain(self) -> None:
+        """Wait for pending writes (none)."""
+
+    def read(self, fp) -> torch.Tensor:
+        """A CPU copy of ``fp``'s shard, shape (shard_numel,)."""
+        return fp.sharded.clone()
+
+    def release(self, fp) -> None:
+        """Forget ``fp`` (engine close)."""
+        if fp.sharded is not None and fp.sharded.numel():
+            self._acct.sub(Tier.HOST, StateKind.PARAMS, fp.sharded.numel() * fp.sharded.element_size())
+
+    def close(self) -> None:
+        """Nothing beyond :meth:`release`."""
+
+
+class NVMeParamHome:
+    """Parameter shards in NVMe files (``offload_param="nvme"``), read ahead into a fixed pool.
+
+    ``fetch`` starts an asynchronous read of a shard into a pool buffer; ``shard_for_gather``
+    waits for it; ``done_with`` returns the buffer right after the gather, so host memory holds
+    parameter shards only for units in flight. After the update, ``commit`` writes the new shard
+    back through a ring of at most ``_WRITE_RING`` pool buffers.
+
+    Args:
+        swapper: the rank's :class:`offload_zero.memory.swapper.Swapper`.
+        pool: a :class:`offload_zero.memory.pool.HostBufferPool` of compute-dtype buffers.
+        accountant: NVMe ``PARAMS`` bytes are the files' sizes.
+    """
+
+    tier = Tier.NVME
+    _WRITE_RING = 2
+
+    def __init__(self, swapper, pool, accountant: TierAccountant):
+        self.swapper, self.pool, self._acct = swapper, pool, accountant
+        self._reads: Dict[object, tuple] = {}
+        self._writes: List[tuple] = []
+        self._targets: Dict[object, torch.Tensor] = {}
+        self._sizes: Dict[object, int] = {}
+
+    def _key(self, fp) -> str:
+        return f"{fp.name}.param"
+
+    def adopt(self, fp, device_shard: torch.Tensor):
+        """Write ``fp``'s initial shard to its file; ``fp.sharded`` becomes None."""
+        nbytes = device_shard.numel() * device_shard.element_size()
+        self.swapper.allocate(self._key(fp), nbytes)
+        self._sizes[fp] = nbytes
+        self._acct.add(Tier.NVME, StateKind.PARAMS, nbytes)
+        buf = self.pool.acquire()
+        try:
+            view = buf[:device_shard.numel()]
+            view.copy_(device_shard)
+            self.swapper.swap_out(self._key(fp), view).wait()
+        finally:
+            self.pool.release(buf)
+        return None
+
+    def fetch(self, fp) -> None:
+        """Start reading ``fp``'s shard into a pool buffer (no-op if already under way)."""
+        if fp in self._reads:
+            return
+        self._wait_writes_of(fp)
+        buf = self.pool.acquire()
+        view = buf[:fp.shard_numel]
+        self._reads[fp] = (buf, self.swapper.swap_in(self._key(fp), view))
+
+    def shard_for_gather(self, fp) -> torch.Tensor:
+        """Wait for ``fp``'s read (starting it if needed) and return the host shard."""
+        self.fetch(fp)
+        buf, handle = self._reads[fp]
+        handle.wait()
+        return buf[:fp.shard_numel]
+
+    def done_with(self, fp) -> None:
+        """Return ``fp``'s read buffer to the pool."""
+        buf, handle = self._reads.pop(fp)
+        handle.wait()
+        self.pool.release(buf)
+
+    def update_target(self, fp) -> torch.Tensor:
+        """A pool buffer the optimizer writes ``fp``'s new shard into (see :meth:`commit`)."""
+        while len(self._writes) >= self._WRITE_RING:
+            self._retire(self._writes.pop(0))
+        buf = self.pool.acquire()
+        self._targets[fp] = buf
+        return buf[:fp.shard_numel]
+
+    def commit(self, fp, target: torch.Tensor) -> None:
+        """Write the new shard in ``target`` back to ``fp``'s file, asynchronously."""
+        buf = self._targets.pop(fp)
+        self._writes.append((fp, buf, self.swapper.swap_out(self._key(fp), target)))
+
+    def discard(self, fp) -> None:
+        """The update was skipped (overflow): return the target buffer unwritten."""
+        self.pool.release(self._targets.pop(fp))
+
+    def _retire(self, entry) -> None:
+        _, buf, handle = entry
+        try:
+            handle.wait()
+        finally:
+            self.pool.release(buf)
+
+    def _wait_writes_of(self, fp) -> None:
+        pending = [w for w in self._writes if w[0] is fp]
+        for w in pending:
+            self._writes.remove(w)
+            self._retire(w)
+
+    def drain(self) -> None:
+        """Wait for every write in flight and return their buffers."""
+        while self._writes:
+            self._retire(self._writes.pop(0))
+
+    def read(self, fp) -> torch.Tensor:
+        """A CPU copy of ``fp``'s shard, read from its file."""
+        shard = self.shard_for_gather(fp).clone()
+        self.done_with(fp)
+        return shard
+
+    def release(self, fp) -> None:
+        """Forget ``fp`` (engine close); its file goes with the swapper."""
+        nbytes = self._sizes.pop(fp, 0)
+        if nbytes:
+            self._acct.sub(Tier.NVME, StateKind.PARAMS, nbytes)
+
+    def close(self) -> None:
+        """Finish reads and writes in flight."""
+        try:
+            self.drain()
+        finally:
+            for fp in list(self._reads):
+                try:
+                    self.done_with(fp)
+                except Exception:
+                    pass

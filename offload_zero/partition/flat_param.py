@@ -107,16 +107,19 @@ class FlatParam:
         rank, world_size: this rank and the data-parallel world size N.
         keep_unsharded: True at stages 1 and 2 (parameters are never freed).
         accountant: records bytes of the shard and gathered buffer on the device tier.
+        home: where the shard lives when not on the device (``HostParamHome`` /
+            ``NVMeParamHome`` from :mod:`offload_zero.memory.tiers`), or None for the device.
 
     Attributes:
         numel: real elements; shard_numel: elements per rank (aligned); padded_numel = N * shard_numel.
-        sharded: this rank's shard, shape (shard_numel,), compute dtype, on the device.
+        sharded: this rank's shard, shape (shard_numel,), compute dtype: on the device, in host
+            memory (host home), or None (NVMe home: read into a pool buffer when gathered).
         full: the gathered buffer, shape (padded_numel,), 0 bytes while SHARDED.
     """
 
     def __init__(self, name: str, entries: List[ParamEntry], values: List[torch.Tensor],
                  requires_grad: bool, dtype: torch.dtype, device: torch.device, rank: int,
-                 world_size: int, keep_unsharded: bool, accountant: TierAccountant):
+                 world_size: int, keep_unsharded: bool, accountant: TierAccountant, home=None):
         self.name = name
         self.entries = entries
         self.requires_grad = requires_grad
@@ -125,9 +128,9 @@ class FlatParam:
         self.rank, self.world_size = rank, world_size
         self.keep_unsharded = keep_unsharded
         self._acct = accountant
+        self.home = home
         self.numel = sum(e.numel for e in entries)
-        align = ALIGN_BYTES // torch.empty(0, dtype=dtype).element_size()
-        self.shard_numel = max(1, math.ceil(self.numel / (world_size * align))) * align
+        self.shard_numel = shard_numel_for(self.numel, world_size, dtype)
         self.padded_numel = self.shard_numel * world_size
         self.itemsize = torch.empty(0, dtype=dtype).element_size()
 
@@ -147,7 +150,10 @@ class FlatParam:
             self._acct.add(Tier.DEVICE, StateKind.PARAMS, self.padded_numel * self.itemsize)
         else:
             self.sharded = self._full_alias[lo:lo + self.shard_numel].clone()
-            self._acct.add(Tier.DEVICE, StateKind.PARAMS, self.shard_numel * self.itemsize)
+            if home is None:
+                self._acct.add(Tier.DEVICE, StateKind.PARAMS, self.shard_numel * self.itemsize)
+            else:
+                self.sharded = home.adopt(self, self.sharded)
             self.full.untyped_storage().resize_(0)
             self.state = ShardedState.SHARDED
 
@@ -156,10 +162,13 @@ class FlatParam:
         """SHARDED -> UNSHARDED: allocate ``full`` and all-gather every rank's shard into it."""
         if self.state is ShardedState.UNSHARDED:
             return
+        shard = self.sharded if self.home is None else self.home.shard_for_gather(self)
         self.full.untyped_storage().resize_(self.padded_numel * self.itemsize)
         self._acct.add(Tier.DEVICE, StateKind.PARAMS, self.padded_numel * self.itemsize)
         with torch.no_grad():
-            comm.all_gather_into(self._full_alias, self.sharded)
+            comm.all_gather_into(self._full_alias, shard.to(self.device, non_blocking=True))
+        if self.home is not None:
+            self.home.done_with(self)
         self.state = ShardedState.UNSHARDED
 
     def to_sharded(self) -> None:
@@ -205,12 +214,22 @@ class FlatParam:
         """
         if self.state is ShardedState.UNSHARDED:
             self._acct.sub(Tier.DEVICE, StateKind.PARAMS, self.padded_numel * self.itemsize)
-        if not self.keep_unsharded:
+        if self.home is not None:
+            self.home.release(self)
+        elif not self.keep_unsharded:
             self._acct.sub(Tier.DEVICE, StateKind.PARAMS, self.shard_numel * self.itemsize)
         self.set_placeholders()
         empty = torch.empty(0, dtype=self.dtype, device=self.device)
         self.full = self._full_alias = self.sharded = empty
         self.state = ShardedState.SHARDED
+
+
+def shard_numel_for(numel: int, world_size: int, dtype: torch.dtype) -> int:
+    """Elements per rank of a flat parameter of ``numel`` elements (see [Note: flat parameter
+    layout]): ``ceil(numel / N)`` rounded up to a multiple of ``4096 / itemsize``, at least one
+    such block."""
+    align = ALIGN_BYTES // torch.empty(0, dtype=dtype).element_size()
+    return max(1, math.ceil(numel / (world_size * align))) * align
 
 
 def build_entries(params: List[Tuple[nn.Parameter, List[Tuple[nn.Module, str, str]]]]

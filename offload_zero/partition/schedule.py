@@ -94,6 +94,17 @@ class UnitScheduler:
             for fp in u.flat_params:
                 fp.set_views()
 
+    def prefetch_unit(self, unit: Unit) -> None:
+        """Get ``unit`` ready ahead of use: units whose shards live on NVMe start their
+        asynchronous reads (gathered when they run, so the read overlaps this unit's compute);
+        the others are gathered now."""
+        if any(fp.home is not None and fp.home.tier.value == "nvme" for fp in unit.flat_params):
+            if unit.state is UnitState.SHARDED:
+                for fp in unit.flat_params:
+                    fp.home.fetch(fp)
+        else:
+            self.unshard(unit)
+
     def _prefetch(self, unit: Unit, step: int) -> None:
         if not self.prefetch or unit not in self.order:
             return
@@ -101,7 +112,7 @@ class UnitScheduler:
         for j in range(1, self.prefetch + 1):
             k = i + step * j
             if 0 <= k < len(self.order):
-                self.unshard(self.order[k])
+                self.prefetch_unit(self.order[k])
 
     # -- forward -----------------------------------------------------------------------------
     def _root_pre_forward(self, module, args):
@@ -153,8 +164,8 @@ class UnitScheduler:
             self._activate(unit)
             if unit.is_root:
                 if self.order and self.prefetch:
-                    for u in self.order[-self.prefetch:]:
-                        self.unshard(u)
+                    for u in reversed(self.order[-self.prefetch:]):
+                        self.prefetch_unit(u)
             else:
                 self._prefetch(unit, -1)
             return None
