@@ -7,6 +7,7 @@ NVMe files (ZeRO-Infinity). See DESIGN.md for the memory arithmetic and
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -77,6 +78,15 @@ class OffloadEngine:
         init_from_env(timeout_s, self.device)
         self.comm = Comm(process_group)
         self.rank, self.world_size = self.comm.rank, self.comm.world_size
+        self.placement = None
+        if cfg.offload == "auto":
+            from offload_zero.placement import choose_placement
+            self.placement = choose_placement(
+                model, cfg.stage, self.world_size, cfg.dtype, cfg.prefetch, cfg.unit_classes,
+                self.device, cfg.path, cfg.max_device_bytes, cfg.max_host_bytes)
+            self.config = cfg = dataclasses.replace(
+                cfg, offload_optimizer=self.placement.offload_optimizer,
+                offload_param=self.placement.offload_param)
         self.module = model
         self.lr = cfg.lr
         self._closed = False
@@ -152,6 +162,10 @@ class OffloadEngine:
         self.scheduler = UnitScheduler(self.blocks, self.root, self.comm, cfg.prefetch,
                                        reshard_after_forward=cfg.stage == 3,
                                        on_grad=self.grads.on_full_grad)
+        if cfg.activation_checkpointing:
+            offload = cfg.offload_activations and self.device.type != "cpu"
+            for unit in self.blocks:
+                _checkpoint_forward(unit.module, offload)
 
     def _plan_units(self, model: nn.Module):
         """Units and, per unit, its trainable and frozen parameter groups (nothing built yet)."""
@@ -402,6 +416,31 @@ def _release(store, param_home, swapper, pools, scheduler, grads, flat_params) -
             fp.release()
         for pool in pools.values():
             pool.close()
+
+
+def _checkpoint_forward(module: nn.Module, offload_to_host: bool) -> None:
+    """Recompute ``module``'s forward in backward (non-reentrant torch checkpointing).
+
+    Only the block's inputs are kept; its activations are recomputed when backward reaches it.
+    The engine's hooks around the block still run in forward, and the recomputation runs after
+    the block's pre-backward hook has gathered its parameters again. With ``offload_to_host`` the
+    kept inputs wait in pinned host memory (``save_on_cpu``). Sets an instance attribute
+    ``forward`` on this module only; nothing global is patched.
+    """
+    import contextlib
+
+    from torch.utils.checkpoint import checkpoint
+    inner = module.forward
+
+    def forward(*args, **kwargs):
+        if not torch.is_grad_enabled():
+            return inner(*args, **kwargs)
+        ctx = (torch.autograd.graph.save_on_cpu(pin_memory=True) if offload_to_host
+               else contextlib.nullcontext())
+        with ctx:
+            return checkpoint(inner, *args, use_reentrant=False, **kwargs)
+
+    module.forward = forward
 
 
 def _flat_shard_fp32(fp: FlatParam, values: List[torch.Tensor]) -> torch.Tensor:

@@ -343,15 +343,26 @@ def _zeros() -> Dict[str, Dict[str, Number]]:
     return {t: {k: 0 for k in KINDS} for t in TIERS}
 
 
-def _model_states(layout, stage, offload, n, k, padded) -> Dict[str, Dict[str, Number]]:
+_TIER_OF = {"none": "device", "cpu": "host", "nvme": "nvme"}
+
+
+def default_offload_param(offload: str, stage: int) -> str:
+    """Where ``offload=`` alone puts parameter shards: NVMe for ``"nvme"`` at stage 3, else the
+    device (as :class:`offload_zero.config.EngineConfig`)."""
+    return "nvme" if (offload == "nvme" and stage == 3) else "none"
+
+
+def _model_states(layout, stage, offload, n, k, padded, offload_param=None) -> Dict[str, Dict[str, Number]]:
     """Per-rank model-state bytes by tier and kind; see [Note: model-state arithmetic]."""
     out = _zeros()
     dev = out["device"]
-    opt_tier = {"none": "device", "cpu": "host", "nvme": "nvme"}[offload]
+    opt_tier = _TIER_OF[offload]
+    if offload_param is None:
+        offload_param = default_offload_param(offload, stage)
+    param_tier = _TIER_OF[offload_param] if stage == 3 else "device"
     for spec in layout:
         shard = _shard_numel(spec.numel, n, k, padded)
         full = shard * n
-        param_tier = "nvme" if (offload == "nvme" and stage == 3) else "device"
         out[param_tier]["parameters"] += k * (full if stage < 3 else shard)
         if not spec.trainable:
             continue
@@ -368,9 +379,11 @@ def _model_states(layout, stage, offload, n, k, padded) -> Dict[str, Dict[str, N
     return out
 
 
-def _extras(layout, stage, offload, n, k, padded, prefetch, accelerator):
+def _extras(layout, stage, offload, n, k, padded, prefetch, accelerator, offload_param=None):
     """Per-rank bytes of this engine's buffers at the step's peak; see [Note: engine extras]."""
     out = _zeros()
+    if offload_param is None:
+        offload_param = default_offload_param(offload, stage)
     if stage == 0:
         return out
     full = {}     # unit -> gathered bytes
@@ -387,7 +400,7 @@ def _extras(layout, stage, offload, n, k, padded, prefetch, accelerator):
     if stage == 3:
         blocks = sorted((b for u, b in full.items() if u != -1), reverse=True)
         # NVMe-resident shards are read ahead, not gathered ahead: one block on the device
-        gathered = 1 if offload == "nvme" else prefetch + 1
+        gathered = 1 if offload_param == "nvme" else prefetch + 1
         out["device"]["parameters"] += sum(blocks[:gathered]) + full.get(-1, 0)
     if stage >= 2 and grad_full:
         out["device"]["gradients"] += max(grad_full)
@@ -396,9 +409,9 @@ def _extras(layout, stage, offload, n, k, padded, prefetch, accelerator):
         if not shards:
             biggest = 1024  # the engine sizes its buffers for 1024 elements then
         out["host"]["buffers"] += 3 * 3 * biggest * 4
-        if stage == 3 and all_shards:
-            out["host"]["buffers"] += (2 * (prefetch + 2) + 2) * max(all_shards) * k
-    if offload != "none" and accelerator and shards:
+    if stage == 3 and offload_param == "nvme" and all_shards:
+        out["host"]["buffers"] += (2 * (prefetch + 2) + 2) * max(all_shards) * k
+    if offload != "none" and offload_param == "none" and accelerator and shards:
         out["host"]["buffers"] += biggest * k
     return out
 
@@ -477,6 +490,28 @@ def estimate_memory(model_or_num_params, world_size: int = 1, gpus_per_node: int
         dtype=_SHORT[dt], itemsize=itemsize, prefetch=prefetch, padded=padded,
         largest_unit_numel=max((v for u, v in units.items() if u != -1), default=0),
         root_numel=units.get(-1, 0), source=source, selected=selected, table=tuple(rows))
+
+
+def placement_bytes(model: nn.Module, stage: int, offload_optimizer: str, offload_param: str,
+                    world_size: int = 1, dtype=torch.bfloat16, prefetch: int = 1,
+                    unit_classes: Sequence[type] = (), accelerator: bool = True,
+                    layout=None) -> "Placement":
+    """Bytes per rank for one placement with the optimizer and parameter tiers set apart.
+
+    ``offload_optimizer`` / ``offload_param``: "none", "cpu" or "nvme" (parameters off the
+    device only at stage 3). ``layout``: a precomputed :func:`model_layout` (saves a walk of
+    the model). Returns a :class:`Placement` whose ``offload`` reads ``"<optimizer>+<param>"``.
+    Used by ``offload="auto"`` (:mod:`offload_zero.placement`).
+    """
+    dt = _resolve_dtype(dtype)
+    k = torch.empty(0, dtype=dt).element_size()
+    if layout is None:
+        layout = model_layout(model, unit_classes)
+    states = _model_states(layout, stage, offload_optimizer, world_size, k, True, offload_param)
+    extras = _extras(layout, stage, offload_optimizer, world_size, k, True, prefetch, accelerator,
+                     offload_param)
+    return Placement(stage, f"{offload_optimizer}+{offload_param}", _to_bytes(states),
+                     _to_bytes(extras), 1, engine_supported=stage > 0)
 
 
 def _layout_of(obj, unit_classes, largest_unit_numel, root_numel):

@@ -421,3 +421,92 @@ def test_nvme_matches_cpu_offload_bit_for_bit(tmp_path):
 def test_offload_param_needs_stage_3():
     with pytest.raises(ValueError, match=r"offload_param='cpu' needs stage=3"):
         OffloadEngine(TinyLM(), stage=2, offload_param="cpu")
+
+
+# -- offload="auto" ------------------------------------------------------------------------------
+
+def _deep():
+    # many small units: parameter shards outweigh the NVMe read-ahead pool, so each candidate
+    # needs less of the scarce tier than the one before it
+    return TinyLM(n_blocks=32)
+
+
+def _needs(stage=3):
+    from offload_zero.estimator import placement_bytes
+    from offload_zero.placement import CANDIDATES
+    return {c: {t: placement_bytes(_deep(), stage, *c, dtype=torch.float32, accelerator=False)
+                .tier_bytes(t) for t in ("device", "host", "nvme")} for c in CANDIDATES}
+
+
+def test_auto_picks_the_cheapest_placement_that_fits(tmp_path):
+    needs = _needs()
+    big = 10**12
+    cases = [
+        ((big, big), ("none", "none")),
+        ((needs[("none", "none")]["device"] - 1, big), ("cpu", "none")),
+        ((needs[("cpu", "none")]["device"] - 1, big), ("cpu", "cpu")),
+        ((needs[("cpu", "none")]["device"] - 1, needs[("cpu", "cpu")]["host"] - 1), ("nvme", "cpu")),
+        ((needs[("cpu", "none")]["device"] - 1, needs[("nvme", "cpu")]["host"] - 1), ("nvme", "nvme")),
+    ]
+    for (max_dev, max_host), expected in cases:
+        if expected == ("nvme", "nvme"):
+            assert needs[expected]["host"] <= max_host, "test budget leaves no room for the NVMe pool"
+        with OffloadEngine(_deep(), offload="auto", path=str(tmp_path), max_device_bytes=max_dev,
+                           max_host_bytes=max_host) as eng:
+            got = (eng.config.offload_optimizer, eng.config.offload_param)
+            assert got == expected, (max_dev, max_host, eng.placement.tried)
+            x, y = batches(1)[0]
+            eng.backward(lm_loss(eng(x), y))
+            eng.step()
+            rep = eng.memory_report()
+            # the measured peaks stay inside the budgets the choice was made for
+            assert rep["device"]["peak_bytes"] <= max_dev
+            assert rep["host"]["peak_bytes"] <= max_host
+
+
+def test_auto_raises_before_allocating_when_nothing_fits(tmp_path):
+    with pytest.raises(ValueError, match=r"does not fit even with everything offloaded.*short of"):
+        OffloadEngine(TinyLM(), offload="auto", path=str(tmp_path), max_device_bytes=0,
+                      max_host_bytes=1000)
+    assert list(tmp_path.iterdir()) == []  # no swap folder, no files
+
+
+def test_auto_without_path_never_picks_nvme():
+    needs = _needs()
+    with pytest.raises(ValueError, match="needs path="):
+        OffloadEngine(_deep(), offload="auto", max_device_bytes=needs[("cpu", "none")]["device"] - 1,
+                      max_host_bytes=needs[("cpu", "cpu")]["host"] - 1)
+
+
+# -- activation checkpointing ----------------------------------------------------------------------
+
+def _saved_bytes_and_grads(checkpointing, steps=1):
+    torch.manual_seed(10)
+    model = TinyLM(n_blocks=8)
+    calls = []
+    for b in model.blocks:
+        b.up.register_forward_hook(
+            lambda mod, a, o: calls.append(mod.weight.untyped_storage().nbytes() > 0))
+    with OffloadEngine(model, activation_checkpointing=checkpointing) as eng:
+        x, y = batches(1, batch=8, seq=32)[0]
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(
+                lambda t: saved.append(t.numel() * t.element_size()) or t, lambda t: t):
+            loss = lm_loss(eng(x), y)
+        eng.backward(loss)
+        grads = {fp.name: eng.grads.buf[fp].clone() for fp in eng.trainable}
+        gathers = eng.comm_report()["total"]["all_gather"]
+    return loss.item(), grads, sum(saved), calls
+
+
+def test_activation_checkpointing_same_numbers_less_memory():
+    loss0, grads0, saved0, calls0 = _saved_bytes_and_grads(False)
+    loss1, grads1, saved1, calls1 = _saved_bytes_and_grads(True)
+    assert abs(loss0 - loss1) <= 1e-6
+    for name in grads0:
+        assert (grads0[name] - grads1[name]).abs().max().item() <= 1e-6, name
+    assert saved1 < 0.5 * saved0, (saved0, saved1)  # only block inputs are kept
+    # each block's Linear ran once without checkpointing, twice with (the recomputation), and
+    # every time its weight was gathered
+    assert len(calls0) == 8 and len(calls1) == 16
+    assert all(calls1)

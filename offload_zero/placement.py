@@ -1,0 +1,137 @@
+"""``offload="auto"``: measure what the machine has and pick the cheapest placement that fits.
+
+Candidates, cheapest first (each moves more state off the device, at more cost per step):
+
+1. nothing offloaded;
+2. optimizer state (fp32 master weights, moments) and gradient shards to host RAM;
+3. + parameter shards to host RAM (stage 3);
+4. optimizer state to NVMe, parameter shards in host RAM (stage 3);
+5. optimizer state and parameter shards to NVMe (stage 3).
+
+The bytes of each come from :func:`offload_zero.estimator.placement_bytes` (the ZeRO paper's
+accounting on the engine's padded layout plus its buffers). Budgets: free device memory
+(``torch.cuda.mem_get_info``; on a CPU-only machine the device is host RAM), available host RAM
+(``psutil.virtual_memory().available``) and free disk at ``path`` (``shutil.disk_usage``), each
+with 10% headroom for activations and the allocator; ``max_device_bytes`` / ``max_host_bytes``
+replace the measured figures exactly. Nothing is allocated before the choice is made.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import shutil
+from typing import List, Optional, Tuple
+
+import torch
+import torch.nn as nn
+
+log = logging.getLogger("offload_zero")
+
+CANDIDATES: Tuple[Tuple[str, str], ...] = (
+    ("none", "none"), ("cpu", "none"), ("cpu", "cpu"), ("nvme", "cpu"), ("nvme", "nvme"))
+HEADROOM = 0.9
+
+
+@dataclasses.dataclass(frozen=True)
+class PlacementChoice:
+    """The placement ``offload="auto"`` picked and the numbers behind it (bytes per rank).
+
+    Fields: offload_optimizer, offload_param ("none"/"cpu"/"nvme"); need: {tier: bytes} of the
+    chosen placement; budgets: {tier: bytes} it had to fit in; tried: one line per candidate.
+    """
+
+    offload_optimizer: str
+    offload_param: str
+    need: dict
+    budgets: dict
+    tried: Tuple[str, ...]
+
+
+def measure_budgets(device: torch.device, path: Optional[str], max_device_bytes: Optional[int],
+                    max_host_bytes: Optional[int]) -> dict:
+    """``{"device", "host", "nvme", "shared"}`` bytes available; ``shared`` is True when device
+    and host are one RAM (CPU-only machine, no explicit budgets), so their sum must fit."""
+    import psutil
+    avail = psutil.virtual_memory().available
+    shared = device.type == "cpu" and max_device_bytes is None and max_host_bytes is None
+    if max_device_bytes is not None:
+        dev = max_device_bytes
+    elif device.type == "cuda":
+        dev = int(HEADROOM * torch.cuda.mem_get_info(device)[0])
+    else:
+        dev = int(HEADROOM * avail)
+    host = max_host_bytes if max_host_bytes is not None else int(HEADROOM * avail)
+    disk = 0
+    if path is not None and os.path.isdir(path):
+        disk = int(HEADROOM * shutil.disk_usage(path).free)
+    return {"device": dev, "host": host, "nvme": disk, "shared": shared}
+
+
+def choose_placement(model: nn.Module, stage: int, world_size: int, dtype: torch.dtype,
+                     prefetch: int, unit_classes, device: torch.device, path: Optional[str],
+                     max_device_bytes: Optional[int] = None,
+                     max_host_bytes: Optional[int] = None) -> PlacementChoice:
+    """Pick the first of :data:`CANDIDATES` whose bytes fit the budgets.
+
+    Raises:
+        ValueError: nothing fits; the message names, for the placement that needs the least
+            device memory, each tier that is short and by how many bytes. Raised before the
+            engine allocates anything.
+    """
+    from offload_zero.estimator import model_layout, placement_bytes
+    budgets = measure_budgets(device, path, max_device_bytes, max_host_bytes)
+    layout = model_layout(model, unit_classes)
+    accelerator = device.type != "cpu"
+    tried: List[str] = []
+    last = None
+    for opt, param in CANDIDATES:
+        if param != "none" and stage != 3:
+            continue
+        if "nvme" in (opt, param) and path is None:
+            tried.append(f"{opt}+{param}: skipped, needs path= for NVMe files")
+            continue
+        p = placement_bytes(model, stage, opt, param, world_size, dtype, prefetch, unit_classes,
+                            accelerator, layout=layout)
+        need = {t: p.tier_bytes(t) for t in ("device", "host", "nvme")}
+        short = _shortfall(need, budgets)
+        tried.append(f"{opt}+{param}: needs " + ", ".join(f"{t} {_fmt(need[t])}" for t in need)
+                     + (" -> fits" if not short else " -> short of " + ", ".join(
+                         f"{t} by {_fmt(b)}" for t, b in short.items())))
+        last = (opt, param, need, short)
+        if not short:
+            choice = PlacementChoice(opt, param, need, budgets, tuple(tried))
+            log.info("offload='auto' chose offload_optimizer=%r offload_param=%r; budgets %s; %s",
+                     opt, param, {t: _fmt(b) for t, b in budgets.items() if t != "shared"},
+                     "; ".join(tried))
+            return choice
+    detail = "; ".join(tried)
+    if last is None:
+        raise ValueError(f"offload='auto' found no placement to try at stage={stage}: {detail}")
+    raise ValueError(
+        f"offload='auto': the model does not fit even with everything offloaded "
+        f"(offload_optimizer={last[0]!r}, offload_param={last[1]!r}): short of "
+        + ", ".join(f"{t} by {_fmt(b)}" for t, b in last[3].items())
+        + f". Budgets: " + ", ".join(f"{t} {_fmt(b)}" for t, b in budgets.items() if t != "shared")
+        + f". Tried: {detail}. Use more ranks, a larger disk at path=, or a smaller model.")
+
+
+def _shortfall(need: dict, budgets: dict) -> dict:
+    short = {}
+    if budgets["shared"]:
+        total = need["device"] + need["host"]
+        if total > budgets["host"]:
+            short["device+host"] = total - budgets["host"]
+    else:
+        for t in ("device", "host"):
+            if need[t] > budgets[t]:
+                short[t] = need[t] - budgets[t]
+    if need["nvme"] > budgets["nvme"]:
+        short["nvme"] = need["nvme"] - budgets["nvme"]
+    return short
+
+
+def _fmt(nbytes: int) -> str:
+    if nbytes < 2**20:
+        return f"{nbytes} B"
+    return f"{nbytes / 2**20:.1f} MiB" if nbytes < 2**30 else f"{nbytes / 2**30:.2f} GiB"
