@@ -10,6 +10,7 @@ import tempfile
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout
 from models import TinyLM, batches, lm_loss  # noqa: E402
 
 from offload_zero import OffloadEngine  # noqa: E402

@@ -510,3 +510,17 @@ def test_activation_checkpointing_same_numbers_less_memory():
     # every time its weight was gathered
     assert len(calls0) == 8 and len(calls1) == 16
     assert all(calls1)
+
+
+def test_host_memory_flat_over_200_steps_with_nvme(tmp_path):
+    """Fixed pools sized at start-up: peak RSS after step 20 and after step 200 within 2%."""
+    import json
+    import sys
+    job = os.path.join(os.path.dirname(__file__), "rss_job.py")
+    r = subprocess.run([sys.executable, job, str(tmp_path), "200", "20"], capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert abs(out["rss_at_end"] - out["rss_at_mark"]) / out["rss_at_mark"] < 0.02, out
+    assert out["pools_at_end"] == out["pools_at_mark"]  # same buffers, same peak use
+    assert out["pools_at_end"]["param_shards"]["in_use"] == 0
