@@ -62,7 +62,7 @@ setup(
     python_requires=">=3.9",
     install_requires=["torch>=2.1", "numpy", "psutil", "libaio"],
     extras_require={
-        "train": ["transformers>=4.40", "tqdm", "safetensors"],
+        "train": ["transformers>=4.40", "tqdm", "safetensors", "matplotlib"],
         "test": ["pytest"],
     },
     entry_points={"console_scripts": ["offload-zero=offload_zero.cli:main"]},

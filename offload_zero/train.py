@@ -135,7 +135,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="seeds model init and data order (default: %(default)s)")
 
     engine = parser.add_argument_group("engine")
-    engine.add_argument("--offload", choices=["none", "cpu", "nvme"], default=d["offload"],
+    engine.add_argument("--offload", choices=["none", "cpu", "nvme", "auto"], default=d["offload"],
                         help="where optimizer state and parameter shards live "
                              "(default: %(default)s)")
     engine.add_argument("--path", metavar="DIR", default=None,
@@ -163,6 +163,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     out.add_argument("--json", metavar="FILE", default=None,
                      help="also write the summary as JSON to FILE")
     out.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    out.add_argument("--memory-plot", metavar="FILE.png", default=None,
+                     help="draw bytes per tier (device, host, NVMe) over the steps to this PNG")
+    engine.add_argument("--activation-checkpointing", action="store_true",
+                        help="recompute each layer's forward in backward (less activation memory)")
 
 
 def lr_at(step: int, steps: int, peak_lr: float, warmup: int) -> float:
@@ -321,8 +325,12 @@ def format_summary(s: Dict[str, Any]) -> str:
 
 
 def _train_loop(engine, batches, args, warmup: int, tokens_per_step: int,
-                is_rank0: bool) -> Tuple[List[float], float]:
+                is_rank0: bool, memory_trace: Optional[List[Dict[str, int]]] = None
+                ) -> Tuple[List[float], float]:
     """Run ``args.steps`` steps; return ``(per-step losses, wall seconds)``.
+
+    With ``memory_trace`` a list, appends after each step ``{tier: current_bytes,
+    tier + "_peak": peak_bytes so far}`` for tiers device, host, nvme.
 
     On rank 0 shows the progress bar (unless ``--no-progress``) and writes a log line to
     stderr every ``--log-every`` steps.
@@ -348,6 +356,13 @@ def _train_loop(engine, batches, args, warmup: int, tokens_per_step: int,
             if not math.isfinite(loss):
                 raise ValueError(f"loss became {loss} at step {step + 1}; try a lower --lr")
             losses.append(loss)
+            if memory_trace is not None:
+                rep = engine.memory_report()
+                sample = {}
+                for tier in ("device", "host", "nvme"):
+                    sample[tier] = rep[tier]["current_bytes"]
+                    sample[tier + "_peak"] = rep[tier]["peak_bytes"]
+                memory_trace.append(sample)
             elapsed = time.perf_counter() - start
             tok_s = tokens_per_step * (step + 1) / elapsed
             bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tok_s:,.0f}", refresh=False)
@@ -359,6 +374,36 @@ def _train_loop(engine, batches, args, warmup: int, tokens_per_step: int,
     finally:
         bar.close()
     return losses, time.perf_counter() - start
+
+
+def plot_memory(trace: List[Dict[str, int]], path: str, title: str = "") -> None:
+    """Draw bytes per tier over the steps (solid: held after the step; dashed: peak so far) to
+    a PNG at ``path`` with matplotlib. ``trace``: one dict per step as :func:`_train_loop` fills.
+    Raises ValueError if matplotlib is missing or ``path`` cannot be written."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ValueError("--memory-plot needs matplotlib: pip install matplotlib") from None
+    steps = list(range(1, len(trace) + 1))
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for tier, color in (("device", "tab:red"), ("host", "tab:blue"), ("nvme", "tab:green")):
+        ax.plot(steps, [s[tier] / 2**20 for s in trace], color=color, label=f"{tier} (held)")
+        ax.plot(steps, [s[tier + "_peak"] / 2**20 for s in trace], color=color, ls="--",
+                label=f"{tier} (peak)")
+    ax.set_xlabel("step")
+    ax.set_ylabel("MiB")
+    ax.set_title(title or "memory per tier")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, ncol=3)
+    fig.tight_layout()
+    try:
+        fig.savefig(path, dpi=110)
+    except OSError as exc:
+        raise ValueError(f"--memory-plot {path!r} cannot be written: {exc}") from None
+    finally:
+        plt.close(fig)
 
 
 def _reduce_across_ranks(losses: List[float], report: Dict[str, Any]
@@ -413,8 +458,8 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     from offload_zero import OffloadEngine
 
     setup_start = time.perf_counter()
-    if args.path is not None and args.offload != "nvme":
-        raise ValueError(f"--path is only used with --offload nvme (got --offload {args.offload})")
+    if args.path is not None and args.offload not in ("nvme", "auto"):
+        raise ValueError(f"--path is only used with --offload nvme or auto (got --offload {args.offload})")
     files = data_lib.find_text_files(args.data) if args.data else data_lib.stdlib_files()
     model, tokenizer, description = build_model(args)
     params = sum(p.numel() for p in model.parameters())
@@ -422,7 +467,8 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
 
     with _swap_folder(args.offload, args.path) as path, OffloadEngine(
             model, offload=args.offload, path=path, stage=args.stage, lr=args.lr,
-            weight_decay=args.weight_decay, dtype=_DTYPES[args.dtype]) as engine:
+            weight_decay=args.weight_decay, dtype=_DTYPES[args.dtype],
+            activation_checkpointing=args.activation_checkpointing) as engine:
         rank, world_size = engine.rank, engine.world_size
         batches = data_lib.TokenWindows(files, tokenizer, args.seq_len, seed=args.seed,
                                         world_size=world_size, rank=rank
@@ -430,8 +476,9 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         engine.train()
         tokens_per_step = args.batch_size * args.seq_len * world_size
         setup_s = time.perf_counter() - setup_start
+        trace: Optional[List[Dict[str, int]]] = [] if args.memory_plot else None
         losses, wall_s = _train_loop(engine, batches, args, warmup, tokens_per_step,
-                                     is_rank0=rank == 0)
+                                     is_rank0=rank == 0, memory_trace=trace)
         report = engine.memory_report()
         if world_size > 1:
             losses, report = _reduce_across_ranks(losses, report)
@@ -447,6 +494,8 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
                             lr=args.lr, warmup=warmup, seed=args.seed, setup_s=setup_s))
     if rank == 0:
         print(format_summary(summary), flush=True)
+        if args.memory_plot:
+            plot_memory(trace, args.memory_plot, title=f"{description}, offload {args.offload}")
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(summary, f, indent=2)

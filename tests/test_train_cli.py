@@ -244,3 +244,15 @@ def test_summary_averages_first_and_last_steps():
     s = train.summarize([4.0, 2.0], report, wall_s=1.0, tokens=1, extra={})
     assert (s["first_loss"], s["last_loss"], s["loss_window_steps"]) == (4.0, 2.0, 1)
     json.dumps(s)
+
+
+def test_memory_plot_auto_offload_and_checkpointing(tmp_path):
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "mem.png"
+    out = tmp_path / "out.json"
+    proc = _run(["train", "--preset", "tiny", "--steps", "4", "--offload", "auto", "--path",
+                 tmp_path / "swap", "--activation-checkpointing", "--memory-plot", png,
+                 "--json", out, *FAST], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    assert json.loads(out.read_text())["steps"] == 4
