@@ -13,8 +13,13 @@ Rows:
 - ``DeepSpeedCPUAdam`` if ``deepspeed`` is importable (it is never installed for this).
 - ``stream a.addcmul_(b, c)``: the machine's streaming bandwidth in this process (16 B/elem).
 
+- ``CPUAdam bf16 moments``: ``exp_avg``/``exp_avg_sq`` in bf16 (stochastic rounding), with and
+  without the fused copy; compared with the same torch rows (they keep fp32 moments).
+
 Bytes per parameter counted as useful traffic: 28 (read param, grad, exp_avg, exp_avg_sq;
-write param, exp_avg, exp_avg_sq), 30 with a bf16 weight copy, 28 for bf16 grads + bf16 copy.
+write param, exp_avg, exp_avg_sq), 30 with a bf16 weight copy, 28 for bf16 grads + bf16 copy,
+20 / 22 with bf16 moments. CPUAdam also reads the gradients once more before the update (the
+overflow check, csrc/dispatch.cpp): +4 B/param (+2 for bf16 grads), not counted.
 "GB/s" is that over the median time; "of stream" divides by the addcmul bandwidth.
 
 Usage: python benchmarks/bench_adam.py [--numel 50e6] [--big] [--steps 9] [--warmup 2]
@@ -66,9 +71,21 @@ def _ours(numel: int) -> List[_Case]:
                        eps=EPS, weight_decay=WD, adamw=True, out=out, num_threads=threads)
         return step
 
+    m_bf16 = torch.zeros(numel, dtype=torch.bfloat16)
+    v_bf16 = torch.zeros(numel, dtype=torch.bfloat16)
+
+    def run_bf16_moments(out):
+        def step(threads: int) -> None:
+            counter[0] += 1
+            adam_step_(param, grad, m_bf16, v_bf16, step=counter[0], lr=LR, betas=BETAS,
+                       eps=EPS, weight_decay=WD, adamw=True, out=out, num_threads=threads)
+        return step
+
     return [_Case("CPUAdam fp32", 28, run(grad, None)),
             _Case("CPUAdam + fused bf16 copy", 30, run(grad, out_bf16)),
-            _Case("CPUAdam bf16 grad + fused bf16 copy", 28, run(grad_bf16, out_bf16))]
+            _Case("CPUAdam bf16 grad + fused bf16 copy", 28, run(grad_bf16, out_bf16)),
+            _Case("CPUAdam bf16 moments", 20, run_bf16_moments(None)),
+            _Case("CPUAdam bf16 moments + fused bf16 copy", 22, run_bf16_moments(out_bf16))]
 
 
 def _torch(numel: int) -> List[_Case]:

@@ -99,17 +99,32 @@ inline void store_out8(void* out, int64_t i, __m256 p) {
   }
 }
 
+// kStreams interleaved sub-ranges per loop: one core keeps several sequential read streams in
+// flight (the hardware prefetcher follows each), which reads DRAM ~2x faster than one stream.
+constexpr int64_t kStreams = 4;
+
+// |g| as uint32 bits; the max over a range exceeds 0x7f7fffff iff some element is inf or nan.
+template <DType G>
+inline __m256i abs_bits(const AdamBuffers& b, const AdamHyper& h, int64_t i) {
+  __m256 g = load_grad8<G>(b.grad, i);
+  if (h.scale_grad) g = _mm256_mul_ps(g, _mm256_set1_ps(h.grad_scale));
+  return _mm256_and_si256(_mm256_castps_si256(g), _mm256_set1_epi32(0x7fffffff));
+}
+
 template <DType G>
 bool nonfinite_impl(const AdamBuffers& b, const AdamHyper& h, int64_t begin, int64_t end) {
-  const __m256 scale = _mm256_set1_ps(h.grad_scale);
-  const __m256i abs_mask = _mm256_set1_epi32(0x7fffffff);
-  __m256i acc = _mm256_setzero_si256();
-  int64_t i = begin;
-  for (; i + kLanes <= end; i += kLanes) {
-    __m256 g = load_grad8<G>(b.grad, i);
-    if (h.scale_grad) g = _mm256_mul_ps(g, scale);
-    acc = _mm256_max_epu32(acc, _mm256_and_si256(_mm256_castps_si256(g), abs_mask));
+  __m256i acc0 = _mm256_setzero_si256(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
+  const int64_t part = (end - begin) / (kStreams * kLanes) * kLanes;  // elements per stream
+  for (int64_t j = 0; j < part; j += kLanes) {
+    const int64_t i = begin + j;
+    acc0 = _mm256_max_epu32(acc0, abs_bits<G>(b, h, i));
+    acc1 = _mm256_max_epu32(acc1, abs_bits<G>(b, h, i + part));
+    acc2 = _mm256_max_epu32(acc2, abs_bits<G>(b, h, i + 2 * part));
+    acc3 = _mm256_max_epu32(acc3, abs_bits<G>(b, h, i + 3 * part));
   }
+  int64_t i = begin + kStreams * part;
+  __m256i acc = _mm256_max_epu32(_mm256_max_epu32(acc0, acc1), _mm256_max_epu32(acc2, acc3));
+  for (; i + kLanes <= end; i += kLanes) acc = _mm256_max_epu32(acc, abs_bits<G>(b, h, i));
   const __m256i bad = _mm256_cmpgt_epi32(acc, _mm256_set1_epi32(0x7f7fffff));
   bool any = _mm256_movemask_epi8(bad) != 0;
   for (; i < end; ++i) any |= element_nonfinite(b, h, i);
@@ -124,7 +139,6 @@ void update_impl(const AdamBuffers& b, const AdamHyper& h, int64_t begin, int64_
   const __m256 lerp_coeff = _mm256_set1_ps(h.lerp_coeff);
   const __m256 beta2 = _mm256_set1_ps(h.beta2);
   const __m256 one_minus_beta2 = _mm256_set1_ps(h.one_minus_beta2);
-  const __m256 bc2_sqrt = _mm256_set1_ps(h.bc2_sqrt);
   const __m256 eps = _mm256_set1_ps(h.eps);
   const __m256 neg_step_size = _mm256_set1_ps(h.neg_step_size);
   int64_t i = begin;
@@ -139,7 +153,7 @@ void update_impl(const AdamBuffers& b, const AdamHyper& h, int64_t begin, int64_
     m = _mm256_fmadd_ps(lerp_coeff, _mm256_sub_ps(g, m), h.lerp_small ? m : g);
     v = _mm256_mul_ps(v, beta2);
     v = _mm256_fmadd_ps(_mm256_mul_ps(one_minus_beta2, g), g, v);
-    const __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(v), bc2_sqrt), eps);
+    const __m256 denom = _mm256_add_ps(_mm256_sqrt_ps(v), eps);
     p = _mm256_add_ps(p, _mm256_div_ps(_mm256_mul_ps(neg_step_size, m), denom));
     _mm256_storeu_ps(b.param + i, p);
     store_moments8<S>(b, h, i, m, v);
@@ -170,7 +184,9 @@ void update_out(const AdamBuffers& b, const AdamHyper& h, int64_t begin, int64_t
 template <DType G>
 void update_state(const AdamBuffers& b, const AdamHyper& h, int64_t begin, int64_t end,
                   bool streaming) {
-  if (b.state_dtype == DType::kBF16) return update_out<G, DType::kBF16>(b, h, begin, end, streaming);
+  if (b.state_dtype == DType::kBF16) {
+    return update_out<G, DType::kBF16>(b, h, begin, end, streaming);
+  }
   return update_out<G, DType::kF32>(b, h, begin, end, streaming);
 }
 

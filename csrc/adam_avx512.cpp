@@ -109,17 +109,32 @@ inline void store_out16(void* out, int64_t i, __m512 p) {
   }
 }
 
+// kStreams interleaved sub-ranges per loop: one core keeps several sequential read streams in
+// flight (the hardware prefetcher follows each), which reads DRAM ~2x faster than one stream.
+constexpr int64_t kStreams = 4;
+
+// |g| as uint32 bits; the max over a range exceeds 0x7f7fffff iff some element is inf or nan.
+template <DType G>
+inline __m512i abs_bits(const AdamBuffers& b, const AdamHyper& h, int64_t i) {
+  __m512 g = load_grad16<G>(b.grad, i);
+  if (h.scale_grad) g = _mm512_mul_ps(g, _mm512_set1_ps(h.grad_scale));
+  return _mm512_and_si512(_mm512_castps_si512(g), _mm512_set1_epi32(0x7fffffff));
+}
+
 template <DType G>
 bool nonfinite_impl(const AdamBuffers& b, const AdamHyper& h, int64_t begin, int64_t end) {
-  const __m512 scale = _mm512_set1_ps(h.grad_scale);
-  const __m512i abs_mask = _mm512_set1_epi32(0x7fffffff);
-  __m512i acc = _mm512_setzero_si512();
-  int64_t i = begin;
-  for (; i + kLanes <= end; i += kLanes) {
-    __m512 g = load_grad16<G>(b.grad, i);
-    if (h.scale_grad) g = _mm512_mul_ps(g, scale);
-    acc = _mm512_max_epu32(acc, _mm512_and_si512(_mm512_castps_si512(g), abs_mask));
+  __m512i acc0 = _mm512_setzero_si512(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
+  const int64_t part = (end - begin) / (kStreams * kLanes) * kLanes;  // elements per stream
+  for (int64_t j = 0; j < part; j += kLanes) {
+    const int64_t i = begin + j;
+    acc0 = _mm512_max_epu32(acc0, abs_bits<G>(b, h, i));
+    acc1 = _mm512_max_epu32(acc1, abs_bits<G>(b, h, i + part));
+    acc2 = _mm512_max_epu32(acc2, abs_bits<G>(b, h, i + 2 * part));
+    acc3 = _mm512_max_epu32(acc3, abs_bits<G>(b, h, i + 3 * part));
   }
+  int64_t i = begin + kStreams * part;
+  __m512i acc = _mm512_max_epu32(_mm512_max_epu32(acc0, acc1), _mm512_max_epu32(acc2, acc3));
+  for (; i + kLanes <= end; i += kLanes) acc = _mm512_max_epu32(acc, abs_bits<G>(b, h, i));
   bool any = _mm512_cmpgt_epu32_mask(acc, _mm512_set1_epi32(0x7f7fffff)) != 0;
   for (; i < end; ++i) any |= element_nonfinite(b, h, i);
   return any;
@@ -133,7 +148,6 @@ void update_impl(const AdamBuffers& b, const AdamHyper& h, int64_t begin, int64_
   const __m512 lerp_coeff = _mm512_set1_ps(h.lerp_coeff);
   const __m512 beta2 = _mm512_set1_ps(h.beta2);
   const __m512 one_minus_beta2 = _mm512_set1_ps(h.one_minus_beta2);
-  const __m512 bc2_sqrt = _mm512_set1_ps(h.bc2_sqrt);
   const __m512 eps = _mm512_set1_ps(h.eps);
   const __m512 neg_step_size = _mm512_set1_ps(h.neg_step_size);
   int64_t i = begin;
@@ -148,7 +162,7 @@ void update_impl(const AdamBuffers& b, const AdamHyper& h, int64_t begin, int64_
     m = _mm512_fmadd_ps(lerp_coeff, _mm512_sub_ps(g, m), h.lerp_small ? m : g);
     v = _mm512_mul_ps(v, beta2);
     v = _mm512_fmadd_ps(_mm512_mul_ps(one_minus_beta2, g), g, v);
-    const __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(v), bc2_sqrt), eps);
+    const __m512 denom = _mm512_add_ps(_mm512_sqrt_ps(v), eps);
     p = _mm512_add_ps(p, _mm512_div_ps(_mm512_mul_ps(neg_step_size, m), denom));
     _mm512_storeu_ps(b.param + i, p);
     store_moments16<S>(b, h, i, m, v);
@@ -179,7 +193,9 @@ void update_out(const AdamBuffers& b, const AdamHyper& h, int64_t begin, int64_t
 template <DType G, bool kI>
 void update_state(const AdamBuffers& b, const AdamHyper& h, int64_t begin, int64_t end,
                   bool streaming) {
-  if (b.state_dtype == DType::kBF16) return update_out<G, DType::kBF16, kI>(b, h, begin, end, streaming);
+  if (b.state_dtype == DType::kBF16) {
+    return update_out<G, DType::kBF16, kI>(b, h, begin, end, streaming);
+  }
   return update_out<G, DType::kF32, kI>(b, h, begin, end, streaming);
 }
 

@@ -31,9 +31,9 @@ struct AdamHyper {
   float lerp_coeff;      // (1 - beta1) if lerp_small else (1 - beta1) - 1
   float beta2;           // beta2
   float one_minus_beta2; // (float)(1 - beta2)
-  float bc2_sqrt;        // (float)sqrt(1 - beta2**step), 1 without bias correction
-  float eps;             // eps
-  float neg_step_size;   // (float)-(lr / (1 - beta1**step)), -lr without bias correction
+  float eps;             // (float)(eps * sqrt(bc2)), bc2 = 1 - beta2**step (1 without bias
+                         // correction)
+  float neg_step_size;   // (float)(-(lr / bc1) * sqrt(bc2)), bc1 = 1 - beta1**step (1 without)
   uint32_t sr_key;       // stochastic-rounding key of this (seed, step); see [Note: bf16 moments]
 };
 

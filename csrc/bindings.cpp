@@ -27,7 +27,8 @@ size_t dtype_size(DType dt) { return dt == DType::kF32 ? 4 : 2; }
 
 void* checked_ptr(uintptr_t ptr, int64_t numel, DType dt, const char* what) {
   if (numel > 0 && ptr == 0) {
-    throw py::value_error(std::string(what) + " pointer is null for numel=" + std::to_string(numel));
+    throw py::value_error(std::string(what) + " pointer is null for numel=" +
+                          std::to_string(numel));
   }
   if (ptr % dtype_size(dt) != 0) {
     throw py::value_error(std::string(what) + " pointer " + std::to_string(ptr) +

@@ -2,7 +2,8 @@
 
 Every instruction set this CPU supports is forced in turn through OFFLOAD_ZERO_ADAM_ISA (read
 on every call). Weights are compared element by element with torch.optim.Adam/AdamW
-(foreach=False); torch's float sqrt here is not always correctly rounded (MKL VML), so the
+(foreach=False); torch's float sqrt here is not always correctly rounded (MKL VML) and the
+kernel scales the denominator by sqrt(1 - beta2**t) to save a division, so the
 comparison allows |ours - torch| <= 1e-6 * max(1, |w|) rather than equal bits. Everything that
 does not go through torch's sqrt (bf16/fp16 conversions, grad dtypes, overflow, threads) is
 compared bit for bit. The 100-step comparison runs every ISA side by side against one
@@ -216,6 +217,18 @@ def test_overflow_leaves_everything_unchanged(isa, n, bad, grad_dtype):
         assert adam_step_(param, grad, m, v, step=3, lr=1e-2, weight_decay=0.1, out=out) is True
         for now, then in zip((param, m, v, out), before):
             assert _bits_equal(now, then), f"changed after overflow at {where}"
+
+
+def test_overflow_found_in_every_stream_of_the_check(isa):
+    """The check reads 4 interleaved sub-ranges plus a tail: a lone nan at each boundary."""
+    n = 4099  # 4 streams of 1024 (avx512: 64 vectors; avx2: 128), tail 4096..4098
+    for where in (0, 1023, 1024, 2047, 2048, 3071, 3072, 4095, 4096, 4098):
+        param, m, v = torch.randn(n), torch.zeros(n), torch.zeros(n)
+        p0 = param.clone()
+        grad = torch.randn(n)
+        grad[where] = math.nan
+        assert adam_step_(param, grad, m, v, step=1, lr=1e-2, num_threads=1) is True, where
+        assert _bits_equal(param, p0), where
 
 
 def test_overflow_from_grad_scale(isa):

@@ -17,7 +17,8 @@ Math (Kingma & Ba 2015, "Adam: A Method for Stochastic Optimization"; Loshchilov
     param = param - (lr / bc1) * exp_avg / (sqrt(exp_avg_sq) / sqrt(bc2) + eps)
 
 The operations and their rounding follow ``torch.optim.Adam``/``AdamW`` with
-``foreach=False`` (see csrc/adam_scalar.h, [Note: Adam math]).
+``foreach=False``, except that the denominator is scaled by sqrt(bc2) to save a division
+(weights within a few ulps of torch's; csrc/adam_scalar.h, [Note: Adam math]).
 
 The moments may be kept in bfloat16 (2 B each instead of 4: 4 B per parameter less memory and
 traffic). They are then computed in fp32 and stored with stochastic rounding from a
