@@ -163,6 +163,11 @@ class OffloadEngine:
                                        reshard_after_forward=cfg.stage == 3,
                                        on_grad=self.grads.on_full_grad)
         if cfg.activation_checkpointing:
+            # a key/value cache filled in forward and again in the recomputation would make the
+            # two passes differ (Hugging Face models turn it off for checkpointing the same way)
+            if getattr(getattr(model, "config", None), "use_cache", False):
+                model.config.use_cache = False
+                log.info("activation_checkpointing: set model.config.use_cache = False")
             offload = cfg.offload_activations and self.device.type != "cpu"
             for unit in self.blocks:
                 _checkpoint_forward(unit.module, offload)

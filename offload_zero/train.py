@@ -349,7 +349,7 @@ def _train_loop(engine, batches, args, warmup: int, tokens_per_step: int,
             input_ids, labels = next(batches)  # (B, T) int64 each
             if device is not None:
                 input_ids, labels = input_ids.to(device), labels.to(device)
-            out = engine(input_ids=input_ids, labels=labels)
+            out = engine(input_ids=input_ids, labels=labels, use_cache=False)
             engine.backward(out.loss)
             engine.step()
             loss = float(out.loss.detach().float().item())

@@ -524,3 +524,21 @@ def test_host_memory_flat_over_200_steps_with_nvme(tmp_path):
     assert abs(out["rss_at_end"] - out["rss_at_mark"]) / out["rss_at_mark"] < 0.02, out
     assert out["pools_at_end"] == out["pools_at_mark"]  # same buffers, same peak use
     assert out["pools_at_end"]["param_shards"]["in_use"] == 0
+
+
+def test_activation_checkpointing_on_a_llama_matches_plain_backward():
+    """Regression: views set in a pre-backward hook (grad mode off there) must still track
+    gradients, else the recomputation saves fewer tensors and gives no weight gradients."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32)
+    x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    grads = []
+    for checkpointing in (False, True):
+        torch.manual_seed(0)
+        with OffloadEngine(LlamaForCausalLM(cfg), activation_checkpointing=checkpointing) as eng:
+            eng.backward(eng(input_ids=x, labels=x).loss)
+            grads.append({fp.name: eng.grads.buf[fp].clone() for fp in eng.trainable})
+    for name, g in grads[0].items():
+        assert g.abs().sum() > 0
+        assert (g - grads[1][name]).abs().max().item() <= 1e-6, name

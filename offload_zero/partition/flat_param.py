@@ -191,10 +191,14 @@ class FlatParam:
         """
         if self.state is not ShardedState.UNSHARDED:
             raise RuntimeError(f"[rank {self.rank}] {self.name}: set_views while {self.state.value}")
-        for e in self.entries:
-            view = self.full[e.offset:e.offset + e.numel].view(e.shape)
-            for module, attr, _ in e.refs:
-                setattr(module, attr, view)
+        # Outside forward (inside backward, before an activation-checkpointing recomputation)
+        # grad mode is off; the views must still track gradients when the caller's forward does.
+        track = torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1
+        with torch.set_grad_enabled(track):
+            for e in self.entries:
+                view = self.full[e.offset:e.offset + e.numel].view(e.shape)
+                for module, attr, _ in e.refs:
+                    setattr(module, attr, view)
 
     def set_placeholders(self) -> None:
         """Point every module attribute at a zero-element placeholder naming the parameter."""
