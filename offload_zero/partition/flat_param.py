@@ -166,7 +166,8 @@ class FlatParam:
         self.full.untyped_storage().resize_(self.padded_numel * self.itemsize)
         self._acct.add(Tier.DEVICE, StateKind.PARAMS, self.padded_numel * self.itemsize)
         with torch.no_grad():
-            comm.all_gather_into(self._full_alias, shard.to(self.device, non_blocking=True))
+            # a blocking copy: a host shard's buffer goes back to its pool right after
+            comm.all_gather_into(self._full_alias, shard.to(self.device))
         if self.home is not None:
             self.home.done_with(self)
         self.state = ShardedState.UNSHARDED
