@@ -132,7 +132,7 @@ bool nonfinite_impl(const AdamBuffers& b, const AdamHyper& h, int64_t begin, int
 }
 
 template <DType G, DType S, DType O, bool kStream>
-void update_impl(const AdamBuffers& b, const AdamHyper& h, int64_t begin, int64_t end) {
+bool update_impl(const AdamBuffers& b, const AdamHyper& h, int64_t begin, int64_t end) {
   const __m256 scale = _mm256_set1_ps(h.grad_scale);
   const __m256 l2_decay = _mm256_set1_ps(h.l2_decay);
   const __m256 decay_factor = _mm256_set1_ps(h.decay_factor);
@@ -141,6 +141,8 @@ void update_impl(const AdamBuffers& b, const AdamHyper& h, int64_t begin, int64_
   const __m256 one_minus_beta2 = _mm256_set1_ps(h.one_minus_beta2);
   const __m256 eps = _mm256_set1_ps(h.eps);
   const __m256 neg_step_size = _mm256_set1_ps(h.neg_step_size);
+  const __m256i abs_mask = _mm256_set1_epi32(0x7fffffff);
+  __m256i seen = _mm256_setzero_si256();  // max |g| bits: > 0x7f7fffff iff some g is inf or nan
   int64_t i = begin;
   for (; i + kLanes <= end; i += kLanes) {
     __m256 g = load_grad8<G>(b.grad, i);
@@ -148,6 +150,7 @@ void update_impl(const AdamBuffers& b, const AdamHyper& h, int64_t begin, int64_
     __m256 m = load_state8<S>(b.exp_avg, i);
     __m256 v = load_state8<S>(b.exp_avg_sq, i);
     if (h.scale_grad) g = _mm256_mul_ps(g, scale);
+    seen = _mm256_max_epu32(seen, _mm256_and_si256(_mm256_castps_si256(g), abs_mask));
     if (h.l2) g = _mm256_fmadd_ps(p, l2_decay, g);
     if (h.decoupled) p = _mm256_mul_ps(p, decay_factor);
     m = _mm256_fmadd_ps(lerp_coeff, _mm256_sub_ps(g, m), h.lerp_small ? m : g);
@@ -159,19 +162,24 @@ void update_impl(const AdamBuffers& b, const AdamHyper& h, int64_t begin, int64_
     store_moments8<S>(b, h, i, m, v);
     store_out8<O, kStream>(b.out, i, p);
   }
-  for (; i < end; ++i) adam_element(b, h, i);
+  bool bad = _mm256_movemask_epi8(_mm256_cmpgt_epi32(seen, _mm256_set1_epi32(0x7f7fffff))) != 0;
+  for (; i < end; ++i) {
+    bad |= element_nonfinite(b, h, i);
+    adam_element(b, h, i);
+  }
   if constexpr (kStream) _mm_sfence();
+  return bad;
 }
 
 template <DType G, DType S, DType O>
-void update_stream(const AdamBuffers& b, const AdamHyper& h, int64_t begin, int64_t end,
+bool update_stream(const AdamBuffers& b, const AdamHyper& h, int64_t begin, int64_t end,
                    bool streaming) {
-  if (streaming) update_impl<G, S, O, true>(b, h, begin, end);
-  else update_impl<G, S, O, false>(b, h, begin, end);
+  if (streaming) return update_impl<G, S, O, true>(b, h, begin, end);
+  return update_impl<G, S, O, false>(b, h, begin, end);
 }
 
 template <DType G, DType S>
-void update_out(const AdamBuffers& b, const AdamHyper& h, int64_t begin, int64_t end,
+bool update_out(const AdamBuffers& b, const AdamHyper& h, int64_t begin, int64_t end,
                 bool streaming) {
   switch (b.out_dtype) {
     case DType::kF32: return update_stream<G, S, DType::kF32>(b, h, begin, end, streaming);
@@ -182,7 +190,7 @@ void update_out(const AdamBuffers& b, const AdamHyper& h, int64_t begin, int64_t
 }
 
 template <DType G>
-void update_state(const AdamBuffers& b, const AdamHyper& h, int64_t begin, int64_t end,
+bool update_state(const AdamBuffers& b, const AdamHyper& h, int64_t begin, int64_t end,
                   bool streaming) {
   if (b.state_dtype == DType::kBF16) {
     return update_out<G, DType::kBF16>(b, h, begin, end, streaming);
@@ -190,7 +198,7 @@ void update_state(const AdamBuffers& b, const AdamHyper& h, int64_t begin, int64
   return update_out<G, DType::kF32>(b, h, begin, end, streaming);
 }
 
-void avx2_update(const AdamBuffers& b, const AdamHyper& h, int64_t begin, int64_t end,
+bool avx2_update(const AdamBuffers& b, const AdamHyper& h, int64_t begin, int64_t end,
                  bool streaming) {
   switch (b.grad_dtype) {
     case DType::kBF16: return update_state<DType::kBF16>(b, h, begin, end, streaming);

@@ -5,6 +5,7 @@
 // the other variant rounds with integer ops. Math: [Note: Adam math] in adam_scalar.h.
 // GCC 12 warns about its own _mm512_undefined_* helpers when they are inlined here.
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
 #include <immintrin.h>
 
 #include "adam_common.h"
@@ -141,7 +142,7 @@ bool nonfinite_impl(const AdamBuffers& b, const AdamHyper& h, int64_t begin, int
 }
 
 template <DType G, DType S, DType O, bool kStream, bool kBf16Insn>
-void update_impl(const AdamBuffers& b, const AdamHyper& h, int64_t begin, int64_t end) {
+bool update_impl(const AdamBuffers& b, const AdamHyper& h, int64_t begin, int64_t end) {
   const __m512 scale = _mm512_set1_ps(h.grad_scale);
   const __m512 l2_decay = _mm512_set1_ps(h.l2_decay);
   const __m512 decay_factor = _mm512_set1_ps(h.decay_factor);
@@ -150,6 +151,8 @@ void update_impl(const AdamBuffers& b, const AdamHyper& h, int64_t begin, int64_
   const __m512 one_minus_beta2 = _mm512_set1_ps(h.one_minus_beta2);
   const __m512 eps = _mm512_set1_ps(h.eps);
   const __m512 neg_step_size = _mm512_set1_ps(h.neg_step_size);
+  const __m512i abs_mask = _mm512_set1_epi32(0x7fffffff);
+  __m512i seen = _mm512_setzero_si512();  // max |g| bits: > 0x7f7fffff iff some g is inf or nan
   int64_t i = begin;
   for (; i + kLanes <= end; i += kLanes) {
     __m512 g = load_grad16<G>(b.grad, i);
@@ -157,6 +160,7 @@ void update_impl(const AdamBuffers& b, const AdamHyper& h, int64_t begin, int64_
     __m512 m = load_state16<S>(b.exp_avg, i);
     __m512 v = load_state16<S>(b.exp_avg_sq, i);
     if (h.scale_grad) g = _mm512_mul_ps(g, scale);
+    seen = _mm512_max_epu32(seen, _mm512_and_si512(_mm512_castps_si512(g), abs_mask));
     if (h.l2) g = _mm512_fmadd_ps(p, l2_decay, g);
     if (h.decoupled) p = _mm512_mul_ps(p, decay_factor);
     m = _mm512_fmadd_ps(lerp_coeff, _mm512_sub_ps(g, m), h.lerp_small ? m : g);
@@ -168,19 +172,24 @@ void update_impl(const AdamBuffers& b, const AdamHyper& h, int64_t begin, int64_
     store_moments16<S>(b, h, i, m, v);
     store_out16<O, kStream, kBf16Insn>(b.out, i, p);
   }
-  for (; i < end; ++i) adam_element(b, h, i);
+  bool bad = _mm512_cmpgt_epu32_mask(seen, _mm512_set1_epi32(0x7f7fffff)) != 0;
+  for (; i < end; ++i) {
+    bad |= element_nonfinite(b, h, i);
+    adam_element(b, h, i);
+  }
   if constexpr (kStream) _mm_sfence();
+  return bad;
 }
 
 template <DType G, DType S, DType O, bool kBf16Insn>
-void update_stream(const AdamBuffers& b, const AdamHyper& h, int64_t begin, int64_t end,
+bool update_stream(const AdamBuffers& b, const AdamHyper& h, int64_t begin, int64_t end,
                    bool streaming) {
-  if (streaming) update_impl<G, S, O, true, kBf16Insn>(b, h, begin, end);
-  else update_impl<G, S, O, false, kBf16Insn>(b, h, begin, end);
+  if (streaming) return update_impl<G, S, O, true, kBf16Insn>(b, h, begin, end);
+  return update_impl<G, S, O, false, kBf16Insn>(b, h, begin, end);
 }
 
 template <DType G, DType S, bool kI>
-void update_out(const AdamBuffers& b, const AdamHyper& h, int64_t begin, int64_t end,
+bool update_out(const AdamBuffers& b, const AdamHyper& h, int64_t begin, int64_t end,
                 bool streaming) {
   switch (b.out_dtype) {
     case DType::kF32: return update_stream<G, S, DType::kF32, kI>(b, h, begin, end, streaming);
@@ -191,7 +200,7 @@ void update_out(const AdamBuffers& b, const AdamHyper& h, int64_t begin, int64_t
 }
 
 template <DType G, bool kI>
-void update_state(const AdamBuffers& b, const AdamHyper& h, int64_t begin, int64_t end,
+bool update_state(const AdamBuffers& b, const AdamHyper& h, int64_t begin, int64_t end,
                   bool streaming) {
   if (b.state_dtype == DType::kBF16) {
     return update_out<G, DType::kBF16, kI>(b, h, begin, end, streaming);
@@ -200,7 +209,7 @@ void update_state(const AdamBuffers& b, const AdamHyper& h, int64_t begin, int64
 }
 
 template <bool kBf16Insn>
-void avx512_update(const AdamBuffers& b, const AdamHyper& h, int64_t begin, int64_t end,
+bool avx512_update(const AdamBuffers& b, const AdamHyper& h, int64_t begin, int64_t end,
                    bool streaming) {
   switch (b.grad_dtype) {
     case DType::kBF16: return update_state<DType::kBF16, kBf16Insn>(b, h, begin, end, streaming);

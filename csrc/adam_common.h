@@ -56,8 +56,9 @@ struct AdamKernels {
   // True when any grad[i] * grad_scale (scaled only if h.scale_grad) is inf or nan.
   bool (*has_nonfinite)(const AdamBuffers& b, const AdamHyper& h, int64_t begin, int64_t end);
   // One Adam/AdamW step in place. `streaming` asks for non-temporal stores; the caller only
-  // sets it when every pointer at `begin` is 64-byte aligned.
-  void (*update)(const AdamBuffers& b, const AdamHyper& h, int64_t begin, int64_t end,
+  // sets it when every pointer at `begin` is 64-byte aligned. Returns has_nonfinite over the
+  // same range (found in registers while updating, at no extra memory traffic).
+  bool (*update)(const AdamBuffers& b, const AdamHyper& h, int64_t begin, int64_t end,
                  bool streaming);
 };
 

@@ -13,9 +13,14 @@ bool scalar_has_nonfinite(const AdamBuffers& b, const AdamHyper& h, int64_t begi
   return bad;
 }
 
-void scalar_update(const AdamBuffers& b, const AdamHyper& h, int64_t begin, int64_t end,
+bool scalar_update(const AdamBuffers& b, const AdamHyper& h, int64_t begin, int64_t end,
                    bool /*streaming*/) {
-  for (int64_t i = begin; i < end; ++i) adam_element(b, h, i);
+  bool bad = false;
+  for (int64_t i = begin; i < end; ++i) {
+    bad |= element_nonfinite(b, h, i);
+    adam_element(b, h, i);
+  }
+  return bad;
 }
 
 }  // namespace

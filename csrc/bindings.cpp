@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <stdexcept>
 #include <string>
 
 #include "adam_common.h"
@@ -51,7 +52,7 @@ bool adam_step(uintptr_t param_ptr, uintptr_t grad_ptr, uintptr_t exp_avg_ptr,
                uintptr_t out_ptr, const py::object& out_dtype, int64_t step, double lr,
                double beta1, double beta2, double eps, double weight_decay, bool adamw,
                bool bias_correction, double grad_scale, int num_threads,
-               const std::string& state_dtype, int64_t sr_seed) {
+               const std::string& state_dtype, int64_t sr_seed, bool check_overflow) {
   if (numel < 0) throw py::value_error("numel=" + std::to_string(numel) + " is negative");
   if (step < 1) throw py::value_error("step=" + std::to_string(step) + " must be >= 1");
   if (num_threads < 0) {
@@ -96,8 +97,18 @@ bool adam_step(uintptr_t param_ptr, uintptr_t grad_ptr, uintptr_t exp_avg_ptr,
   // Environment variables are read while we still hold the GIL.
   const AdamKernels& k = select_kernels();
   const int threads = num_threads > 0 ? num_threads : default_num_threads();
-  py::gil_scoped_release release;
-  return run_adam_step(k, b, h, numel, threads);
+  StepResult result;
+  {
+    py::gil_scoped_release release;
+    result = run_adam_step(k, b, h, numel, threads, check_overflow);
+  }
+  if (result == StepResult::kNonfiniteWritten) {
+    throw std::runtime_error(
+        "adam_step with check_overflow=False met an inf/nan gradient (times grad_scale=" +
+        std::to_string(grad_scale) + ") among numel=" + std::to_string(numel) +
+        ": param/exp_avg/exp_avg_sq/out now hold non-finite values");
+  }
+  return result == StepResult::kSkipped;
 }
 
 std::string selected_isa() { return select_kernels().name; }
@@ -118,7 +129,7 @@ PYBIND11_MODULE(_C, m) {
         py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),
         py::arg("weight_decay"), py::arg("adamw"), py::arg("bias_correction"),
         py::arg("grad_scale"), py::arg("num_threads"), py::arg("state_dtype") = "float32",
-        py::arg("sr_seed") = 0,
+        py::arg("sr_seed") = 0, py::arg("check_overflow") = true,
         "One Adam/AdamW step in place over raw buffers of `numel` elements.\n\n"
         "param: fp32; exp_avg/exp_avg_sq: state_dtype ('float32'|'bfloat16', the latter\n"
         "stored with stochastic rounding keyed by (sr_seed, step));\n"
@@ -126,6 +137,8 @@ PYBIND11_MODULE(_C, m) {
         "out: optional copy of the new weight in out_dtype (None: no copy, out_ptr must be 0).\n"
         "num_threads=0 uses set_num_threads(), OFFLOAD_ZERO_ADAM_THREADS or all CPUs.\n"
         "Returns True (nothing written) when any gradient times grad_scale is inf or nan.\n"
+        "check_overflow=False skips that read-only pass: the caller vouches that the\n"
+        "gradients are finite, and RuntimeError is raised (state already written) if not.\n"
         "Raises ValueError for bad pointers, sizes, dtypes or hyperparameters.");
   m.def("selected_isa", &oz::selected_isa,
         "Instruction set adam_step uses now: 'scalar', 'avx2' or 'avx512' "

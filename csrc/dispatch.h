@@ -44,9 +44,19 @@ struct AdamOptions {
 // Reduces the options to the floats the kernels use, in double first like torch does.
 AdamHyper make_hyper(const AdamOptions& o);
 
+// What run_adam_step did.
+enum class StepResult : int {
+  kUpdated = 0,          // every scaled gradient finite; state updated
+  kSkipped = 1,          // a scaled gradient is inf/nan; nothing written (check_overflow)
+  kNonfiniteWritten = 2, // a scaled gradient is inf/nan and, without the check, the state
+                         // has been written with it: it no longer holds valid values
+};
+
 // One step over `numel` elements with `num_threads` threads (0: default_num_threads()).
-// Returns true, having written nothing, when any scaled gradient is inf or nan.
-bool run_adam_step(const AdamKernels& k, const AdamBuffers& b, const AdamHyper& h,
-                   int64_t numel, int num_threads);
+// check_overflow: read every gradient first and write nothing if one is inf or nan
+// ([Note: overflow check before the update]); without it the update runs alone and only
+// reports non-finite gradients afterwards.
+StepResult run_adam_step(const AdamKernels& k, const AdamBuffers& b, const AdamHyper& h,
+                         int64_t numel, int num_threads, bool check_overflow);
 
 }  // namespace oz

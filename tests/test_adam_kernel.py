@@ -231,6 +231,34 @@ def test_overflow_found_in_every_stream_of_the_check(isa):
         assert _bits_equal(param, p0), where
 
 
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+def test_without_overflow_check_same_bits(isa, state_dtype):
+    n = 100_003
+    runs = []
+    for check in (True, False):
+        gen = torch.Generator().manual_seed(0)
+        p = torch.randn(n, generator=gen)
+        m, v = torch.zeros(n, dtype=state_dtype), torch.zeros(n, dtype=state_dtype)
+        out = torch.empty(n, dtype=torch.bfloat16)
+        for step, grad in enumerate(_grads(n, 3, seed=8), start=1):
+            assert adam_step_(p, grad, m, v, step=step, lr=1e-2, weight_decay=0.1, out=out,
+                              grad_scale=0.5, check_overflow=check) is False
+        runs.append((p, m, v, out))
+    assert all(_bits_equal(a, b) for a, b in zip(*runs))
+
+
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_without_overflow_check_nonfinite_raises(isa, grad_dtype):
+    """The update still sees the inf/nan (in registers) and says the state is now invalid."""
+    n = 200_003
+    for where in (0, 100_000, n - 1):
+        grad = torch.randn(n).to(grad_dtype)
+        grad[where] = math.nan if where else math.inf
+        with pytest.raises(RuntimeError, match="check_overflow=False met an inf/nan"):
+            adam_step_(torch.randn(n), grad, torch.zeros(n), torch.zeros(n), step=1, lr=1e-2,
+                       check_overflow=False)
+
+
 def test_overflow_from_grad_scale(isa):
     n = 1000
     grad = torch.full((n,), 3e38)
@@ -582,6 +610,34 @@ def test_thread_setting_gives_identical_bits():
     finally:
         set_num_threads(None)
     assert all(_bits_equal(a, b) for a, b in zip(*results))
+
+
+def test_concurrent_callers_share_the_pool():
+    """Two Python threads stepping different buffers at once (the GIL is released, the pool
+    runs one job at a time) get the bits they get one after the other."""
+    n = 300_007
+
+    def make(seed):
+        gen = torch.Generator().manual_seed(seed)
+        return [torch.randn(n, generator=gen), torch.randn(n, generator=gen),
+                torch.zeros(n), torch.zeros(n)]
+
+    def steps(bufs, threads):
+        for step in range(1, 6):
+            adam_step_(*bufs, step=step, lr=1e-2, weight_decay=0.1, num_threads=threads)
+
+    alone = [make(1), make(2)]
+    steps(alone[0], 2)
+    steps(alone[1], 3)
+    together = [make(1), make(2)]
+    workers = [threading.Thread(target=steps, args=(together[0], 2)),
+               threading.Thread(target=steps, args=(together[1], 3))]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    for a, b in zip(alone, together):
+        assert all(_bits_equal(x, y) for x, y in zip(a, b))
 
 
 def test_gil_is_released_during_the_update():
