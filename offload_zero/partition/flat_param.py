@@ -195,9 +195,16 @@ class FlatParam:
         # Outside forward (inside backward, before an activation-checkpointing recomputation)
         # grad mode is off; the views must still track gradients when the caller's forward does.
         track = torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1
+        # One split for all parameters: its backward writes every gradient into the flat
+        # gradient in a single pass (a slice per parameter would zero-fill and add a full-size
+        # tensor per parameter).
+        sizes = [e.numel for e in self.entries]
+        if self.padded_numel > self.numel:
+            sizes.append(self.padded_numel - self.numel)
         with torch.set_grad_enabled(track):
-            for e in self.entries:
-                view = self.full[e.offset:e.offset + e.numel].view(e.shape)
+            pieces = torch.split(self.full, sizes)
+            for e, piece in zip(self.entries, pieces):
+                view = piece.view(e.shape)
                 for module, attr, _ in e.refs:
                     setattr(module, attr, view)
 
