@@ -134,6 +134,7 @@ class OffloadEngine:
             self.pools["param_shards"] = HostBufferPool("param_shards", count, max_shard, cfg.dtype,
                                                         self._host_alloc, self._acct)
             self.param_home = NVMeParamHome(self.swapper, self.pools["param_shards"], self._acct)
+        self.store = self._build_store(plan)
         self.blocks, self.root = self._build_units(*plan)
         self.units: List[Unit] = self.blocks + [self.root]
         self.flat_params = [fp for u in self.units for fp in u.flat_params]
@@ -144,15 +145,7 @@ class OffloadEngine:
                     mod._buffers[k] = b.to(self.device)
 
         self.grads = GradientShards(self.trainable, cfg.grad_tier, self.comm, cfg.stage,
-                                    self._acct, self._host_alloc)
-        self.store = self._build_store()
-        alias_ok = (cfg.optimizer_tier is Tier.DEVICE and cfg.param_tier is Tier.DEVICE
-                    and cfg.dtype == torch.float32)
-        for fp in self.trainable:
-            master = self._initial_master.pop(fp)
-            self.store.add(fp, master, alias=fp.sharded if alias_ok else None)
-            self._step_count[fp] = 0
-        del self._initial_master
+                                    self._acct, self._host_alloc, host_dtype=cfg.grad_dtype)
         self._staging = None
         if (self.device.type != "cpu" and cfg.optimizer_tier is not Tier.DEVICE
                 and cfg.param_tier is Tier.DEVICE and self.trainable):
@@ -189,7 +182,8 @@ class OffloadEngine:
     def _build_units(self, blocks, root, planned, users):
         cfg = self.config
         units = blocks + [root]
-        self._initial_master: Dict[FlatParam, torch.Tensor] = {}
+        alias_ok = (cfg.optimizer_tier is Tier.DEVICE and cfg.param_tier is Tier.DEVICE
+                    and cfg.dtype == torch.float32)
         owner_of = {}
         for unit, trainable, members in planned:
             entries = build_entries(members)
@@ -200,8 +194,13 @@ class OffloadEngine:
                            keep_unsharded=cfg.stage < 3, accountant=self._acct,
                            home=self.param_home)
             if trainable:
-                self._initial_master[fp] = _flat_shard_fp32(fp, values)
+                # straight to its tier, unit by unit: the fp32 masters of the whole model never
+                # sit in memory at once
+                alias = fp.sharded if alias_ok else None
+                self.store.add(fp, _flat_shard_fp32(fp, values), alias=alias)
+                self._step_count[fp] = 0
             unit.flat_params.append(fp)
+            del values
             for p, refs in members:
                 owner_of[id(p)] = unit
                 for mod, attr, _ in refs:
@@ -215,14 +214,15 @@ class OffloadEngine:
                 fp.set_views() if fp.keep_unsharded else fp.set_placeholders()
         return blocks, root
 
-    def _build_store(self):
+    def _build_store(self, plan):
         tier = self.config.optimizer_tier
         if tier is Tier.DEVICE:
             return DeviceStore(self._acct, self.device)
         if tier is Tier.HOST:
             return HostStore(self._acct, self._host_alloc)
-        max_n = max((fp.shard_numel for fp in self.trainable), default=1024)
-        return NVMeStore(self.swapper, self._acct, self._host_alloc, max_n)
+        sizes = [shard_numel_for(sum(p.numel() for p, _ in members), self.world_size, self.config.dtype)
+                 for _, trainable, members in plan[2] if trainable]
+        return NVMeStore(self.swapper, self._acct, self._host_alloc, max(sizes, default=1024))
 
     # -- training loop -----------------------------------------------------------------------
     def __call__(self, *args, **kwargs):

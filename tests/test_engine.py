@@ -542,3 +542,23 @@ def test_activation_checkpointing_on_a_llama_matches_plain_backward():
     for name, g in grads[0].items():
         assert g.abs().sum() > 0
         assert (g - grads[1][name]).abs().max().item() <= 1e-6, name
+
+
+def test_bf16_gradient_shards_on_host_halve_their_bytes(tmp_path):
+    torch.manual_seed(11)
+    model = TinyLM()
+    ref_model = copy.deepcopy(model)
+    with OffloadEngine(model, offload="cpu", grad_dtype=torch.bfloat16, lr=1e-2) as eng, \
+            OffloadEngine(ref_model, offload="cpu", lr=1e-2) as ref:
+        s = sum(fp.shard_numel for fp in eng.trainable)
+        assert eng.memory_report()["host"]["by_kind"]["gradients"]["current_bytes"] == 2 * s
+        assert ref.memory_report()["host"]["by_kind"]["gradients"]["current_bytes"] == 4 * s
+        for x, y in batches(5):
+            for e in (eng, ref):
+                e.backward(lm_loss(e(x), y))
+                e.step()
+        a, b = eng.full_state_dict(), ref.full_state_dict()
+        # bf16 gradients move each step by at most lr-sized amounts differently; close, not equal
+        assert max((a[k] - b[k]).abs().max().item() for k in a) < 5e-2
+    with pytest.raises(ValueError, match="grad_dtype"):
+        OffloadEngine(TinyLM(), grad_dtype=torch.float16)

@@ -31,10 +31,11 @@ class GradientShards:
         stage: ZeRO stage (1 keeps full gradients until :meth:`reduce_all_full`).
         accountant: byte accounting.
         host_alloc: ``f(numel, dtype) -> Tensor`` for host buffers (aligned/pinned).
+        host_dtype: dtype of host shard buffers (float32 default, or bfloat16).
     """
 
     def __init__(self, flat_params: List[FlatParam], tier: Tier, comm, stage: int,
-                 accountant: TierAccountant, host_alloc):
+                 accountant: TierAccountant, host_alloc, host_dtype: torch.dtype = torch.float32):
         self.comm, self.stage, self.tier, self._acct = comm, stage, tier, accountant
         self.buf: Dict[FlatParam, torch.Tensor] = {}
         self.has_grad: Dict[FlatParam, bool] = {}
@@ -45,7 +46,7 @@ class GradientShards:
             if self._in_place:
                 continue
             if tier is Tier.HOST:
-                b = host_alloc(fp.shard_numel, torch.float32)
+                b = host_alloc(fp.shard_numel, host_dtype)
             else:
                 b = torch.empty(fp.shard_numel, dtype=fp.dtype, device=fp.device)
             self.buf[fp] = b
