@@ -3,7 +3,8 @@
 Commands are registered in :data:`COMMANDS` as ``(name, help, module)``; a command module
 provides ``DESCRIPTION`` (text for its ``--help``),
 ``add_arguments(parser)`` and ``run(args)``: ``train`` (the main job) and ``estimate`` (memory
-per device, host and NVMe for a model, world size, stage and offload choice).
+per device, host and NVMe for a model, world size, stage and offload choice) and ``bench``
+(the swapper's read/write bandwidth on a folder's filesystem).
 
 Exit status: 0 on success, 2 on bad flags (argparse) or on a ``ValueError`` /
 ``NotImplementedError`` raised by the run (printed as one line, no traceback), 130 on Ctrl-C.
@@ -26,6 +27,8 @@ COMMANDS = [
     ("estimate", "memory per device, host and NVMe for a model, world size, ZeRO stage and "
                  "offload choice (the ZeRO paper's arithmetic plus this engine's buffers)",
      "offload_zero.estimator"),
+    ("bench", "measure the NVMe tier: the swapper's read and write GB/s on a file under a folder",
+     "offload_zero.bench"),
 ]
 
 _EPILOG = """\
