@@ -469,3 +469,64 @@ def test_measure_bandwidth_small(tmp_path, backend, ring):
     assert result["read_gbps"] > 0 and result["write_gbps"] > 0
     assert len(result["read_s"]) == len(result["write_s"]) == 2
     assert os.listdir(tmp_path) == []
+
+
+# ---- tuned block size and queue depth ---------------------------------------------------------
+
+@pytest.fixture
+def fake_tuning(tmp_path, monkeypatch):
+    """Cache in tmp_path; the probe answers (256 KiB, 4) without I/O and records its calls."""
+    from offload_zero.memory import tuning
+
+    monkeypatch.setenv("OFFLOAD_ZERO_CACHE", str(tmp_path / "aio_tuning.json"))
+    calls = []
+
+    def probe(folder, backend="auto", budget_s=2.0):
+        calls.append(backend)
+        trial = dict(block_size=64 * PAGE, queue_depth=4, write_gbps=1.0, read_gbps=1.0, gbps=1.0)
+        return dict(block_size=64 * PAGE, queue_depth=4, backend=backend,
+                    measured=dict(trials=[trial], direct=True, trial_bytes=1 << 20))
+
+    monkeypatch.setattr(tuning, "probe", probe)
+    return calls
+
+
+def test_tuned_swapper_round_trip(tmp_path, backend, fake_tuning):
+    with Swapper(str(tmp_path / "s"), backend=backend, block_size=None, queue_depth=None) as sw:
+        assert (sw.block_size, sw.queue_depth) == (64 * PAGE, 4)
+        assert sw.tuning["source"] == "probe" and sw.backend == backend
+        sw.allocate("k", 300 * PAGE)
+        src = random_bytes(300 * PAGE)
+        sw.swap_out("k", src).wait()
+        dst = aligned_empty(300 * PAGE, torch.uint8)
+        sw.swap_in("k", dst).wait()
+        assert torch.equal(src, dst)
+    with Swapper(str(tmp_path / "t"), backend=backend, block_size=None, queue_depth=None) as sw:
+        assert sw.tuning["source"] == "cache"
+    assert fake_tuning == [backend]  # probed once for this device and backend
+
+
+def test_explicit_values_override_tuning(tmp_path, fake_tuning):
+    with Swapper(str(tmp_path / "a"), block_size=None, queue_depth=16) as sw:
+        assert (sw.block_size, sw.queue_depth) == (64 * PAGE, 16)
+    with Swapper(str(tmp_path / "b"), block_size=2 * PAGE, queue_depth=None) as sw:
+        assert (sw.block_size, sw.queue_depth) == (2 * PAGE, 4)
+    fake_tuning.clear()
+    with Swapper(str(tmp_path / "c"), block_size=2 * PAGE, queue_depth=3) as sw:
+        assert (sw.block_size, sw.queue_depth) == (2 * PAGE, 3) and sw.tuning is None
+    with Swapper(str(tmp_path / "d")) as sw:  # the defaults stay explicit: no probe
+        assert (sw.block_size, sw.queue_depth) == (1 << 20, 8) and sw.tuning is None
+    assert fake_tuning == []
+
+
+def test_tuned_swapper_real_probe(tmp_path, monkeypatch):
+    from offload_zero.memory import tuning
+
+    monkeypatch.setenv("OFFLOAD_ZERO_CACHE", str(tmp_path / "aio_tuning.json"))
+    monkeypatch.setattr(tuning, "MAX_TRIAL_BYTES", 8 << 20)  # keep it short on a shared machine
+    folder = tmp_path / "s"
+    with Swapper(str(folder), block_size=None, queue_depth=None) as sw:
+        assert sw.block_size in tuning.BLOCK_SIZES and sw.queue_depth in tuning.QUEUE_DEPTHS
+        assert sw.tuning["source"] == "probe" and sw.files == []
+        assert os.listdir(folder) == []  # nothing of the probe left in the swap folder
+    assert not folder.exists()

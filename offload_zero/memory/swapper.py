@@ -290,8 +290,13 @@ class Swapper:
             mode 0700 (its parent must exist) and removed again by ``close``.
         backend: "auto" (libaio when the bindings import and the filesystem takes O_DIRECT,
             else "threads" with a warning saying why), "libaio" (error if unusable) or "threads".
-        block_size: bytes per request, a positive multiple of 4096 (default 1 MiB).
-        queue_depth: most requests in flight at once for this swapper (>= 1).
+        block_size: bytes per request, a positive multiple of 4096 (default 1 MiB), or None:
+            tuned for the folder's device (``tuning.tuned_settings``: a probe of at most ~2 s
+            the first time a device is seen, then a cached choice; see
+            [Note: aio self-tuning] in ``tuning.py``).
+        queue_depth: most requests in flight at once for this swapper (>= 1, default 8), or
+            None: tuned likewise. An explicit value of one overrides the tuned one, and
+            ``tuning`` holds what the probe or the cache said (None when both are explicit).
 
     Raises:
         ValueError: the folder's parent is missing/not a directory/not writable, the folder is
@@ -302,18 +307,23 @@ class Swapper:
     and at interpreter exit.
     """
 
-    def __init__(self, folder: str, backend: str = "auto", block_size: int = 1 << 20,
-                 queue_depth: int = 8) -> None:
+    def __init__(self, folder: str, backend: str = "auto", block_size: Optional[int] = 1 << 20,
+                 queue_depth: Optional[int] = 8) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"unknown swap backend {backend!r}; choose one of {BACKENDS}")
-        _check_positive_int("block_size", block_size, ALIGNMENT)
-        _check_positive_int("queue_depth", queue_depth)
+        if block_size is not None:
+            _check_positive_int("block_size", block_size, ALIGNMENT)
+        if queue_depth is not None:
+            _check_positive_int("queue_depth", queue_depth)
         self.block_size = block_size
         self.queue_depth = queue_depth
+        self.tuning: Optional[dict] = None
         folder, created = _prepare_folder(folder)
         self._state = _SwapperState(folder, created)
         self._finalizer = weakref.finalize(self, _SwapperState.close, self._state)
         try:
+            if block_size is None or queue_depth is None:
+                self._apply_tuning(backend)
             self._state.backend, self._direct = self._pick_backend(backend)
         except BaseException:
             self.close()
@@ -322,6 +332,16 @@ class Swapper:
         self._handles_lock = threading.Lock()
         self._outstanding: "weakref.WeakSet[SwapHandle]" = weakref.WeakSet()
         self._unobserved_failures: list = []
+
+    def _apply_tuning(self, backend: str) -> None:
+        """Fill in whichever of block_size / queue_depth is None from the device's tuning."""
+        from offload_zero.memory.tuning import tuned_settings
+
+        self.tuning = tuned_settings(self._state.folder, backend=backend)
+        if self.block_size is None:
+            self.block_size = self.tuning["block_size"]
+        if self.queue_depth is None:
+            self.queue_depth = self.tuning["queue_depth"]
 
     def _pick_backend(self, requested: str) -> tuple:
         """Returns (backend object, whether files are opened with O_DIRECT)."""
