@@ -1,9 +1,11 @@
 """aligned_empty: 4096-byte aligned host tensors that keep their storage alive."""
 import gc
+import warnings
 
 import pytest
 import torch
 
+from offload_zero.memory import aligned as aligned_mod
 from offload_zero.memory.aligned import ALIGNMENT, aligned_empty, is_aligned
 
 DTYPES = [torch.uint8, torch.int8, torch.float16, torch.bfloat16, torch.float32, torch.int32,
@@ -83,3 +85,112 @@ def test_is_aligned():
     assert not is_aligned(t[1:1025])  # misaligned address
     assert not is_aligned(t[:1000])  # length not a multiple of 4096 bytes
     assert not is_aligned(t.view(2, 1024).t())  # not contiguous
+
+
+# ---- pinning and the locked-memory limit (no CUDA needed) ------------------------------------
+
+RAW = ALIGNMENT - 1  # over-allocation of every aligned_empty block
+
+
+@pytest.mark.parametrize("wanted,already,limit,allowed", [
+    (10, 0, None, True),        # no limit (unlimited or CAP_IPC_LOCK)
+    (1 << 40, 1 << 40, None, True),
+    (10, 0, 10, True),          # exactly at the limit
+    (11, 0, 10, False),
+    (5, 6, 10, False),          # what is already pinned counts
+    (0, 10, 10, True),
+    (65536, 0, 65536, True),    # a typical container limit
+    (65537, 0, 65536, False),
+])
+def test_pin_allowed(wanted, already, limit, allowed):
+    assert aligned_mod._pin_allowed(wanted, already, limit) is allowed
+
+
+def test_memlock_limit(monkeypatch):
+    import resource
+
+    monkeypatch.setattr(aligned_mod, "_has_cap_ipc_lock", lambda: False)
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (65536, 1 << 30))
+    assert aligned_mod._memlock_limit() == 65536
+    monkeypatch.setattr(resource, "getrlimit",
+                        lambda which: (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+    assert aligned_mod._memlock_limit() is None
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (65536, 1 << 30))
+    monkeypatch.setattr(aligned_mod, "_has_cap_ipc_lock", lambda: True)
+    assert aligned_mod._memlock_limit() is None
+    monkeypatch.setattr(aligned_mod, "_has_cap_ipc_lock", lambda: False)
+    monkeypatch.setenv("OFFLOAD_ZERO_MEMLOCK_CHECK", "0")
+    assert aligned_mod._memlock_limit() is None
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """CUDA 'available'; the pinned allocation returns ordinary memory and is recorded."""
+    calls = []
+
+    def empty_pinned(nbytes):
+        calls.append(nbytes)
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(aligned_mod, "_empty_pinned", empty_pinned)
+    monkeypatch.setattr(aligned_mod, "_warned", set())  # each test sees its first warning
+    monkeypatch.setattr(aligned_mod, "_memlock_limit", lambda: 3 * ALIGNMENT)
+    return calls
+
+
+def _check_buffer(t, numel):
+    assert t.shape == (numel,) and t.data_ptr() % ALIGNMENT == 0 and not t.is_pinned()
+    t.fill_(3)  # the memory is usable
+
+
+def test_pinned_bytes_counted_and_released(fake_cuda):
+    before = aligned_mod.pinned_bytes()
+    t = aligned_empty(ALIGNMENT, torch.uint8, pin=True)
+    assert fake_cuda == [ALIGNMENT + RAW]
+    assert aligned_mod.pinned_bytes() == before + ALIGNMENT + RAW
+    view = t[10:20]
+    del t
+    gc.collect()
+    assert aligned_mod.pinned_bytes() == before + ALIGNMENT + RAW  # the view keeps it alive
+    del view
+    gc.collect()
+    assert aligned_mod.pinned_bytes() == before
+
+
+def test_over_the_limit_warns_and_returns_unpinned(fake_cuda):
+    first = aligned_empty(ALIGNMENT // 4, torch.float32, pin=True)  # fits in 3 pages
+    wanted = 2 * ALIGNMENT + RAW
+    already = aligned_mod.pinned_bytes()
+    with pytest.warns(RuntimeWarning, match=rf"{already} already pinned \+ {wanted} = "
+                                            rf"{already + wanted} bytes wanted exceeds .*"
+                                            rf"RLIMIT_MEMLOCK.* of {3 * ALIGNMENT} bytes"):
+        second = aligned_empty(ALIGNMENT // 2, torch.float32, pin=True)
+    assert fake_cuda == [ALIGNMENT + RAW]  # the second block was never offered to CUDA
+    assert aligned_mod.pinned_bytes() == already
+    _check_buffer(second, ALIGNMENT // 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # warned once per process, not once per buffer
+        third = aligned_empty(ALIGNMENT, torch.uint8, pin=True)
+    _check_buffer(third, ALIGNMENT)
+    del first
+
+
+def test_failed_pin_falls_back_unpinned(fake_cuda, monkeypatch):
+    def refuse(nbytes):
+        raise RuntimeError("CUDA error: out of memory\n(cudaHostAlloc)")
+
+    monkeypatch.setattr(aligned_mod, "_empty_pinned", refuse)
+    monkeypatch.setattr(aligned_mod, "_memlock_limit", lambda: None)
+    before = aligned_mod.pinned_bytes()
+    with pytest.warns(RuntimeWarning, match=rf"pinning {1000 * 2 + RAW} bytes failed "
+                                            rf"\(CUDA error: out of memory \(cudaHostAlloc\)\)"):
+        t = aligned_empty(1000, torch.bfloat16, pin=True)
+    _check_buffer(t, 1000)
+    assert aligned_mod.pinned_bytes() == before  # the reservation was given back
+
+
+def test_no_check_without_pin(fake_cuda, recwarn):
+    t = aligned_empty(10 * ALIGNMENT, torch.uint8)  # pin=False: no limit, no warning
+    _check_buffer(t, 10 * ALIGNMENT)
+    assert fake_cuda == [] and len(recwarn) == 0

@@ -8,12 +8,35 @@ allocated here.
 How: over-allocate a ``uint8`` tensor by ``ALIGNMENT - 1`` bytes, slice it at the first aligned
 address and reinterpret the slice as the requested dtype. The slice is a view, so its storage
 (the whole over-allocated block) stays alive as long as the returned tensor does.
+
+[Note: pinning and the locked-memory limit]
+Pinned (page-locked) host memory cannot be swapped out, and a process may lock at most its
+``RLIMIT_MEMLOCK`` soft limit unless it holds ``CAP_IPC_LOCK`` (containers often run with a
+64 KiB or 8 MiB limit and without the capability). Rather than fail, or lock so much that the
+host starts swapping, ``aligned_empty(pin=True)`` checks the request against the limit first:
+the bytes this process currently holds pinned through ``aligned_empty`` (``pinned_bytes()``:
+counted when a pinned block is allocated, released when its storage is freed) plus the new
+block must stay within a finite soft limit. Otherwise, and also when the pinned allocation
+itself fails, it warns (``RuntimeWarning`` naming the limit and the bytes wanted) and returns
+an unpinned aligned buffer: correct, only host<->device copies from it are synchronous. The
+decision is the pure function ``_pin_allowed``. Each of the two warnings is issued once per
+process (a pool of buffers would otherwise repeat it per buffer). CUDA's host caching allocator
+keeps freed pinned blocks for reuse, so the bytes it really holds can exceed ``pinned_bytes()``.
+``OFFLOAD_ZERO_MEMLOCK_CHECK=0`` skips the limit check (for drivers that do not charge pinned
+allocations to the limit); a failing pinned allocation still falls back.
 """
 from __future__ import annotations
 
+import os
+import resource
+import threading
+import warnings
+import weakref
+from typing import Optional
+
 import torch
 
-__all__ = ["ALIGNMENT", "aligned_empty", "is_aligned"]
+__all__ = ["ALIGNMENT", "aligned_empty", "is_aligned", "pinned_bytes"]
 
 ALIGNMENT = 4096
 """Bytes. Required alignment of buffer addresses, file offsets and lengths for O_DIRECT."""
@@ -47,7 +70,10 @@ def aligned_empty(numel: int, dtype: torch.dtype, pin: bool = False) -> torch.Te
             when the buffer must also have an aligned length for O_DIRECT).
         dtype: any fixed-size torch dtype (float32, bfloat16, uint8, int64, ...).
         pin: when CUDA is available, allocate from page-locked (pinned) host memory so
-            host<->device copies can run asynchronously. Without CUDA it is a no-op.
+            host<->device copies can run asynchronously. Without CUDA it is a no-op. When
+            pinning would exceed the locked-memory limit or fails, a ``RuntimeWarning`` is
+            issued and the buffer is returned unpinned (see
+            [Note: pinning and the locked-memory limit]).
 
     Returns:
         A contiguous tensor of shape ``(numel,)`` and dtype ``dtype`` on the CPU with
@@ -63,8 +89,10 @@ def aligned_empty(numel: int, dtype: torch.dtype, pin: bool = False) -> torch.Te
         raise ValueError(f"aligned_empty: dtype must be a torch.dtype, got {dtype!r}")
     itemsize = torch.empty((), dtype=dtype).element_size()
     nbytes = numel * itemsize
-    pin_memory = bool(pin) and torch.cuda.is_available()
-    raw = torch.empty(nbytes + ALIGNMENT - 1, dtype=torch.uint8, pin_memory=pin_memory)
+    raw_nbytes = nbytes + ALIGNMENT - 1
+    raw = _try_pinned(raw_nbytes) if pin and torch.cuda.is_available() else None
+    if raw is None:
+        raw = torch.empty(raw_nbytes, dtype=torch.uint8)
     offset = (-raw.data_ptr()) % ALIGNMENT
     # Allocators hand out at least 16-byte aligned blocks, so ``offset`` is a multiple of every
     # itemsize and ``view(dtype)`` below is legal.
@@ -76,3 +104,107 @@ def aligned_empty(numel: int, dtype: torch.dtype, pin: bool = False) -> torch.Te
             f"to {ALIGNMENT} after slicing at offset {offset}"
         )
     return out
+
+
+# ---- pinning ---------------------------------------------------------------------------------
+
+_pinned_lock = threading.Lock()
+_pinned_total = 0  # bytes of live storages pinned through aligned_empty (guarded by the lock)
+_CAP_IPC_LOCK = 14  # bit of the capability in /proc/self/status CapEff
+_warned: set = set()  # "limit" / "failed": warnings already issued by this process
+
+
+def pinned_bytes() -> int:
+    """Bytes this process currently holds pinned through ``aligned_empty`` (live storages,
+    over-allocation included). See [Note: pinning and the locked-memory limit]."""
+    with _pinned_lock:
+        return _pinned_total
+
+
+def _pin_allowed(wanted_bytes: int, already_pinned: int, limit: Optional[int]) -> bool:
+    """Whether pinning ``wanted_bytes`` more keeps this process within ``limit``.
+
+    Args:
+        wanted_bytes: bytes of the new pinned block.
+        already_pinned: bytes already pinned (by ``aligned_empty``).
+        limit: the soft ``RLIMIT_MEMLOCK`` in bytes, or None when there is no limit
+            (unlimited, or the process holds ``CAP_IPC_LOCK``).
+    """
+    return limit is None or already_pinned + wanted_bytes <= limit
+
+
+def _has_cap_ipc_lock() -> bool:
+    """Whether the effective capabilities include CAP_IPC_LOCK (False when unknown)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("CapEff:"):
+                    return bool(int(line.split()[1], 16) >> _CAP_IPC_LOCK & 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    return False
+
+
+def _memlock_limit() -> Optional[int]:
+    """The locked-memory limit that applies to this process in bytes, or None for none
+    (unlimited, CAP_IPC_LOCK held, or the check disabled by OFFLOAD_ZERO_MEMLOCK_CHECK=0)."""
+    if os.environ.get("OFFLOAD_ZERO_MEMLOCK_CHECK", "1").strip() == "0":
+        return None
+    soft, _hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    if soft == resource.RLIM_INFINITY or soft < 0 or _has_cap_ipc_lock():
+        return None
+    return soft
+
+
+def _empty_pinned(nbytes: int) -> torch.Tensor:
+    """A pinned uint8 host tensor of ``nbytes`` (CUDA's host allocator: cudaHostAlloc)."""
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+
+def _release_pinned(nbytes: int) -> None:
+    global _pinned_total
+    with _pinned_lock:
+        _pinned_total -= nbytes
+
+
+def _warn_once(reason: str, message: str) -> None:
+    with _pinned_lock:
+        if reason in _warned:
+            return
+        _warned.add(reason)
+    warnings.warn(message, RuntimeWarning, stacklevel=4)  # the caller of aligned_empty
+
+
+def _try_pinned(nbytes: int) -> Optional[torch.Tensor]:
+    """A pinned block of ``nbytes``, or None after a RuntimeWarning when the locked-memory limit
+    would be exceeded or the pinned allocation fails."""
+    global _pinned_total
+    limit = _memlock_limit()
+    with _pinned_lock:  # reserve first, so concurrent callers cannot both squeeze in
+        already = _pinned_total
+        allowed = _pin_allowed(nbytes, already, limit)
+        if allowed:
+            _pinned_total += nbytes
+    if not allowed:
+        _warn_once("limit",
+                   f"aligned_empty: not pinning {nbytes} bytes: {already} already pinned + "
+                   f"{nbytes} = {already + nbytes} bytes wanted exceeds the locked-memory limit "
+                   f"RLIMIT_MEMLOCK (soft) of {limit} bytes; returning unpinned memory, so "
+                   f"host<->device copies from it are synchronous (raise the limit with "
+                   f"`ulimit -l`, grant CAP_IPC_LOCK, or set OFFLOAD_ZERO_MEMLOCK_CHECK=0 if "
+                   f"your driver does not charge pinned memory to it; later buffers over the "
+                   f"limit are left unpinned without a warning)")
+        return None
+    try:
+        raw = _empty_pinned(nbytes)
+    except RuntimeError as exc:
+        _release_pinned(nbytes)
+        message = " ".join(str(exc).split())
+        _warn_once("failed",
+                   f"aligned_empty: pinning {nbytes} bytes failed ({message}); returning "
+                   f"unpinned memory, so host<->device copies from it are synchronous (later "
+                   f"failures fall back without a warning)")
+        return None
+    # Storage objects are kept alive by every view, so this fires when the memory is freed.
+    weakref.finalize(raw.untyped_storage(), _release_pinned, nbytes)
+    return raw
