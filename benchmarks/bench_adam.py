@@ -42,6 +42,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from offload_zero.optim import adam_step_, selected_isa  # noqa: E402
 
 LR, BETAS, EPS, WD = 1e-3, (0.9, 0.999), 1e-8, 0.01
+# Above this, no torch Adam(fused) row: its moments would be 1.6 GB more at 200M parameters.
+_ADAM_ROW_MAX_NUMEL = 100_000_000
 
 
 def _cpus() -> int:
@@ -59,12 +61,21 @@ class _Case:
         self.times_s: Dict[int, List[float]] = {}
 
 
-def _ours(numel: int) -> List[_Case]:
+class _Shared:
+    """Buffers every row may share, to fit 200M parameters in a small machine's memory: the
+    fp32 gradient (read only; the bf16-grad torch row overwrites it with bf16-rounded values,
+    which changes nothing timed), its bf16 copy and the bf16 weight-copy target."""
+
+    def __init__(self, numel: int):
+        self.grad = torch.randn(numel) * 1e-3
+        self.grad_bf16 = self.grad.to(torch.bfloat16)
+        self.out_bf16 = torch.empty(numel, dtype=torch.bfloat16)
+
+
+def _ours(numel: int, shared: _Shared) -> List[_Case]:
     param = torch.randn(numel)
-    grad = torch.randn(numel) * 1e-3
-    grad_bf16 = grad.to(torch.bfloat16)
+    grad, grad_bf16, out_bf16 = shared.grad, shared.grad_bf16, shared.out_bf16
     exp_avg, exp_avg_sq = torch.zeros(numel), torch.zeros(numel)
-    out_bf16 = torch.empty(numel, dtype=torch.bfloat16)
     counter = [0]
 
     def run(g, out, check=True):
@@ -94,13 +105,11 @@ def _ours(numel: int) -> List[_Case]:
             _Case("CPUAdam bf16 moments + fused bf16 copy", 22, run_bf16_moments(out_bf16))]
 
 
-def _torch(numel: int) -> List[_Case]:
+def _torch(numel: int, shared: _Shared, with_adam: bool) -> List[_Case]:
     param = torch.nn.Parameter(torch.randn(numel))
-    param.grad = torch.randn(numel) * 1e-3
-    grad_bf16 = param.grad.to(torch.bfloat16)
-    out_bf16 = torch.empty(numel, dtype=torch.bfloat16)
+    param.grad = shared.grad
+    grad_bf16, out_bf16 = shared.grad_bf16, shared.out_bf16
     adamw = torch.optim.AdamW([param], lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, fused=True)
-    adam = torch.optim.Adam([param], lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, fused=True)
 
     def adamw_only(threads: int) -> None:
         adamw.step()
@@ -114,26 +123,30 @@ def _torch(numel: int) -> List[_Case]:
         adamw.step()
         out_bf16.copy_(param.detach())
 
-    return [_Case("torch AdamW(fused=True)", 28, adamw_only),
-            _Case("torch AdamW(fused) + separate bf16 copy_", 30, adamw_copy),
-            _Case("torch AdamW(fused) bf16 grad->fp32 + copy_", 28, adamw_bf16),
-            _Case("torch Adam(fused=True)", 28, lambda threads: adam.step())]
+    cases = [_Case("torch AdamW(fused=True)", 28, adamw_only),
+             _Case("torch AdamW(fused) + separate bf16 copy_", 30, adamw_copy),
+             _Case("torch AdamW(fused) bf16 grad->fp32 + copy_", 28, adamw_bf16)]
+    if with_adam:
+        adam = torch.optim.Adam([param], lr=LR, betas=BETAS, eps=EPS, weight_decay=WD,
+                                fused=True)
+        cases.append(_Case("torch Adam(fused=True)", 28, lambda threads: adam.step()))
+    return cases
 
 
-def _deepspeed(numel: int) -> List[_Case]:
+def _deepspeed(numel: int, shared: _Shared) -> List[_Case]:
     try:
         from deepspeed.ops.adam import DeepSpeedCPUAdam  # noqa: WPS433 (optional peer)
     except Exception:  # not installed, or its op fails to build: simply no row
         return []
     param = torch.nn.Parameter(torch.randn(numel))
-    param.grad = torch.randn(numel) * 1e-3
+    param.grad = shared.grad
     opt = DeepSpeedCPUAdam([param], lr=LR, betas=BETAS, eps=EPS, weight_decay=WD,
                            adamw_mode=True)
     return [_Case("DeepSpeedCPUAdam", 28, lambda threads: opt.step())]
 
 
-def _stream(numel: int) -> _Case:
-    a, b, c = torch.zeros(numel), torch.rand(numel), torch.rand(numel)
+def _stream(numel: int, shared: _Shared) -> _Case:
+    a, b, c = torch.zeros(numel), shared.grad, torch.rand(numel)
     return _Case("stream a.addcmul_(b, c)", 16, lambda threads: a.addcmul_(b, c, value=1e-9))
 
 
@@ -202,14 +215,18 @@ def main() -> None:
     print(f"# bench_adam: isa={selected_isa()} cpus={all_cpus} torch={torch.__version__} "
           f"median of {args.steps} steps after {args.warmup} warm-up, alternating rows")
     for numel in sizes:
-        cases = _ours(numel) + _torch(numel) + _deepspeed(numel)
-        stream = _stream(numel)
+        shared = _Shared(numel)
+        with_adam = numel <= _ADAM_ROW_MAX_NUMEL
+        cases = _ours(numel, shared) + _torch(numel, shared, with_adam) \
+            + _deepspeed(numel, shared)
+        stream = _stream(numel, shared)
         _measure(cases + [stream], thread_counts, args.warmup, args.steps)
         print(f"\n## {numel / 1e6:.0f}M parameters (AdamW, lr={LR}, wd={WD})"
               + ("" if any(c.name == "DeepSpeedCPUAdam" for c in cases)
-                 else "; DeepSpeedCPUAdam: not importable, no row"))
+                 else "; DeepSpeedCPUAdam: not importable, no row")
+              + ("" if with_adam else "; no torch Adam(fused) row (memory)"))
         print(_table(cases, stream, thread_counts, numel))
-        del cases, stream
+        del cases, stream, shared
 
 
 if __name__ == "__main__":
