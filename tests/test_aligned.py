@@ -158,22 +158,35 @@ def test_pinned_bytes_counted_and_released(fake_cuda):
     assert aligned_mod.pinned_bytes() == before
 
 
-def test_over_the_limit_warns_and_returns_unpinned(fake_cuda):
+def test_over_the_limit_warns_and_still_tries_to_pin(fake_cuda):
     first = aligned_empty(ALIGNMENT // 4, torch.float32, pin=True)  # fits in 3 pages
     wanted = 2 * ALIGNMENT + RAW
     already = aligned_mod.pinned_bytes()
     with pytest.warns(RuntimeWarning, match=rf"{already} already pinned \+ {wanted} = "
                                             rf"{already + wanted} bytes wanted exceeds .*"
-                                            rf"RLIMIT_MEMLOCK.* of {3 * ALIGNMENT} bytes"):
+                                            rf"RLIMIT_MEMLOCK.* of {3 * ALIGNMENT} bytes; trying anyway"):
         second = aligned_empty(ALIGNMENT // 2, torch.float32, pin=True)
-    assert fake_cuda == [ALIGNMENT + RAW]  # the second block was never offered to CUDA
-    assert aligned_mod.pinned_bytes() == already
-    _check_buffer(second, ALIGNMENT // 2)
+    assert fake_cuda == [ALIGNMENT + RAW, wanted]  # the pin was still attempted
+    assert aligned_mod.pinned_bytes() == already + wanted
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # warned once per process, not once per buffer
         third = aligned_empty(ALIGNMENT, torch.uint8, pin=True)
-    _check_buffer(third, ALIGNMENT)
-    del first
+    assert third.data_ptr() % ALIGNMENT == 0
+    del first, second, third
+
+
+def test_over_the_limit_and_pin_fails_falls_back_unpinned(fake_cuda, monkeypatch):
+    def refuse(nbytes):
+        raise RuntimeError("CUDA error: out of memory (cudaHostAlloc)")
+
+    monkeypatch.setattr(aligned_mod, "_empty_pinned", refuse)
+    before = aligned_mod.pinned_bytes()
+    with pytest.warns(RuntimeWarning) as record:
+        t = aligned_empty(4 * ALIGNMENT, torch.uint8, pin=True)
+    messages = " | ".join(str(w.message) for w in record)
+    assert "RLIMIT_MEMLOCK" in messages and "failed" in messages
+    _check_buffer(t, 4 * ALIGNMENT)
+    assert aligned_mod.pinned_bytes() == before
 
 
 def test_failed_pin_falls_back_unpinned(fake_cuda, monkeypatch):

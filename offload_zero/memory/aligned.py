@@ -12,14 +12,14 @@ address and reinterpret the slice as the requested dtype. The slice is a view, s
 [Note: pinning and the locked-memory limit]
 Pinned (page-locked) host memory cannot be swapped out, and a process may lock at most its
 ``RLIMIT_MEMLOCK`` soft limit unless it holds ``CAP_IPC_LOCK`` (containers often run with a
-64 KiB or 8 MiB limit and without the capability). Rather than fail, or lock so much that the
-host starts swapping, ``aligned_empty(pin=True)`` checks the request against the limit first:
+64 KiB or 8 MiB limit and without the capability), although NVIDIA's driver usually pins
+without charging it. ``aligned_empty(pin=True)`` checks the request against the limit first:
 the bytes this process currently holds pinned through ``aligned_empty`` (``pinned_bytes()``:
 counted when a pinned block is allocated, released when its storage is freed) plus the new
-block must stay within a finite soft limit. Otherwise, and also when the pinned allocation
-itself fails, it warns (``RuntimeWarning`` naming the limit and the bytes wanted) and returns
-an unpinned aligned buffer: correct, only host<->device copies from it are synchronous. The
-decision is the pure function ``_pin_allowed``. Each of the two warnings is issued once per
+block against a finite soft limit. Over it, it warns (``RuntimeWarning`` naming the limit and
+the bytes wanted) and still tries; when the pinned allocation fails it warns and returns an
+unpinned aligned buffer: correct, only host<->device copies from it are synchronous, and the
+engine never fails mid-step for it. The check is the pure function ``_pin_allowed``. Each of the two warnings is issued once per
 process (a pool of buffers would otherwise repeat it per buffer). CUDA's host caching allocator
 keeps freed pinned blocks for reuse, so the bytes it really holds can exceed ``pinned_bytes()``.
 ``OFFLOAD_ZERO_MEMLOCK_CHECK=0`` skips the limit check (for drivers that do not charge pinned
@@ -186,15 +186,18 @@ def _try_pinned(nbytes: int) -> Optional[torch.Tensor]:
         if allowed:
             _pinned_total += nbytes
     if not allowed:
+        # NVIDIA's driver pins without charging RLIMIT_MEMLOCK on most systems (containers with
+        # a 64 KiB limit pin gigabytes), so a low limit is a warning, not a refusal: the pin is
+        # still tried, and only a pin that fails falls back to unpinned memory.
         _warn_once("limit",
-                   f"aligned_empty: not pinning {nbytes} bytes: {already} already pinned + "
+                   f"aligned_empty: pinning {nbytes} bytes: {already} already pinned + "
                    f"{nbytes} = {already + nbytes} bytes wanted exceeds the locked-memory limit "
-                   f"RLIMIT_MEMLOCK (soft) of {limit} bytes; returning unpinned memory, so "
-                   f"host<->device copies from it are synchronous (raise the limit with "
-                   f"`ulimit -l`, grant CAP_IPC_LOCK, or set OFFLOAD_ZERO_MEMLOCK_CHECK=0 if "
-                   f"your driver does not charge pinned memory to it; later buffers over the "
-                   f"limit are left unpinned without a warning)")
-        return None
+                   f"RLIMIT_MEMLOCK (soft) of {limit} bytes; trying anyway, and if the pin "
+                   f"fails the buffer is unpinned and host<->device copies from it are "
+                   f"synchronous (raise the limit with `ulimit -l` or grant CAP_IPC_LOCK; "
+                   f"later buffers over the limit give no further warning)")
+        with _pinned_lock:
+            _pinned_total += nbytes
     try:
         raw = _empty_pinned(nbytes)
     except RuntimeError as exc:
