@@ -66,8 +66,10 @@ class EngineConfig:
         max_grad_norm: clip the global gradient 2-norm to this value before the update; ``None``
             disables clipping. Default ``None``.
         aio_backend: NVMe I/O backend, ``"auto"``, ``"libaio"`` or ``"threads"``. Default auto.
-        aio_block_size: bytes per NVMe request, positive multiple of 4096. Default 1 MiB.
-        aio_queue_depth: NVMe requests in flight, >= 1. Default 8.
+        aio_block_size: bytes per NVMe request, positive multiple of 4096, or None: chosen by a
+            short probe the first time a device is used and remembered per device (see
+            :mod:`offload_zero.memory.tuning`). Default None.
+        aio_queue_depth: NVMe requests in flight, >= 1, or None (probed, as above). Default None.
         activation_checkpointing: recompute each block unit's forward in backward (ZeRO-R's
             activation partitioning on one rank: non-reentrant torch checkpointing); parameters
             are gathered again for the recomputation. Default False.
@@ -94,8 +96,8 @@ class EngineConfig:
     unit_classes: Tuple[type, ...] = ()
     max_grad_norm: Optional[float] = None
     aio_backend: str = "auto"
-    aio_block_size: int = 1 << 20
-    aio_queue_depth: int = 8
+    aio_block_size: Optional[int] = None
+    aio_queue_depth: Optional[int] = None
     offload_optimizer: Optional[str] = None
     offload_param: Optional[str] = None
     activation_checkpointing: bool = False
@@ -145,10 +147,11 @@ class EngineConfig:
             _check_float("max_grad_norm", self.max_grad_norm, low=0.0, low_inclusive=False)
         if self.aio_backend not in AIO_BACKENDS:
             raise ValueError(f"aio_backend={self.aio_backend!r} is not valid; choose one of {AIO_BACKENDS}")
-        if self.aio_block_size <= 0 or self.aio_block_size % 4096:
-            raise ValueError(f"aio_block_size={self.aio_block_size!r} must be a positive multiple of 4096 bytes")
-        if self.aio_queue_depth < 1:
-            raise ValueError(f"aio_queue_depth={self.aio_queue_depth!r} must be >= 1")
+        if self.aio_block_size is not None and (self.aio_block_size <= 0 or self.aio_block_size % 4096):
+            raise ValueError(f"aio_block_size={self.aio_block_size!r} must be a positive multiple "
+                             f"of 4096 bytes, or None to probe the device")
+        if self.aio_queue_depth is not None and self.aio_queue_depth < 1:
+            raise ValueError(f"aio_queue_depth={self.aio_queue_depth!r} must be >= 1, or None to probe the device")
         object.__setattr__(self, "unit_classes", tuple(self.unit_classes))
         for cls in self.unit_classes:
             if not (isinstance(cls, type) and issubclass(cls, torch.nn.Module)):

@@ -562,3 +562,13 @@ def test_bf16_gradient_shards_on_host_halve_their_bytes(tmp_path):
         assert max((a[k] - b[k]).abs().max().item() for k in a) < 5e-2
     with pytest.raises(ValueError, match="grad_dtype"):
         OffloadEngine(TinyLM(), grad_dtype=torch.float16)
+
+
+def test_nvme_io_settings_probed_by_default_and_overridable(tmp_path):
+    with OffloadEngine(TinyLM(), offload="nvme", path=str(tmp_path)) as eng:
+        assert eng.swapper.tuning["source"] in ("probe", "cache", "default")
+        assert eng.swapper.block_size == eng.swapper.tuning["block_size"]
+        assert eng.swapper.block_size % 4096 == 0 and eng.swapper.queue_depth >= 1
+    with OffloadEngine(TinyLM(), offload="nvme", path=str(tmp_path), aio_block_size=1 << 16,
+                       aio_queue_depth=3) as eng:
+        assert (eng.swapper.block_size, eng.swapper.queue_depth) == (1 << 16, 3)
