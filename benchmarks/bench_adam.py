@@ -9,12 +9,12 @@ Rows:
   the fused bf16 weight copy; with bf16 grads in and the fused bf16 copy.
 - ``torch AdamW(fused=True)`` alone; then plus a separate ``copy_`` of the weights into a bf16
   tensor; then with bf16 grads converted to fp32 first (``grad.copy_(grad_bf16)``) and the copy.
-- ``torch Adam(fused=True)``.
-- ``DeepSpeedCPUAdam`` if ``deepspeed`` is importable (it is never installed for this).
+- ``torch Adam(fused=True)`` (not above 100M parameters: its moments would not fit).
+- ``DeepSpeedCPUAdam`` if ``deepspeed`` is importable (we never install it for this).
 - ``stream a.addcmul_(b, c)``: the machine's streaming bandwidth in this process (16 B/elem).
-
-- ``no overflow pass`` (``check_overflow=False``): the same without the read-only overflow pass over the gradients
-  (for a caller that already knows they are finite, as torch's fused AdamW assumes).
+- ``CPUAdam ..., no overflow pass`` (``check_overflow=False``): without the read-only overflow
+  pass over the gradients (for a caller that already knows they are finite, as torch's fused
+  AdamW assumes).
 - ``CPUAdam bf16 moments``: ``exp_avg``/``exp_avg_sq`` in bf16 (stochastic rounding), with and
   without the fused copy; compared with the same torch rows (they keep fp32 moments).
 
@@ -23,7 +23,8 @@ write param, exp_avg, exp_avg_sq), 30 with a bf16 weight copy, 28 for bf16 grads
 20 / 22 with bf16 moments. CPUAdam also reads the gradients once more before the update (the
 overflow check, csrc/dispatch.cpp) unless check_overflow=False: +4 B/param (+2 for bf16
 grads), not counted.
-"GB/s" is that over the median time; "of stream" divides by the addcmul bandwidth.
+"GB/s" is that over the median time; "of stream" divides by the addcmul bandwidth; "vs best
+peer" and "vs AdamW" are explained in ``_table``. Rows share the gradient and bf16 buffers.
 
 Usage: python benchmarks/bench_adam.py [--numel 50e6] [--big] [--steps 9] [--warmup 2]
 """

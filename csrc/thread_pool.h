@@ -19,6 +19,7 @@
 #include <cstdint>
 #include <functional>
 #include <mutex>
+#include <pthread.h>
 #include <system_error>
 #include <thread>
 #include <vector>
@@ -27,9 +28,21 @@ namespace oz {
 
 class ChunkPool {
  public:
-  // The process-wide pool.
+  // The process-wide pool. A child created by fork() has none of the parent's workers and
+  // perhaps a mutex some worker held at the fork, so it starts a fresh pool (the parent's
+  // copy is abandoned, never touched again).
   static ChunkPool& get() {
-    static ChunkPool* pool = new ChunkPool();  // never destroyed: see [Note: late workers]
+    static const bool registered = [] {
+      pthread_atfork(nullptr, nullptr, [] { current().store(new ChunkPool()); });
+      return true;
+    }();
+    (void)registered;
+    ChunkPool* pool = current().load();
+    if (pool == nullptr) {
+      ChunkPool* fresh = new ChunkPool();  // never destroyed: see [Note: late workers]
+      if (!current().compare_exchange_strong(pool, fresh)) delete fresh;
+      else pool = fresh;
+    }
     return *pool;
   }
 
@@ -63,6 +76,11 @@ class ChunkPool {
 
  private:
   ChunkPool() = default;
+
+  static std::atomic<ChunkPool*>& current() {
+    static std::atomic<ChunkPool*> pool{nullptr};
+    return pool;
+  }
 
   static void claim(std::atomic<int64_t>& next, int64_t nchunks,
                     const std::function<void(int64_t)>& body) {

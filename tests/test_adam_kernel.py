@@ -640,6 +640,33 @@ def test_concurrent_callers_share_the_pool():
         assert all(_bits_equal(x, y) for x, y in zip(a, b))
 
 
+def test_pool_works_in_a_forked_child():
+    """After fork() the child has no pool workers; it must get a fresh pool, not hang."""
+    n = 300_007
+    adam_step_(torch.zeros(n), torch.ones(n), torch.zeros(n), torch.zeros(n), step=1, lr=1e-3,
+               num_threads=2)  # the parent's pool exists now
+    pid = os.fork()
+    if pid == 0:  # child: exit status says whether two-thread steps still work
+        ok = False
+        try:
+            p, m, v = torch.zeros(n), torch.zeros(n), torch.zeros(n)
+            for step in (1, 2):
+                adam_step_(p, torch.ones(n), m, v, step=step, lr=1e-3, num_threads=2)
+            ok = bool((p < 0).all())
+        finally:
+            os._exit(0 if ok else 1)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            assert os.waitstatus_to_exitcode(status) == 0
+            return
+        time.sleep(0.01)
+    os.kill(pid, 9)
+    os.waitpid(pid, 0)
+    raise AssertionError("adam_step_ hung in a forked child")
+
+
 def test_gil_is_released_during_the_update():
     """A Python thread keeps running while another thread is inside a long adam_step_ call.
     Were the GIL held, the ticking thread would stop for a whole call; allow it pauses of up
