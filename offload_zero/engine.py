@@ -263,11 +263,19 @@ class OffloadEngine:
         if cfg.stage == 1:
             self.grads.reduce_all_full(self.trainable)
         coef = 1.0
+        known_finite = False
         if cfg.max_grad_norm is not None:
             sq = self.comm.all_reduce_sum(self.grads.sum_of_squares().to(self.device)).item()
             norm = math.sqrt(sq)
-            coef = min(1.0, cfg.max_grad_norm / (norm + 1e-6))
             self.last_grad_norm = norm
+            if not math.isfinite(norm):  # inf/nan somewhere on some rank: skip the whole step
+                self.skipped_steps += 1
+                self.grads.zero()
+                self.comm.end_step()
+                return
+            coef = min(1.0, cfg.max_grad_norm / (norm + 1e-6))
+            known_finite = True  # the kernel can skip its own inf/nan pass over the gradients
+        self._known_finite = known_finite
         with_grad = [fp for fp in self.trainable if self.grads.has_grad[fp]]
         overflow = False
         try:
@@ -303,7 +311,7 @@ class OffloadEngine:
                 out = self._staging[:fp.shard_numel]
             overflow = adam_step_(master, grad, m, v, step=step, lr=self.lr, betas=cfg.betas,
                                   eps=cfg.eps, weight_decay=cfg.weight_decay, adamw=cfg.adamw,
-                                  grad_scale=coef, out=out)
+                                  grad_scale=coef, out=out, check_overflow=not self._known_finite)
             if home is not None:
                 home.commit(fp, out) if not overflow else home.discard(fp)
             elif out is not None and out.data_ptr() != fp.sharded.data_ptr() and not overflow:

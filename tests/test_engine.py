@@ -572,3 +572,29 @@ def test_nvme_io_settings_probed_by_default_and_overridable(tmp_path):
     with OffloadEngine(TinyLM(), offload="nvme", path=str(tmp_path), aio_block_size=1 << 16,
                        aio_queue_depth=3) as eng:
         assert (eng.swapper.block_size, eng.swapper.queue_depth) == (1 << 16, 3)
+
+
+def test_gradient_clipping_matches_torch_clip_grad_norm(tmp_path):
+    torch.manual_seed(12)
+    model = TinyLM()
+    ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.0, foreach=False)
+    with OffloadEngine(model, offload="cpu", lr=1e-2, max_grad_norm=0.5) as eng:
+        for x, y in batches(5):
+            eng.backward(lm_loss(eng(x), y))
+            eng.step()
+            opt.zero_grad()
+            lm_loss(ref(x), y).backward()
+            ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5).item()
+            opt.step()
+            assert abs(eng.last_grad_norm - ref_norm) <= 1e-5 * max(1.0, ref_norm)
+        assert max_param_diff(eng.full_state_dict(), ref) <= 1e-6
+        # a non-finite gradient skips the step and changes nothing
+        before = eng.full_state_dict()
+        x, y = batches(1)[0]
+        loss = lm_loss(eng(x), y) * float("inf")
+        eng.backward(loss)
+        eng.step()
+        assert eng.skipped_steps == 1
+        after = eng.full_state_dict()
+        assert all(torch.equal(before[k], after[k]) for k in before)
