@@ -334,3 +334,30 @@ def test_two_torchrun_nodes_end_identical(tmp_path):
     torch.manual_seed(0)
     expected = _reference(TinyLM(), batches(3, seed=1, batch=4), wd=0.0)
     assert max((sd0[n] - v).abs().max().item() for n, v in expected.items()) <= 1e-6
+
+
+# -- a data-parallel group that is not the world -------------------------------------------------
+
+def _subgroup_rank(rank, world_size):
+    import torch.distributed as dist
+
+    from offload_zero import OffloadEngine
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    mine = rank // 2
+    torch.manual_seed(0)
+    model = TinyLM()
+    data = batches(3, seed=1 + mine, batch=4)  # each group trains on its own data
+    expected = _reference(model, data, wd=0.0)
+    with OffloadEngine(model, stage=3, offload="cpu", lr=1e-2, process_group=groups[mine]) as eng:
+        assert (eng.world_size, eng.rank) == (2, rank % 2)
+        for x, y in data:
+            lo = 2 * eng.rank
+            eng.backward(lm_loss(eng(x[lo:lo + 2]), y[lo:lo + 2]))
+            eng.step()
+        sd = eng.full_state_dict()
+    return max((sd[n] - v).abs().max().item() for n, v in expected.items())
+
+
+def test_process_group_selects_the_data_parallel_group():
+    diffs = run_ranks(_subgroup_rank, 4)
+    assert all(d <= 1e-6 for d in diffs), diffs

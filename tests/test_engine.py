@@ -598,3 +598,33 @@ def test_gradient_clipping_matches_torch_clip_grad_norm(tmp_path):
         assert eng.skipped_steps == 1
         after = eng.full_state_dict()
         assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+@pytest.mark.parametrize("fault", ["eio", "short"])
+def test_nvme_write_fault_names_file_and_offset_and_close_cleans_up(fault, tmp_path, monkeypatch):
+    import errno
+
+    from offload_zero.memory.swapper import SwapIOError
+    eng = OffloadEngine(TinyLM(), offload="nvme", path=str(tmp_path), aio_backend="threads",
+                        aio_block_size=4096, aio_queue_depth=2)
+    x, y = batches(1)[0]
+    eng.backward(lm_loss(eng(x), y))
+    real = os.pwritev
+    calls = {"n": 0}
+
+    def faulty(fd, buffers, offset, *args):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            if fault == "eio":
+                raise OSError(errno.EIO, "Input/output error")
+            return 512  # a short write
+        return real(fd, buffers, offset, *args)
+
+    monkeypatch.setattr(os, "pwritev", faulty)
+    with pytest.raises(SwapIOError) as info:
+        eng.step()
+    msg = str(info.value)
+    assert str(tmp_path / "rank0") in msg and ".swp" in msg and "offset" in msg
+    monkeypatch.setattr(os, "pwritev", real)
+    eng.close()  # still closes cleanly and removes every file
+    assert not (tmp_path / "rank0").exists()
