@@ -1,0 +1,337 @@
+"""Training-step time and peak memory of a Llama-style model: offload-zero beside plain torch.
+
+One run prints one table. Every configuration runs in its own fresh Python subprocess, so its
+peak resident set size is its own; with ``--rounds`` > 1 the configurations are run in turn
+(A B C ... A B C ...) so background load on a shared machine spreads over all of them.
+
+Model: ``transformers.LlamaForCausalLM`` built from a ``LlamaConfig`` (random weights, untied
+embeddings), default hidden 1024, intermediate 2048, 8 layers, 16 heads, vocab 32000:
+149.4M parameters, 598 MB in fp32. Input: one fixed batch of random token ids
+(``--batch`` x ``--seq``, default 4 x 256), labels = inputs. Same ``--dtype`` in every row.
+
+Rows (a step = forward + backward + optimizer step, AdamW lr 1e-4, wd 0.01):
+- ``torch``: the plain module, ``torch.optim.AdamW(fused=True)`` on its parameters. The floor:
+  at fp32 it keeps 16 B/param (weights, grads, two moments); at bf16 it trains purely in bf16
+  (no fp32 master copy), so it is a floor in time and memory, not the same arithmetic.
+- ``ours-cpu``: ``OffloadEngine(model, stage=3, offload="cpu")``.
+- ``ours-nvme``: ``OffloadEngine(model, stage=3, offload="nvme", path=--path)``: at stage 3
+  this puts both the optimizer state and the parameter shards on NVMe.
+- ``ours-nvme-opt``: the same with ``offload_param="none"``: optimizer state on NVMe, parameter
+  shards in RAM (the device is the CPU here).
+- ``ds-cpu``, ``ds-nvme-opt``, ``ds-nvme-opt+param``: DeepSpeed ZeRO-3 (only when
+  ``import deepspeed`` works), with optimizer and parameters offloaded to the CPU; optimizer to
+  NVMe (parameters on the CPU); both to NVMe. Model built under ``deepspeed.zero.Init``;
+  ``DS_ACCELERATOR=cpu`` and a one-rank gloo group when there is no GPU.
+
+Columns:
+- ``step s``: median wall seconds of steps ``--skip``+1 .. ``--steps`` (default 3..10), pooled
+  over rounds. ``min``/``max``: the spread of those steps.
+- ``vs torch``: overhead of the median step over the ``torch`` row's, in percent.
+- ``peak RSS GB``: ``getrusage(RUSAGE_SELF).ru_maxrss`` at the end of the run (whole process
+  life: imports, model construction, the engine's set-up, the steps), in GB (1e9 bytes).
+- ``train GB``: the peak RSS over the steps alone (Linux ``VmHWM`` after resetting it through
+  ``/proc/self/clear_refs`` once the model and optimizer are built), in GB; this excludes the
+  one-off construction peak (the model's own weights plus the engine's copies).
+- ``d torch``: ``train GB`` minus the ``torch`` row's, in GB.
+With several rounds the memory figures are the median over rounds.
+
+Usage: PYTHONPATH=. python benchmarks/bench_step.py [--layers 8] [--hidden 1024]
+       [--intermediate 2048] [--vocab 32000] [--seq 256] [--batch 4] [--dtype fp32|bf16]
+       [--steps 10] [--skip 2] [--rounds 1] [--path DIR] [--configs torch,ours-cpu,...]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Dict, List
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIGS = ["torch", "ours-cpu", "ours-nvme", "ours-nvme-opt", "ds-cpu", "ds-nvme-opt", "ds-nvme-opt+param"]
+LR, BETAS, EPS, WD = 1e-4, (0.9, 0.999), 1e-8, 0.01
+GB = 1e9
+
+
+# -- worker: one configuration, in its own process ------------------------------------------------
+def _hwm_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _reset_hwm() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _llama_config(args):
+    from transformers import LlamaConfig
+    return LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden,
+                       intermediate_size=args.intermediate, num_hidden_layers=args.layers,
+                       num_attention_heads=args.heads, num_key_value_heads=args.heads,
+                       max_position_embeddings=max(args.seq, 2048), tie_word_embeddings=False,
+                       use_cache=False)
+
+
+def _build_model(args, dtype):
+    import torch
+    from transformers import LlamaForCausalLM
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(_llama_config(args))
+    return model.to(dtype).train()
+
+
+def _ds_init(args, dtype, config: str, path: str):
+    """DeepSpeed engine for ``config``; returns (engine, step function)."""
+    import torch
+    import torch.distributed as dist
+    import deepspeed
+    for k, v in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(29500 + os.getpid() % 1000)),
+                 ("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
+        os.environ.setdefault(k, v)
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", rank=0, world_size=1)
+    cfg_m = _llama_config(args)
+    largest = max(args.vocab * args.hidden, args.hidden * args.intermediate)
+    offload_opt = {"device": "cpu"} if config == "ds-cpu" else {"device": "nvme", "nvme_path": path}
+    offload_param = ({"device": "nvme", "nvme_path": path} if config == "ds-nvme-opt+param"
+                     else {"device": "cpu"})
+    offload_param.update(buffer_count=16, buffer_size=largest)
+    ds_cfg = {
+        "train_micro_batch_size_per_gpu": args.batch,
+        "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": list(BETAS), "eps": EPS,
+                                                   "weight_decay": WD}},
+        "zero_optimization": {
+            "stage": 3, "offload_optimizer": offload_opt, "offload_param": offload_param,
+            "stage3_max_reuse_distance": 0, "stage3_max_live_parameters": 3e7,
+            "stage3_prefetch_bucket_size": 0,
+        },
+        "bf16": {"enabled": dtype == torch.bfloat16},
+        "steps_per_print": 10 ** 9,
+        "wall_clock_breakdown": False,
+    }
+    from transformers import LlamaForCausalLM
+    torch.manual_seed(0)
+    with deepspeed.zero.Init(config_dict_or_path=ds_cfg):
+        model = LlamaForCausalLM(cfg_m)
+    model.train()
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                           config=ds_cfg)
+
+    def step(x):
+        loss = engine(input_ids=x, labels=x).loss
+        engine.backward(loss)
+        engine.step()
+        return loss
+    return engine, step
+
+
+def worker(args) -> None:
+    import torch
+    torch.set_num_threads(args.threads)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
+    config = args.worker
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randint(0, args.vocab, (args.batch, args.seq), generator=gen)
+    closer = None
+    if config == "torch":
+        model = _build_model(args, dtype)
+        opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS,
+                                weight_decay=WD, fused=True)
+
+        def step(x):
+            loss = model(input_ids=x, labels=x).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss
+    elif config.startswith("ours-"):
+        from offload_zero import OffloadEngine
+        model = _build_model(args, dtype)
+        offload = config.split("-")[1]
+        extra = {"offload_param": "none"} if config == "ours-nvme-opt" else {}
+        engine = OffloadEngine(model, stage=3, offload=offload,
+                               path=args.path if offload == "nvme" else None, **extra,
+                               lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, dtype=dtype)
+        closer = engine.close
+
+        def step(x):
+            loss = engine(input_ids=x, labels=x).loss
+            engine.backward(loss)
+            engine.step()
+            return loss
+    elif config.startswith("ds-"):
+        _, step = _ds_init(args, dtype, config, args.path)
+    else:
+        raise SystemExit(f"unknown config {config!r}; choose from {CONFIGS}")
+    nparams = sum(p.numel() for p in _count_model(args))
+    hwm_ok = _reset_hwm()
+    times, losses = [], []
+    for _ in range(args.steps):
+        t0 = time.perf_counter()
+        loss = step(x)
+        times.append(time.perf_counter() - t0)
+        losses.append(float(loss.detach().float()))
+    train_peak = _hwm_bytes() if hwm_ok else None
+    if closer is not None:
+        closer()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    print("RESULT " + json.dumps({"config": config, "times": times, "losses": losses,
+                                  "peak_rss": peak, "train_peak_rss": train_peak,
+                                  "params": nparams}), flush=True)
+
+
+def _count_model(args):
+    """Parameter shapes without allocating them (meta device)."""
+    import torch
+    from transformers import LlamaForCausalLM
+    with torch.device("meta"):
+        return list(LlamaForCausalLM(_llama_config(args)).parameters())
+
+
+# -- driver ---------------------------------------------------------------------------------------
+def _deepspeed_status() -> str:
+    env = dict(os.environ, DS_ACCELERATOR=os.environ.get("DS_ACCELERATOR", "cpu"))
+    r = subprocess.run([sys.executable, "-c", "import deepspeed; print(deepspeed.__version__)"],
+                       capture_output=True, text=True, env=env)
+    if r.returncode == 0:
+        return r.stdout.strip().splitlines()[-1]
+    return ""
+
+
+def _run_one(args, config: str) -> Dict:
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", config] + args.passthrough
+    env = dict(os.environ)
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    if config.startswith("ds-"):
+        env.setdefault("DS_ACCELERATOR", "cpu")
+    t0 = time.time()
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
+    for line in r.stdout.splitlines():
+        if line.startswith("RESULT "):
+            res = json.loads(line[7:])
+            res["wall"] = time.time() - t0
+            return res
+    tail = (r.stdout + r.stderr).strip().splitlines()[-15:]
+    return {"config": config, "error": f"exit {r.returncode}: " + " | ".join(tail)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--intermediate", type=int, default=2048)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
+    p.add_argument("--steps", type=int, default=10, help="steps per run")
+    p.add_argument("--skip", type=int, default=2, help="leading steps left out of the median")
+    p.add_argument("--rounds", type=int, default=1, help="runs per configuration, alternating")
+    p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    p.add_argument("--path", default=None, help="folder for NVMe files (default: temp under /tmp)")
+    p.add_argument("--configs", default=",".join(CONFIGS),
+                   help="comma-separated subset of " + ",".join(CONFIGS))
+    p.add_argument("--timeout", type=float, default=1800, help="seconds per subprocess")
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker:
+        return worker(args)
+
+    tmp = None
+    if args.path is None:
+        tmp = args.path = tempfile.mkdtemp(prefix="bench_step_", dir="/tmp")
+    configs = [c for c in args.configs.split(",") if c]
+    bad = [c for c in configs if c not in CONFIGS]
+    if bad:
+        p.error(f"unknown configs {bad}; choose from {CONFIGS}")
+    ds_version = _deepspeed_status() if any(c.startswith("ds-") for c in configs) else ""
+    skipped_ds = [c for c in configs if c.startswith("ds-")] if not ds_version else []
+    configs = [c for c in configs if c not in skipped_ds]
+    args.passthrough = []
+    for k in ("layers", "hidden", "intermediate", "heads", "vocab", "seq", "batch", "dtype",
+              "steps", "threads", "path"):
+        args.passthrough += [f"--{k}", str(getattr(args, k))]
+
+    import torch
+    load0 = os.getloadavg()
+    results: Dict[str, List[Dict]] = {c: [] for c in configs}
+    try:
+        for rnd in range(args.rounds):
+            for c in configs:
+                res = _run_one(args, c)
+                results[c].append(res)
+                msg = res.get("error") or (f"median {statistics.median(res['times'][args.skip:]):.2f} s"
+                                           f", load {os.getloadavg()[0]:.2f}")
+                print(f"# round {rnd + 1} {c}: {msg}", file=sys.stderr, flush=True)
+    finally:
+        if tmp:
+            shutil.rmtree(tmp, ignore_errors=True)
+    load1 = os.getloadavg()
+
+    rows = {}
+    for c in configs:
+        ok = [r for r in results[c] if "error" not in r]
+        if not ok:
+            rows[c] = {"error": results[c][0]["error"]}
+            continue
+        ts = [t for r in ok for t in r["times"][args.skip:]]
+        train = [r["train_peak_rss"] for r in ok if r["train_peak_rss"] is not None]
+        rows[c] = {"median": statistics.median(ts), "min": min(ts), "max": max(ts),
+                   "peak": statistics.median(r["peak_rss"] for r in ok),
+                   "train": statistics.median(train) if train else float("nan"),
+                   "loss": ok[0]["losses"], "params": ok[0]["params"], "n": len(ts)}
+
+    nparams = next((r["params"] for r in rows.values() if "params" in r), 0)
+    print(f"# bench_step: {platform.node()} cpus={len(os.sched_getaffinity(0))} "
+          f"threads={args.threads} torch={torch.__version__} "
+          f"deepspeed={ds_version or 'not importable'} "
+          f"date={time.strftime('%Y-%m-%d %H:%M')}")
+    print(f"# model: Llama layers={args.layers} hidden={args.hidden} "
+          f"intermediate={args.intermediate} heads={args.heads} vocab={args.vocab} "
+          f"params={nparams / 1e6:.1f}M ({nparams * 4 / 1e6:.0f} MB fp32) dtype={args.dtype} "
+          f"batch={args.batch} seq={args.seq}")
+    print(f"# median of steps {args.skip + 1}..{args.steps} over {args.rounds} round(s), "
+          f"fresh process per run; load average 1/5/15 min: before "
+          f"{load0[0]:.2f}/{load0[1]:.2f}/{load0[2]:.2f}, after "
+          f"{load1[0]:.2f}/{load1[1]:.2f}/{load1[2]:.2f}")
+    base = rows.get("torch", {})
+    hdr = (f"{'config':<20}{'step s':>8}{'min':>7}{'max':>7}{'vs torch':>10}"
+           f"{'peak RSS GB':>13}{'train GB':>10}{'d torch':>9}")
+    print(hdr)
+    print("-" * len(hdr))
+    for c in configs:
+        r = rows[c]
+        if "error" in r:
+            print(f"{c:<20} failed: {r['error'][:300]}")
+            continue
+        over = (f"{(r['median'] / base['median'] - 1) * 100:+9.1f}%" if "median" in base
+                else f"{'':>10}")
+        dgb = f"{(r['train'] - base['train']) / GB:+9.2f}" if "train" in base else f"{'':>9}"
+        print(f"{c:<20}{r['median']:8.2f}{r['min']:7.2f}{r['max']:7.2f}{over}"
+              f"{r['peak'] / GB:13.2f}{r['train'] / GB:10.2f}{dgb}")
+    for c in skipped_ds:
+        print(f"{c:<20} skipped: deepspeed not importable")
+    print("# first/last loss: " + "; ".join(
+        f"{c} {rows[c]['loss'][0]:.3f}/{rows[c]['loss'][-1]:.3f}" for c in configs
+        if "loss" in rows[c]))
+
+
+if __name__ == "__main__":
+    main()
