@@ -191,7 +191,7 @@ class OffloadEngine:
             tag = "root" if unit.is_root else f"unit{unit.index}"
             fp = FlatParam(f"{tag}.{'trainable' if trainable else 'frozen'}", entries, values,
                            trainable, cfg.dtype, self.device, self.rank, self.world_size,
-                           keep_unsharded=cfg.stage < 3, accountant=self._acct,
+                           keep_unsharded=self._keeps_full_params(), accountant=self._acct,
                            home=self.param_home)
             if trainable:
                 # straight to its tier, unit by unit: the fp32 masters of the whole model never
@@ -213,6 +213,13 @@ class OffloadEngine:
             for fp in unit.flat_params:
                 fp.set_views() if fp.keep_unsharded else fp.set_placeholders()
         return blocks, root
+
+    def _keeps_full_params(self) -> bool:
+        """Whether gathered parameters stay allocated: stages 1 and 2 always; stage 3 when one
+        rank holds its shards on the device, since its shard already is the whole parameter
+        (gathering would only copy it, and freeing the copy would save nothing)."""
+        cfg = self.config
+        return cfg.stage < 3 or (self.world_size == 1 and cfg.param_tier is Tier.DEVICE)
 
     def _build_store(self, plan):
         tier = self.config.optimizer_tier

@@ -25,7 +25,8 @@ Frozen parameters (``requires_grad=False``) cost only their compute-dtype copy.
 Besides model states this engine holds, at the peak of a step:
 - stage 3: the gathered units, up to ``prefetch + 1`` of the largest blocks plus the root unit,
   each ``padded_numel * K`` bytes on the device (parameters); with parameters on NVMe the units
-  ahead are read into host buffers instead, so one block plus the root;
+  ahead are read into host buffers instead, so one block plus the root; with one rank and the
+  shards on the device nothing is gathered (the shard is the whole parameter);
 - stages 2 and 3: one unit's full gradient in flight before it is reduce-scattered (the largest
   trainable flat parameter, ``padded_numel * K`` bytes, device gradients);
 - (stage 1 needs no gradient buffer beyond the full gradients: without offload it reduces in
@@ -397,7 +398,8 @@ def _extras(layout, stage, offload, n, k, padded, prefetch, accelerator, offload
         if spec.trainable:
             shards.append(shard)
             grad_full.append(k * shard * n)
-    if stage == 3:
+    if stage == 3 and not (n == 1 and offload_param == "none"):
+        # (one rank with its shards on the device keeps them as the parameters: nothing gathered)
         blocks = sorted((b for u, b in full.items() if u != -1), reverse=True)
         # NVMe-resident shards are read ahead, not gathered ahead: one block on the device
         gathered = 1 if offload_param == "nvme" else prefetch + 1

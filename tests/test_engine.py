@@ -74,12 +74,16 @@ def test_full_state_dict_names_and_shapes(tmp_path):
     fresh.load_state_dict(sd)  # strict
 
 
-@pytest.mark.parametrize("offload", OFFLOADS)
-def test_at_most_three_blocks_hold_storage(offload, tmp_path):
+@pytest.mark.parametrize("offload_param", ["cpu", "nvme"])
+def test_at_most_three_blocks_hold_storage(offload_param, tmp_path):
     """Residency from the tensors' own storage: the views a block's modules see while it runs
-    share the storage of the gathered buffer, so their ``nbytes`` tell whether it is held."""
+    share the storage of the gathered buffer, so their ``nbytes`` tell whether it is held.
+
+    Parameter shards off the device (host or NVMe): the device holds only gathered units. (One
+    rank with its shards on the device keeps them as the parameters; see the next test.)"""
     torch.manual_seed(0)
     model = TinyLM(n_blocks=8)
+    offload = "cpu"
     blocks = list(model.blocks)
     views = {}
     counts = []
@@ -99,7 +103,7 @@ def test_at_most_three_blocks_hold_storage(offload, tmp_path):
             out.register_hook(lambda grad: counts.append(("backward", i, held_blocks())))
         return hook
 
-    eng = _engine(model, offload, tmp_path)
+    eng = _engine(model, offload, tmp_path, offload_param=offload_param, path=str(tmp_path))
     for i, b in enumerate(blocks):
         b.register_forward_pre_hook(pre_forward(i))
         b.register_forward_hook(post_forward(i))
@@ -115,6 +119,20 @@ def test_at_most_three_blocks_hold_storage(offload, tmp_path):
             assert held_blocks() == 0  # nothing stays gathered between steps
             assert eng.memory_report()["live_units"]["current"] == 0
         assert eng.memory_report()["live_units"]["peak"] <= 4  # 3 blocks + root
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_one_rank_with_device_shards_gathers_nothing(stage):
+    """World size 1, shards on the device: the shard is the whole parameter, so no unit is
+    copied into a second buffer (device parameter bytes never exceed the shards)."""
+    with OffloadEngine(TinyLM(n_blocks=8), stage=stage, offload="cpu") as eng:
+        shards = 4 * sum(fp.shard_numel for fp in eng.flat_params)
+        for x, y in batches(2):
+            eng.backward(lm_loss(eng(x), y))
+            eng.step()
+        params = eng.memory_report()["device"]["by_kind"]["parameters"]
+        assert params["current_bytes"] == params["peak_bytes"] == shards
+        assert all(fp.sharded.data_ptr() == fp.full_values().data_ptr() for fp in eng.flat_params)
 
 
 def test_nvme_swap_files(tmp_path):
@@ -178,7 +196,8 @@ def test_memory_report_matches_numel_arithmetic(offload, tmp_path):
             eng.step()
         rep = eng.memory_report()
         biggest_unit = max(fp.padded_numel for fp in eng.flat_params)
-        assert rep["device"]["peak_bytes"] >= rep["device"]["current_bytes"] + 4 * biggest_unit
+        if offload == "nvme":  # shards on disk: gathered units come and go on the device
+            assert rep["device"]["peak_bytes"] >= rep["device"]["current_bytes"] + 4 * biggest_unit
         # storage-level check: every resident shard really holds its bytes
         if offload != "nvme":
             assert sum(fp.sharded.untyped_storage().nbytes() for fp in eng.flat_params) == 4 * sum(
@@ -304,10 +323,19 @@ def test_reading_another_units_parameter_names_it():
         def forward(self, x):
             return super().forward(x) + self.blocks[3].up.bias.sum()
 
-    with OffloadEngine(Peeking()) as eng:
+    # shards off the device: the other unit is not gathered, so the read fails, naming it
+    with OffloadEngine(Peeking(), offload_param="cpu") as eng:
         x, _ = batches(1)[0]
         with pytest.raises(RuntimeError, match=r"blocks\.3\.up\.bias"):
             eng(x)
+    # one rank with its shards on the device: every parameter is always there, so it reads
+    # the real value
+    torch.manual_seed(0)
+    model = Peeking()
+    ref = copy.deepcopy(model)
+    with OffloadEngine(model) as eng:
+        x, _ = batches(1)[0]
+        assert torch.equal(eng(x), ref(x))
 
 
 @pytest.mark.parametrize("kwargs, match", [
