@@ -92,6 +92,7 @@ class OffloadEngine:
         self._closed = False
         self._acct = TierAccountant(self.rank)
         self._step_count: Dict[FlatParam, int] = {}
+        self._targets: Dict[FlatParam, Optional[torch.Tensor]] = {}
         self.skipped_steps = 0
         pin = self.device.type == "cuda"
         self._host_alloc = lambda n, dt: aligned_empty(n, dt, pin=pin)
@@ -285,13 +286,31 @@ class OffloadEngine:
         self._known_finite = known_finite
         with_grad = [fp for fp in self.trainable if self.grads.has_grad[fp]]
         overflow = False
+        skipped = set()
         try:
-            for fp, master, m, v in self.store.iter_states(with_grad):
-                self._step_count[fp] += 1
-                overflow |= self._update(fp, master, m, v, coef)
+            # the store yields each flat parameter's state whole, or (NVMe) in chunks
+            for fp, lo, hi, master, m, v in self.store.iter_states(with_grad):
+                whole = lo == 0 and hi == fp.shard_numel
+                if lo == 0:
+                    if not (known_finite or whole) and not _all_finite(self.grads.buf[fp]):
+                        skipped.add(fp)  # chunked: check before the first chunk is written
+                    else:
+                        self._step_count[fp] += 1
+                        self._targets[fp] = self._update_target(fp)
+                if fp in skipped:
+                    continue
+                ok = self._update(fp, lo, hi, master, m, v, coef,
+                                  check_overflow=whole and not known_finite)
+                if not ok:
+                    skipped.add(fp)
+                if hi == fp.shard_numel:
+                    self._finish_update(fp, ok)
         finally:
+            self._targets.clear()
             if self.param_home is not None:
                 self.param_home.drain()
+        for fp in skipped:
+            overflow = True
         if overflow:
             self.skipped_steps += 1
         if cfg.stage < 3:
@@ -300,37 +319,51 @@ class OffloadEngine:
         self.grads.zero()
         self.comm.end_step()
 
-    def _update(self, fp: FlatParam, master, m, v, coef: float) -> bool:
+    def _update_target(self, fp: FlatParam) -> Optional[torch.Tensor]:
+        """Where the kernel writes ``fp``'s new compute-dtype shard in the same pass as the
+        update: the shard itself, a host buffer of its home, or the staging buffer; None when the
+        fp32 master is the shard."""
+        if fp.home is not None:
+            return fp.home.update_target(fp)
+        if self.config.optimizer_tier is Tier.DEVICE and self.device.type != "cpu":
+            return None  # torch ops on the accelerator; copied from the master afterwards
+        if self.config.optimizer_tier is Tier.DEVICE and fp.dtype == torch.float32:
+            return None
+        if fp.sharded.device.type == "cpu":
+            return fp.sharded
+        return self._staging[:fp.shard_numel]
+
+    def _update(self, fp: FlatParam, lo: int, hi: int, master, m, v, coef: float,
+                check_overflow: bool) -> bool:
+        """Adam/AdamW on elements [lo, hi) of ``fp``'s shard; returns False on overflow (the
+        kernel then changed nothing)."""
         from offload_zero.optim.kernel import adam_step_
         cfg = self.config
-        grad = self.grads.buf[fp]
+        grad = self.grads.buf[fp][lo:hi]
         step = self._step_count[fp]
-        home = fp.home
         if master.device.type == "cpu":
-            # where the kernel writes the new compute-dtype shard, in the same pass
-            if home is not None:
-                out = home.update_target(fp)
-            elif master.data_ptr() == fp.sharded.data_ptr():
-                out = None
-            elif fp.sharded.device.type == "cpu":
-                out = fp.sharded
-            else:
-                out = self._staging[:fp.shard_numel]
+            out = self._targets[fp]
+            out = None if out is None else out[lo:hi]
             overflow = adam_step_(master, grad, m, v, step=step, lr=self.lr, betas=cfg.betas,
                                   eps=cfg.eps, weight_decay=cfg.weight_decay, adamw=cfg.adamw,
-                                  grad_scale=coef, out=out, check_overflow=not self._known_finite)
-            if home is not None:
-                home.commit(fp, out) if not overflow else home.discard(fp)
-            elif out is not None and out.data_ptr() != fp.sharded.data_ptr() and not overflow:
-                fp.sharded.copy_(out)
+                                  grad_scale=coef, out=out, check_overflow=check_overflow)
         else:
             overflow = _torch_adam_(master, grad, m, v, step, self.lr, cfg.betas, cfg.eps,
                                     cfg.weight_decay, cfg.adamw, coef)
             if not overflow and master.data_ptr() != fp.sharded.data_ptr():
-                fp.sharded.copy_(master)
+                fp.sharded[lo:hi].copy_(master)
         if overflow:
             self._step_count[fp] -= 1
-        return bool(overflow)
+        return not overflow
+
+    def _finish_update(self, fp: FlatParam, ok: bool) -> None:
+        """After the last chunk: persist the new compute-dtype shard where it does not live in
+        place (NVMe home: write back; accelerator shard: copy from the staging buffer)."""
+        target = self._targets.pop(fp, None)
+        if fp.home is not None:
+            fp.home.commit(fp, target) if ok else fp.home.discard(fp)
+        elif ok and target is not None and target.data_ptr() != fp.sharded.data_ptr():
+            fp.sharded.copy_(target)
 
     def set_lr(self, lr: float) -> None:
         """Set the learning rate used by the next :meth:`step` (for schedules). lr > 0."""
@@ -472,6 +505,15 @@ def _flat_shard_fp32(fp: FlatParam, values: List[torch.Tensor]) -> torch.Tensor:
         if a < b:
             shard[a - lo:b - lo].copy_(v.reshape(-1)[a - e.offset:b - e.offset].float())
     return shard
+
+
+def _all_finite(t: torch.Tensor, chunk: int = 1 << 22) -> bool:
+    """Whether every element of ``t`` is finite, checked in chunks of ``chunk`` elements so the
+    temporary stays small."""
+    for i in range(0, t.numel(), chunk):
+        if not bool(torch.isfinite(t[i:i + chunk]).all()):
+            return False
+    return True
 
 
 def _torch_adam_(param, grad, exp_avg, exp_avg_sq, step, lr, betas, eps, weight_decay, adamw,

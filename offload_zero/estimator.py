@@ -31,8 +31,8 @@ Besides model states this engine holds, at the peak of a step:
   trainable flat parameter, ``padded_numel * K`` bytes, device gradients);
 - (stage 1 needs no gradient buffer beyond the full gradients: without offload it reduces in
   place and the shard is a window of the full gradient);
-- ``"nvme"``: three pipeline host buffer sets of ``3 * largest shard_numel * 4`` bytes each
-  (read k+1 | update k | write k-1); at stage 3 also the pool of parameter-shard buffers,
+- ``"nvme"``: three pipeline host buffer sets of ``3 * min(largest shard_numel, chunk) * 4``
+  bytes each (read k+1 | update k | write k-1; chunks of ``NVMeStore.CHUNK_NUMEL`` elements); at stage 3 also the pool of parameter-shard buffers,
   ``2 * (prefetch + 2) + 2`` buffers of ``largest shard_numel * K`` bytes (reads ahead of use and
   the step's write-back ring);
 - with an accelerator and any offload: one host staging buffer of ``largest shard_numel * K``.
@@ -410,7 +410,8 @@ def _extras(layout, stage, offload, n, k, padded, prefetch, accelerator, offload
     if offload == "nvme":
         if not shards:
             biggest = 1024  # the engine sizes its buffers for 1024 elements then
-        out["host"]["buffers"] += 3 * 3 * biggest * 4
+        from offload_zero.memory.tiers import NVMeStore
+        out["host"]["buffers"] += 3 * 3 * min(biggest, NVMeStore.CHUNK_NUMEL) * 4
     if stage == 3 and offload_param == "nvme" and all_shards:
         out["host"]["buffers"] += (2 * (prefetch + 2) + 2) * max(all_shards) * k
     if offload != "none" and offload_param == "none" and accelerator and shards:

@@ -1,15 +1,18 @@
 """Where fp32 master weights and Adam moments live, and how the step walks them.
 
 Three stores share one interface. ``iter_states(flat_params)`` yields, for each flat parameter
-in turn, ``(fp, master, exp_avg, exp_avg_sq)`` as fp32 tensors of shape (shard_numel,) that
-the caller updates in place; whatever the caller wrote is persisted by the store.
+in turn, ``(fp, lo, hi, master, exp_avg, exp_avg_sq)``: elements [lo, hi) of its shard as fp32
+tensors of shape (hi - lo,) that the caller updates in place; whatever the caller wrote is
+persisted by the store. Resident stores yield each shard whole; the NVMe store in chunks of at
+most ``chunk_numel`` elements, so its buffers do not grow with the largest unit.
 
 - :class:`DeviceStore` (``offload="none"``): tensors on the accelerator.
 - :class:`HostStore` (``offload="cpu"``): 4096-aligned (pinned when CUDA is present) host tensors.
 - :class:`NVMeStore` (``offload="nvme"``): one file per flat parameter holding
   ``[master | exp_avg | exp_avg_sq]`` (3 * shard_numel fp32, 4096-aligned), and a pipeline of
-  three host buffer sets: while the caller updates flat parameter k, the read of k+1 is in
-  flight and the write of k-1 drains (ZeRO-Infinity's overlap of NVMe I/O with the update).
+  three host buffer sets over chunks: while the caller updates chunk k, the read of chunk k+1 is
+  in flight and the write of chunk k-1 drains (ZeRO-Infinity's overlap of NVMe I/O with the
+  update).
 """
 from __future__ import annotations
 
@@ -21,7 +24,7 @@ import torch
 from offload_zero.config import Tier
 from offload_zero.memory.accounting import StateKind, TierAccountant
 
-StateTuple = Tuple[object, torch.Tensor, torch.Tensor, torch.Tensor]
+StateTuple = Tuple[object, int, int, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 class _TensorStore:
@@ -53,9 +56,11 @@ class _TensorStore:
         self._acct.add(self.tier, StateKind.MOMENTS, 8 * n)
 
     def iter_states(self, flat_params: List[object]) -> Iterator[StateTuple]:
-        """Yield ``(fp, master, exp_avg, exp_avg_sq)`` for each flat parameter, in order."""
+        """Yield ``(fp, 0, shard_numel, master, exp_avg, exp_avg_sq)`` for each flat parameter,
+        in order: resident state comes whole."""
         for fp in flat_params:
-            yield (fp, *self._state[fp])
+            master, m, v = self._state[fp]
+            yield (fp, 0, master.numel(), master, m, v)
 
     def read_master(self, fp) -> torch.Tensor:
         """This rank's fp32 master shard of ``fp`` (a copy on the CPU), shape (shard_numel,)."""
@@ -100,6 +105,8 @@ class NVMeStore:
         accountant: byte accounting (NVMe: file bytes; host: pipeline buffers).
         host_alloc: ``f(numel, dtype)`` returning 4096-aligned host tensors.
         max_shard_numel: the largest shard_numel of any flat parameter (sizes the buffers).
+        chunk_numel: elements streamed per pipeline stage (multiple of 1024; default
+            ``CHUNK_NUMEL``): buffers hold ``3 * 3 * min(max_shard_numel, chunk_numel) * 4`` bytes.
 
     Raises:
         offload_zero.memory.swapper.SwapIOError: an I/O failed; it names file and offset.
@@ -107,12 +114,17 @@ class NVMeStore:
 
     tier = Tier.NVME
     _DEPTH = 3  # buffer sets: read k+1 | update k | write k-1
+    CHUNK_NUMEL = 1 << 22  # elements per chunk: 3 sets x 3 x 16 MiB of host buffers at most
 
-    def __init__(self, swapper, accountant: TierAccountant, host_alloc, max_shard_numel: int):
+    def __init__(self, swapper, accountant: TierAccountant, host_alloc, max_shard_numel: int,
+                 chunk_numel: Optional[int] = None):
+        chunk_numel = chunk_numel or self.CHUNK_NUMEL
         self._acct = accountant
         self.swapper = swapper
-        self._max = max_shard_numel
-        self._bufs = [host_alloc(3 * max_shard_numel, torch.float32) for _ in range(self._DEPTH)]
+        if chunk_numel % 1024:
+            raise ValueError(f"chunk_numel={chunk_numel} must be a multiple of 1024 elements")
+        self._chunk = min(max_shard_numel, chunk_numel)
+        self._bufs = [host_alloc(3 * self._chunk, torch.float32) for _ in range(self._DEPTH)]
         self._buf_bytes = sum(b.numel() * 4 for b in self._bufs)
         self._acct.add(Tier.HOST, StateKind.BUFFERS, self._buf_bytes)
         self._pending_write = [None] * self._DEPTH
@@ -128,42 +140,66 @@ class NVMeStore:
         self._numel[fp], self._keys[fp] = n, key
         self._acct.add(Tier.NVME, StateKind.MASTER, 4 * n)
         self._acct.add(Tier.NVME, StateKind.MOMENTS, 8 * n)
-        buf = self._bufs[0][:3 * n]
-        buf[:n].copy_(master_shard)
-        buf[n:].zero_()
-        self.swapper.swap_out(key, buf).wait()
+        c = self._chunk
+        for lo in range(0, n, c):
+            hi = min(n, lo + c)
+            views = self._views(0, hi - lo)
+            views[0].copy_(master_shard[lo:hi])
+            views[1].zero_()
+            views[2].zero_()
+            for h in self._io(fp, lo, hi, 0, write=True, key=key, n=n):
+                h.wait()
 
-    def _views(self, slot: int, n: int):
+    def _views(self, slot: int, c: int):
         b = self._bufs[slot]
-        return b[:n], b[n:2 * n], b[2 * n:3 * n]
+        k = self._chunk
+        return b[:c], b[k:k + c], b[2 * k:2 * k + c]
 
-    def _start_read(self, slot: int, fp):
+    def _io(self, fp, lo: int, hi: int, slot: int, write: bool, key=None, n=None):
+        """Start the three transfers of elements [lo, hi) of (master, m, v) between the file
+        and buffer set ``slot``; returns their handles."""
+        key = key or self._keys[fp]
+        n = n or self._numel[fp]
+        op = self.swapper.swap_out if write else self.swapper.swap_in
+        return [op(key, view, offset_bytes=4 * (part * n + lo))
+                for part, view in enumerate(self._views(slot, hi - lo))]
+
+    def _chunks(self, fps):
+        for fp in fps:
+            n = self._numel[fp]
+            for lo in range(0, n, self._chunk):
+                yield fp, lo, min(n, lo + self._chunk)
+
+    def _start_read(self, slot: int, item):
         w = self._pending_write[slot]
         if w is not None:
-            w.wait()
+            for h in w:
+                h.wait()
             self._pending_write[slot] = None
-        n = self._numel[fp]
-        return self.swapper.swap_in(self._keys[fp], self._bufs[slot][:3 * n])
+        fp, lo, hi = item
+        return self._io(fp, lo, hi, slot, write=False)
 
     def iter_states(self, flat_params: List[object]) -> Iterator[StateTuple]:
-        """Yield each flat parameter's state from a host buffer; write it back after the caller
-        is done with it, with the next read and the previous write in flight meanwhile."""
-        fps = list(flat_params)
-        if not fps:
+        """Yield each flat parameter's state chunk by chunk from a host buffer set; write it
+        back after the caller is done with it, with the next read and the previous write in
+        flight meanwhile."""
+        items = list(self._chunks(flat_params))
+        if not items:
             return
-        reads = {0: self._start_read(0, fps[0])}
+        reads = {0: self._start_read(0, items[0])}
         try:
-            for i, fp in enumerate(fps):
+            for i, (fp, lo, hi) in enumerate(items):
                 slot = i % self._DEPTH
-                if i + 1 < len(fps):
-                    reads[i + 1] = self._start_read((i + 1) % self._DEPTH, fps[i + 1])
-                reads.pop(i).wait()
-                yield (fp, *self._views(slot, self._numel[fp]))
-                n = self._numel[fp]
-                self._pending_write[slot] = self.swapper.swap_out(self._keys[fp], self._bufs[slot][:3 * n])
+                if i + 1 < len(items):
+                    reads[i + 1] = self._start_read((i + 1) % self._DEPTH, items[i + 1])
+                for h in reads.pop(i):
+                    h.wait()
+                yield (fp, lo, hi, *self._views(slot, hi - lo))
+                self._pending_write[slot] = self._io(fp, lo, hi, slot, write=True)
         finally:
-            for h in reads.values():
-                h.wait()
+            for hs in reads.values():
+                for h in hs:
+                    h.wait()
             self.drain()
 
     def drain(self) -> None:
@@ -171,14 +207,21 @@ class NVMeStore:
         for slot, w in enumerate(self._pending_write):
             if w is not None:
                 self._pending_write[slot] = None
-                w.wait()
+                for h in w:
+                    h.wait()
 
     def read_all(self, fp) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """CPU copies of (master, exp_avg, exp_avg_sq) for ``fp``, read from its file."""
         self.drain()
         n = self._numel[fp]
-        self.swapper.swap_in(self._keys[fp], self._bufs[0][:3 * n]).wait()
-        return tuple(t.clone() for t in self._views(0, n))
+        out = tuple(torch.empty(n, dtype=torch.float32) for _ in range(3))
+        for lo in range(0, n, self._chunk):
+            hi = min(n, lo + self._chunk)
+            for h in self._io(fp, lo, hi, 0, write=False):
+                h.wait()
+            for dst, src in zip(out, self._views(0, hi - lo)):
+                dst[lo:hi].copy_(src)
+        return out
 
     def read_master(self, fp) -> torch.Tensor:
         """This rank's fp32 master shard of ``fp``, read from its file (a CPU copy)."""
