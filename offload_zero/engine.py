@@ -124,17 +124,28 @@ class OffloadEngine:
             self.swapper = Swapper(os.path.join(os.fspath(cfg.path), f"rank{self.rank}"),
                                    backend=cfg.aio_backend, block_size=cfg.aio_block_size,
                                    queue_depth=cfg.aio_queue_depth)
-        max_shard = max(shard_numel_for(sum(p.numel() for p, _ in members), self.world_size, cfg.dtype)
-                        for _, _, members in plan[2])
+        def shard_of(members):
+            return shard_numel_for(sum(p.numel() for p, _ in members), self.world_size, cfg.dtype)
+
+        block_shard = max((shard_of(m) for u, _, m in plan[2] if not u.is_root), default=0)
+        root_shard = max((shard_of(m) for u, _, m in plan[2] if u.is_root), default=0)
         if cfg.param_tier is Tier.HOST:
             self.param_home = HostParamHome(self._acct, self._host_alloc)
         elif cfg.param_tier is Tier.NVME:
             # in flight at once: (prefetch + 1) units of at most 2 flat parameters, plus the
-            # write-back ring of the step
+            # write-back ring of the step. An outsized root unit (embeddings) gets its own two
+            # buffers, so the main pool's buffers are block-sized.
             count = 2 * (cfg.prefetch + 2) + NVMeParamHome._WRITE_RING
-            self.pools["param_shards"] = HostBufferPool("param_shards", count, max_shard, cfg.dtype,
-                                                        self._host_alloc, self._acct)
-            self.param_home = NVMeParamHome(self.swapper, self.pools["param_shards"], self._acct)
+            main = HostBufferPool("param_shards", count, max(block_shard, 1), cfg.dtype,
+                                  self._host_alloc, self._acct)
+            self.pools["param_shards"] = main
+            pool_for = lambda fp: main  # noqa: E731
+            if root_shard > block_shard:
+                root = HostBufferPool("param_shards_root", 2, root_shard, cfg.dtype,
+                                      self._host_alloc, self._acct)
+                self.pools["param_shards_root"] = root
+                pool_for = lambda fp: root if fp.name.startswith("root.") else main  # noqa: E731
+            self.param_home = NVMeParamHome(self.swapper, pool_for, self._acct)
         self.store = self._build_store(plan)
         self.blocks, self.root = self._build_units(*plan)
         self.units: List[Unit] = self.blocks + [self.root]

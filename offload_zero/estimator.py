@@ -390,10 +390,11 @@ def _extras(layout, stage, offload, n, k, padded, prefetch, accelerator, offload
     full = {}     # unit -> gathered bytes
     shards = []   # trainable shard_numel
     grad_full = []
-    all_shards = []
+    all_shards, units_of = [], []
     for spec in layout:
         shard = _shard_numel(spec.numel, n, k, padded)
         all_shards.append(shard)
+        units_of.append(spec.unit)
         full[spec.unit] = full.get(spec.unit, 0) + k * shard * n
         if spec.trainable:
             shards.append(shard)
@@ -413,7 +414,11 @@ def _extras(layout, stage, offload, n, k, padded, prefetch, accelerator, offload
         from offload_zero.memory.tiers import NVMeStore
         out["host"]["buffers"] += 3 * 3 * min(biggest, NVMeStore.CHUNK_NUMEL) * 4
     if stage == 3 and offload_param == "nvme" and all_shards:
-        out["host"]["buffers"] += (2 * (prefetch + 2) + 2) * max(all_shards) * k
+        block_shard = max([sh for sh, u in zip(all_shards, units_of) if u != -1], default=0)
+        root_shard = max([sh for sh, u in zip(all_shards, units_of) if u == -1], default=0)
+        out["host"]["buffers"] += (2 * (prefetch + 2) + 2) * max(block_shard, 1) * k
+        if root_shard > block_shard:
+            out["host"]["buffers"] += 2 * root_shard * k
     if offload != "none" and offload_param == "none" and accelerator and shards:
         out["host"]["buffers"] += biggest * k
     return out

@@ -685,3 +685,18 @@ def test_nvme_optimizer_pipeline_in_chunks(tmp_path, monkeypatch):
                 assert all(torch.equal(before[k], after[k]) for k in before)
             results.append(eng.full_state_dict())
     assert all(torch.equal(results[0][k], results[1][k]) for k in results[0])
+
+
+def test_parameter_pool_is_block_sized_with_a_separate_root_pool(tmp_path):
+    with OffloadEngine(TinyLM(), offload="nvme", path=str(tmp_path)) as eng:
+        blocks = [fp for u in eng.blocks for fp in u.flat_params]
+        roots = eng.root.flat_params
+        pools = eng.memory_report()["pools"]
+        assert pools["param_shards"]["buffer_bytes"] == 4 * max(fp.shard_numel for fp in blocks)
+        assert pools["param_shards_root"]["buffers"] == 2
+        assert pools["param_shards_root"]["buffer_bytes"] == 4 * max(fp.shard_numel for fp in roots)
+        x, y = batches(1)[0]
+        eng.backward(lm_loss(eng(x), y))
+        eng.step()
+        pools = eng.memory_report()["pools"]
+        assert pools["param_shards_root"]["peak_in_use"] <= 2 and pools["param_shards"]["in_use"] == 0

@@ -320,7 +320,9 @@ class NVMeParamHome:
 
     Args:
         swapper: the rank's :class:`offload_zero.memory.swapper.Swapper`.
-        pool: a :class:`offload_zero.memory.pool.HostBufferPool` of compute-dtype buffers.
+        pool: a :class:`offload_zero.memory.pool.HostBufferPool` of compute-dtype buffers, or a
+            function ``fp -> pool`` (a small pool for an outsized root unit, say, so the main
+            pool's buffers need not all be root-sized).
         accountant: NVMe ``PARAMS`` bytes are the files' sizes.
     """
 
@@ -328,7 +330,8 @@ class NVMeParamHome:
     _WRITE_RING = 2
 
     def __init__(self, swapper, pool, accountant: TierAccountant):
-        self.swapper, self.pool, self._acct = swapper, pool, accountant
+        self.swapper, self._acct = swapper, accountant
+        self._pool_for = pool if callable(pool) else (lambda fp: pool)
         self._reads: Dict[object, tuple] = {}
         self._writes: List[tuple] = []
         self._targets: Dict[object, torch.Tensor] = {}
@@ -343,13 +346,14 @@ class NVMeParamHome:
         self.swapper.allocate(self._key(fp), nbytes)
         self._sizes[fp] = nbytes
         self._acct.add(Tier.NVME, StateKind.PARAMS, nbytes)
-        buf = self.pool.acquire()
+        pool = self._pool_for(fp)
+        buf = pool.acquire()
         try:
             view = buf[:device_shard.numel()]
             view.copy_(device_shard)
             self.swapper.swap_out(self._key(fp), view).wait()
         finally:
-            self.pool.release(buf)
+            pool.release(buf)
         return None
 
     def fetch(self, fp) -> None:
@@ -357,7 +361,7 @@ class NVMeParamHome:
         if fp in self._reads:
             return
         self._wait_writes_of(fp)
-        buf = self.pool.acquire()
+        buf = self._pool_for(fp).acquire()
         view = buf[:fp.shard_numel]
         self._reads[fp] = (buf, self.swapper.swap_in(self._key(fp), view))
 
@@ -372,13 +376,13 @@ class NVMeParamHome:
         """Return ``fp``'s read buffer to the pool."""
         buf, handle = self._reads.pop(fp)
         handle.wait()
-        self.pool.release(buf)
+        self._pool_for(fp).release(buf)
 
     def update_target(self, fp) -> torch.Tensor:
         """A pool buffer the optimizer writes ``fp``'s new shard into (see :meth:`commit`)."""
         while len(self._writes) >= self._WRITE_RING:
             self._retire(self._writes.pop(0))
-        buf = self.pool.acquire()
+        buf = self._pool_for(fp).acquire()
         self._targets[fp] = buf
         return buf[:fp.shard_numel]
 
@@ -389,14 +393,14 @@ class NVMeParamHome:
 
     def discard(self, fp) -> None:
         """The update was skipped (overflow): return the target buffer unwritten."""
-        self.pool.release(self._targets.pop(fp))
+        self._pool_for(fp).release(self._targets.pop(fp))
 
     def _retire(self, entry) -> None:
-        _, buf, handle = entry
+        fp, buf, handle = entry
         try:
             handle.wait()
         finally:
-            self.pool.release(buf)
+            self._pool_for(fp).release(buf)
 
     def _wait_writes_of(self, fp) -> None:
         pending = [w for w in self._writes if w[0] is fp]
