@@ -41,9 +41,13 @@ class GradientShards:
         self.has_grad: Dict[FlatParam, bool] = {}
         self._full_grad_held: Dict[FlatParam, int] = {}
         self._in_place = stage == 1 and tier is Tier.DEVICE
+        # One rank whose "device" is the host itself: the reduced gradient already sits in host
+        # memory in the right dtype, so the shard buffer adopts it instead of copying it.
+        self._adopt = (tier is Tier.HOST and stage >= 2 and comm.world_size == 1 and
+                       all(fp.device.type == "cpu" and fp.dtype == host_dtype for fp in flat_params))
         for fp in flat_params:
             self.has_grad[fp] = False
-            if self._in_place:
+            if self._in_place or self._adopt:
                 continue
             if tier is Tier.HOST:
                 b = host_alloc(fp.shard_numel, host_dtype)
@@ -102,6 +106,11 @@ class GradientShards:
         else:
             shard = torch.empty(fp.shard_numel, dtype=g.dtype, device=g.device)
             self.comm.reduce_scatter_avg(shard, g.detach())
+        if self._adopt and not self.has_grad[fp]:
+            self.buf[fp] = shard  # the caller drops its own reference to the full gradient
+            self._acct.add(self.tier, StateKind.GRADS, shard.numel() * shard.element_size())
+            self.has_grad[fp] = True
+            return
         buf = self.buf[fp]
         if self.has_grad[fp]:
             buf.add_(shard.to(buf.device, buf.dtype))
@@ -120,6 +129,9 @@ class GradientShards:
     def zero(self) -> None:
         """Forget the accumulated gradients (the next backward overwrites the buffers)."""
         for fp in self.has_grad:
+            if self._adopt and self.has_grad[fp]:
+                b = self.buf.pop(fp)
+                self._acct.sub(self.tier, StateKind.GRADS, b.numel() * b.element_size())
             self.has_grad[fp] = False
             if self._in_place:
                 fp.full.grad = None
@@ -128,7 +140,7 @@ class GradientShards:
 
     def release(self) -> None:
         """Free the buffers (engine close)."""
-        if self._in_place:
+        if self._in_place or self._adopt:
             self.zero()
         for fp, b in self.buf.items():
             self._acct.sub(self.tier, StateKind.GRADS, b.numel() * b.element_size())
