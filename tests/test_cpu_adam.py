@@ -244,3 +244,23 @@ def test_bf16_state_dtype_keeps_bf16_moments_near_fp32_ones():
 def test_bad_state_dtype_raises():
     with pytest.raises(ValueError, match="state_dtype=torch.float16"):
         CPUAdam([torch.zeros(3)], state_dtype=torch.float16)
+
+
+def test_check_overflow_off_matches_and_raises_on_nonfinite():
+    import pytest
+    import torch
+    from offload_zero.optim import CPUAdam
+    torch.manual_seed(0)
+    a = torch.randn(1000)
+    b = a.clone()
+    pa, pb = torch.nn.Parameter(a), torch.nn.Parameter(b)
+    oa, ob = CPUAdam([pa], lr=1e-2), CPUAdam([pb], lr=1e-2, check_overflow=False)
+    for _ in range(5):
+        g = torch.randn(1000)
+        pa.grad, pb.grad = g.clone(), g.clone()
+        oa.step()
+        ob.step()
+    assert torch.equal(pa.data, pb.data)
+    pb.grad = torch.full((1000,), float("inf"))
+    with pytest.raises(RuntimeError):
+        ob.step()

@@ -55,6 +55,10 @@ class CPUAdam(torch.optim.Optimizer):
             the step). A per-group key like ``lr``. Moments loaded with another dtype (e.g.
             fp32 from a torch state dict, or bf16 ones that ``load_state_dict`` cast to the
             parameter's fp32) are converted on the next step.
+        check_overflow: read every gradient for inf/nan before writing anything, so a bad
+            gradient leaves the state untouched (True, the default: 4 more bytes per parameter
+            of memory traffic). False skips that pass, as torch's fused AdamW does: a non-finite
+            gradient then raises RuntimeError after the state was written. A per-group key.
 
     Parameters whose ``.grad`` is None are skipped. If a parameter's gradient holds an inf or
     nan, that parameter and its moments are left unchanged and its step count is not advanced;
@@ -69,12 +73,12 @@ class CPUAdam(torch.optim.Optimizer):
                  betas: Tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, adamw_mode: bool = True,
                  bias_correction: bool = True,
-                 state_dtype: torch.dtype = torch.float32) -> None:
+                 state_dtype: torch.dtype = torch.float32, check_overflow: bool = True) -> None:
         _check_hyper(lr, betas, eps, weight_decay)
         _check_state_dtype(state_dtype)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         adamw_mode=bool(adamw_mode), bias_correction=bool(bias_correction),
-                        state_dtype=state_dtype)
+                        state_dtype=state_dtype, check_overflow=bool(check_overflow))
         super().__init__(params, defaults)
         self.last_step_overflow = False
         for gi, group in enumerate(self.param_groups):
@@ -114,6 +118,7 @@ class CPUAdam(torch.optim.Optimizer):
             bias_correction = bool(group.get("bias_correction", True))
             state_dtype = group.get("state_dtype", self.defaults["state_dtype"])
             _check_state_dtype(state_dtype)
+            check = bool(group.get("check_overflow", True))
             for pi, p in enumerate(group["params"]):
                 seed += 1
                 if p.grad is None:
@@ -139,7 +144,8 @@ class CPUAdam(torch.optim.Optimizer):
                 skipped = adam_step_(
                     p, grad.contiguous(), state["exp_avg"], state["exp_avg_sq"], step=step,
                     lr=lr, betas=(beta1, beta2), eps=eps, weight_decay=weight_decay,
-                    adamw=adamw, bias_correction=bias_correction, sr_seed=seed)
+                    adamw=adamw, bias_correction=bias_correction, sr_seed=seed,
+                    check_overflow=check)
                 if skipped:
                     overflow = True
                 else:
