@@ -404,6 +404,8 @@ class OffloadEngine:
         rep["nvme"]["written_bytes"] = getattr(self.store, "written_bytes", 0)
         rep["live_units"] = {"current": self.scheduler.live_units(), "peak": self.scheduler.live_peak}
         rep["pools"] = {name: pool.report() for name, pool in self.pools.items()}
+        if isinstance(self.store, NVMeStore):
+            rep["pools"]["optimizer_pipeline"] = self.store.pool_report()
         return rep
 
     def comm_report(self) -> dict:

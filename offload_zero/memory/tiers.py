@@ -227,6 +227,13 @@ class NVMeStore:
         """This rank's fp32 master shard of ``fp``, read from its file (a CPU copy)."""
         return self.read_all(fp)[0]
 
+    def pool_report(self) -> dict:
+        """The pipeline's fixed host buffers (sized at start-up, never grown), in the format of
+        :meth:`offload_zero.memory.pool.HostBufferPool.report`."""
+        per = self._bufs[0].numel() * 4 if self._bufs else 0
+        return {"buffers": len(self._bufs), "buffer_bytes": per, "capacity_bytes": self._buf_bytes,
+                "in_use": 0, "peak_in_use": self._DEPTH if self._bufs else 0}
+
     @property
     def read_bytes(self) -> int:
         """Bytes read from NVMe since construction."""
