@@ -16,6 +16,6 @@ if ! ldconfig -p 2>/dev/null | grep -q 'libaio\.so'; then
   fi
 fi
 if ! "$PY" -c "import torch" 2>/dev/null; then
-  "$PY" -m pip install -q "torch==2.13.0"
+  "$PY" -m pip install -q --root-user-action=ignore "torch==2.13.0"
 fi
-"$PY" -m pip install -q -e ".[train,test]"
+"$PY" -m pip install -q --root-user-action=ignore -e ".[train,test]"
