@@ -72,10 +72,13 @@ class Comm:
             shard = shard.clone()  # in-place gather: not every backend accepts aliasing
         _all_gather(full, shard, group=self.group)
 
-    def reduce_scatter_avg(self, shard_out: torch.Tensor, full_in: torch.Tensor) -> None:
+    def reduce_scatter_avg(self, shard_out: torch.Tensor, full_in: torch.Tensor,
+                           scratch: Optional[torch.Tensor] = None) -> None:
         """Average ``full_in`` over ranks and write this rank's slice into ``shard_out``.
 
         ``full_in`` may be overwritten (it is scratch). Shapes: full_in (N * S,), shard_out (S,).
+        When ``shard_out`` is this rank's window of ``full_in`` (in place), the result goes
+        through ``scratch`` (S elements; allocated per call if None).
         """
         n = self.world_size
         self._count("reduce_scatter", full_in.numel() * full_in.element_size() * (n - 1) / n)
@@ -83,7 +86,7 @@ class Comm:
             shard_out.copy_(full_in)
             return
         if shard_out.data_ptr() == full_in[self.rank * shard_out.numel():].data_ptr():
-            out = torch.empty_like(shard_out)  # in place: reduce into scratch, then copy back
+            out = scratch if scratch is not None else torch.empty_like(shard_out)
             _reduce_scatter(out, full_in, group=self.group)
             shard_out.copy_(out)
         else:

@@ -35,7 +35,8 @@ Besides model states this engine holds, at the peak of a step:
   bytes each (read k+1 | update k | write k-1; chunks of ``NVMeStore.CHUNK_NUMEL`` elements); at stage 3 also the pool of parameter-shard buffers,
   ``2 * (prefetch + 2) + 2`` buffers of ``largest shard_numel * K`` bytes (reads ahead of use and
   the step's write-back ring);
-- with an accelerator and any offload: one host staging buffer of ``largest shard_numel * K``.
+- with an accelerator and any offload: one host staging buffer of ``largest shard_numel * K``;
+- with N > 1: one reduce-scatter scratch shard on the device, ``largest shard_numel * K``.
 Activations, the allocator's fragmentation and the framework's own workspace are not counted.
 
 [Note: padding]
@@ -407,6 +408,8 @@ def _extras(layout, stage, offload, n, k, padded, prefetch, accelerator, offload
         out["device"]["parameters"] += sum(blocks[:gathered]) + full.get(-1, 0)
     if stage >= 2 and grad_full:
         out["device"]["gradients"] += max(grad_full)
+    if n > 1 and shards:  # the reduce-scatter scratch shard, sized at start-up
+        out["device"]["buffers"] += max(shards) * k
     biggest = max(shards, default=0)
     if offload == "nvme":
         if not shards:

@@ -121,7 +121,8 @@ def test_extras_for_stage_3_are_the_gathered_units():
     # one rank with its shards on the device gathers nothing: the shard is the parameter
     one = estimate_memory(10_500, largest_unit_numel=1000, root_numel=500, stage=3, prefetch=2)
     assert one.extras["device"]["parameters"] == 0
-    assert est.placement(1, "none").tier_bytes("device", model_states=False) == 0
+    # stage 1: nothing gathered, no gradient in flight; only the reduce-scatter scratch shard
+    assert est.placement(1, "none").tier_bytes("device", model_states=False) == 2 * 1000 / 2
 
 
 def test_assumed_layout_sums_to_the_count():

@@ -45,6 +45,13 @@ class GradientShards:
         # memory in the right dtype, so the shard buffer adopts it instead of copying it.
         self._adopt = (tier is Tier.HOST and stage >= 2 and comm.world_size == 1 and
                        all(fp.device.type == "cpu" and fp.dtype == host_dtype for fp in flat_params))
+        # One scratch shard, sized at start-up, receives every reduce-scatter (world size > 1).
+        self.scratch = None
+        if comm.world_size > 1 and flat_params:
+            n = max(fp.shard_numel for fp in flat_params)
+            fp0 = flat_params[0]
+            self.scratch = torch.empty(n, dtype=fp0.dtype, device=fp0.device)
+            accountant.add(Tier.DEVICE, StateKind.BUFFERS, n * self.scratch.element_size())
         for fp in flat_params:
             self.has_grad[fp] = False
             if self._in_place or self._adopt:
@@ -87,7 +94,8 @@ class GradientShards:
                 lo = fp.rank * fp.shard_numel
                 window = g.detach()[lo:lo + fp.shard_numel]
                 if self.comm.world_size > 1:
-                    self.comm.reduce_scatter_avg(window, g.detach())
+                    self.comm.reduce_scatter_avg(window, g.detach(),
+                                                 scratch=self.scratch[:fp.shard_numel])
                 self.buf[fp] = window
                 self.has_grad[fp] = True
                 continue
@@ -104,7 +112,7 @@ class GradientShards:
         if self.comm.world_size == 1:
             shard = g.detach()
         else:
-            shard = torch.empty(fp.shard_numel, dtype=g.dtype, device=g.device)
+            shard = self.scratch[:fp.shard_numel]
             self.comm.reduce_scatter_avg(shard, g.detach())
         if self._adopt and not self.has_grad[fp]:
             self.buf[fp] = shard  # the caller drops its own reference to the full gradient
@@ -142,6 +150,9 @@ class GradientShards:
         """Free the buffers (engine close)."""
         if self._in_place or self._adopt:
             self.zero()
+        if self.scratch is not None:
+            self._acct.sub(Tier.DEVICE, StateKind.BUFFERS, self.scratch.numel() * self.scratch.element_size())
+            self.scratch = None
         for fp, b in self.buf.items():
             self._acct.sub(self.tier, StateKind.GRADS, b.numel() * b.element_size())
         self.buf.clear()
