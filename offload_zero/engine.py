@@ -396,8 +396,11 @@ class OffloadEngine:
         """Bytes held per tier, now and at peak, by state kind; and live units.
 
         Returns ``{"device"|"host"|"nvme": {"current_bytes", "peak_bytes", "by_kind": {...}},
-        "live_units": {"current", "peak"}}``; ``"nvme"`` also has ``"read_bytes"`` and
-        ``"written_bytes"`` (cumulative bytes moved through the swapper). Units: bytes.
+        "live_units": {"current", "peak"}, "pools": {name: {"buffers", "buffer_bytes",
+        "capacity_bytes", ...}}}``; ``"nvme"`` also has ``"read_bytes"`` and ``"written_bytes"``
+        (cumulative bytes moved through the swapper). ``"pools"`` lists the fixed buffers sized
+        at start-up (parameter-shard read-ahead, the NVMe optimizer pipeline, the reduce-scatter
+        scratch). Units: bytes.
         """
         rep = self._acct.report()
         rep["nvme"]["read_bytes"] = getattr(self.store, "read_bytes", 0)
@@ -406,6 +409,10 @@ class OffloadEngine:
         rep["pools"] = {name: pool.report() for name, pool in self.pools.items()}
         if isinstance(self.store, NVMeStore):
             rep["pools"]["optimizer_pipeline"] = self.store.pool_report()
+        if self.grads.scratch is not None:
+            nbytes = self.grads.scratch.numel() * self.grads.scratch.element_size()
+            rep["pools"]["reduce_scratch"] = {"buffers": 1, "buffer_bytes": nbytes,
+                                              "capacity_bytes": nbytes}
         return rep
 
     def comm_report(self) -> dict:
