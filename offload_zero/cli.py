@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import signal
 import sys
 from typing import List, Optional
 
@@ -64,16 +65,32 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format=f"{PROG}: %(levelname)s: %(message)s")
+    # SIGTERM (torchrun, Slurm, docker stop) unwinds like Ctrl-C, so every `with` block closes
+    # and swap files and temporary folders are removed.
+    previous = signal.signal(signal.SIGTERM, _terminate)
     try:
         args._module.run(args)
     except (ValueError, NotImplementedError) as exc:
         message = " ".join(str(exc).split()) or type(exc).__name__
         print(f"{PROG} {args.command}: error: {message}", file=sys.stderr)
         return 2
+    except _Terminated:
+        print(f"{PROG} {args.command}: terminated (SIGTERM); swap files removed", file=sys.stderr)
+        return 143
     except KeyboardInterrupt:
         print(f"{PROG} {args.command}: interrupted", file=sys.stderr)
         return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     return 0
+
+
+class _Terminated(BaseException):
+    """Raised in the main thread when SIGTERM arrives."""
+
+
+def _terminate(signum, frame):
+    raise _Terminated()
 
 
 if __name__ == "__main__":

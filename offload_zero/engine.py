@@ -70,6 +70,11 @@ class OffloadEngine:
                  device=None, process_group=None, timeout_s: float = 300.0, **kwargs):
         if not isinstance(model, nn.Module):
             raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        fields = {f.name for f in dataclasses.fields(EngineConfig)}
+        unknown = sorted(set(kwargs) - fields)
+        if unknown:
+            raise ValueError(f"OffloadEngine got unknown keyword argument(s) {unknown}; valid "
+                             f"ones: {sorted(fields | {'process_group', 'timeout_s'})}")
         self.config = EngineConfig(offload=offload, path=path, stage=stage, lr=lr, betas=betas,
                                    eps=eps, weight_decay=weight_decay, adamw=adamw, dtype=dtype,
                                    device=device, **kwargs)
@@ -457,7 +462,10 @@ class OffloadEngine:
 
     def close(self) -> None:
         """Release buffers, remove swap files and hooks; idempotent. Also runs on garbage
-        collection, at interpreter exit, and when leaving a ``with`` block (also on error)."""
+        collection, at interpreter exit, and when leaving a ``with`` block (also on error).
+
+        The model's weights live in the engine: take them with :meth:`full_state_dict` first;
+        afterwards the wrapped model has no parameters left."""
         if self._closed:
             return
         self._closed = True

@@ -460,6 +460,17 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     setup_start = time.perf_counter()
     if args.path is not None and args.offload not in ("nvme", "auto"):
         raise ValueError(f"--path is only used with --offload nvme or auto (got --offload {args.offload})")
+    if args.path is not None:
+        parent = os.path.dirname(os.path.abspath(args.path))
+        if os.path.exists(args.path) and not os.path.isdir(args.path):
+            raise ValueError(f"--path {args.path!r} is not a folder")
+        if not os.path.isdir(parent):
+            raise ValueError(f"--path {args.path!r}: its parent folder {parent!r} does not exist")
+    for flag, out in (("--json", args.json), ("--memory-plot", args.memory_plot)):
+        if out is not None:  # fail now, not after the whole run
+            folder = os.path.dirname(os.path.abspath(out))
+            if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+                raise ValueError(f"{flag} {out!r}: folder {folder!r} does not exist or is not writable")
     files = data_lib.find_text_files(args.data) if args.data else data_lib.stdlib_files()
     model, tokenizer, description = build_model(args)
     params = sum(p.numel() for p in model.parameters())
@@ -470,6 +481,10 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
             weight_decay=args.weight_decay, dtype=_DTYPES[args.dtype],
             activation_checkpointing=args.activation_checkpointing) as engine:
         rank, world_size = engine.rank, engine.world_size
+        offload_shown = args.offload
+        if args.offload == "auto":  # say what was chosen
+            offload_shown = (f"auto (optimizer {engine.config.offload_optimizer}, "
+                             f"parameters {engine.config.offload_param})")
         batches = data_lib.TokenWindows(files, tokenizer, args.seq_len, seed=args.seed,
                                         world_size=world_size, rank=rank
                                         ).batches(args.batch_size)
@@ -488,7 +503,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
                             model=description, params=params,
                             tokenizer=_tokenizer_name(tokenizer),
                             corpus="data" if args.data else "stdlib",
-                            files=len(files), offload=args.offload, stage=args.stage,
+                            files=len(files), offload=offload_shown, stage=args.stage,
                             dtype=args.dtype, steps=args.steps, seq_len=args.seq_len,
                             batch_size=args.batch_size, world_size=world_size, rank=rank,
                             lr=args.lr, warmup=warmup, seed=args.seed, setup_s=setup_s))

@@ -706,3 +706,13 @@ def test_parameter_pool_is_block_sized_with_a_separate_root_pool(tmp_path):
         eng.step()
         pools = eng.memory_report()["pools"]
         assert pools["param_shards_root"]["peak_in_use"] <= 2 and pools["param_shards"]["in_use"] == 0
+
+
+def test_unknown_keyword_and_stale_swap_files_are_named(tmp_path):
+    with pytest.raises(ValueError, match=r"OffloadEngine got unknown keyword argument\(s\) \['foo'\]"):
+        OffloadEngine(TinyLM(), foo=1)
+    stale = tmp_path / "rank0"
+    stale.mkdir()
+    (stale / "unit0.trainable.param.swp").write_bytes(b"")
+    with pytest.raises(ValueError, match=r"earlier run was killed.*delete"):
+        OffloadEngine(TinyLM(), offload="nvme", path=str(tmp_path))

@@ -256,3 +256,42 @@ def test_memory_plot_auto_offload_and_checkpointing(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
     assert json.loads(out.read_text())["steps"] == 4
+
+
+def test_sigterm_removes_swap_files(tmp_path):
+    """torchrun, Slurm and docker stop send SIGTERM: the run must unwind and clean up."""
+    import signal
+    import time
+    swap = tmp_path / "swap"
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="2")
+    proc = subprocess.Popen([sys.executable, "-m", "offload_zero.cli", "train", "--preset", "tiny",
+                             "--steps", "100000", "--offload", "nvme", "--path", str(swap), *FAST],
+                            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not list(swap.rglob("*.swp")):
+        time.sleep(0.2)
+    assert list(swap.rglob("*.swp")), "the run never created its swap files"
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err[-2000:]
+    assert "terminated" in err and "Traceback" not in err
+    assert _files_under(swap) == []
+
+
+@pytest.mark.parametrize("flags, word", [
+    (["--offload", "nvme", "--path", "{file}"], "is not a folder"),
+    (["--offload", "nvme", "--path", "/nonexistent-parent/swap"], "does not exist"),
+    (["--json", "/nonexistent-parent/out.json"], "--json"),
+    (["--memory-plot", "/nonexistent-parent/m.png"], "--memory-plot"),
+])
+def test_bad_output_paths_fail_before_training(tmp_path, flags, word):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    flags = [f.replace("{file}", str(a_file)) for f in flags]
+    proc = _run(["train", "--preset", "tiny", "--steps", "1000", *flags, *FAST], cwd=tmp_path,
+                timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert word in proc.stderr and "Traceback" not in proc.stderr
+    assert "step " not in proc.stderr  # nothing was trained

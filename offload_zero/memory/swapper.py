@@ -433,7 +433,10 @@ class Swapper:
         try:
             fd = os.open(path, flags, 0o600)
         except FileExistsError as exc:
-            raise ValueError(f"swap file {path!r} already exists; not overwriting it") from exc
+            raise ValueError(
+                f"swap file {path!r} already exists; not overwriting it. Another engine is using "
+                f"this folder, or an earlier run was killed before it could clean up: delete "
+                f"{os.path.dirname(path)!r} if no run is using it, or choose another path") from exc
         try:
             os.fchmod(fd, 0o600)
             _reserve(fd, path, nbytes)
