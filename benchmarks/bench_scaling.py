@@ -63,21 +63,10 @@ FORMULA_TEXT = {1: "4Ψ+12Ψ/N", 2: "2Ψ+14Ψ/N", 3: "16Ψ/N", 0: "16Ψ"}
 WIDTH, BLOCKS, BATCH = 640, 4, 4
 
 
-class Net(nn.Module):
-    """LayerNorm then residual blocks of Linear-GELU-Linear, all WIDTH wide."""
-
-    def __init__(self, width=WIDTH, n_blocks=BLOCKS):
-        super().__init__()
-        self.norm = nn.LayerNorm(width)
-        self.blocks = nn.ModuleList(
-            nn.Sequential(nn.Linear(width, width), nn.GELU(), nn.Linear(width, width))
-            for _ in range(n_blocks))
-
-    def forward(self, x):
-        x = self.norm(x)
-        for b in self.blocks:
-            x = x + b(x)
-        return x
+def Net(width=WIDTH, n_blocks=BLOCKS) -> nn.Module:
+    """The model of tests/test_distributed.py's memory checks (tests/models.py: WideNet)."""
+    from models import WideNet
+    return WideNet(width, n_blocks)
 
 
 def _storage_bytes(tensors):

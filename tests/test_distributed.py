@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 
 from dist_harness import run_ranks
-from models import TinyLM, batches, lm_loss
+from models import TinyLM, WideNet, batches, lm_loss
 
 STEPS = 5
 CASES_WS2 = [(s, o) for s in (1, 2, 3) for o in ("none", "cpu", "nvme")]
@@ -79,23 +79,6 @@ def test_equivalence_world_size_4(ws4_results, case):
 
 
 # -- memory per rank and communication volume (Rajbhandari et al., 2019, sec. 5 and 7) --------
-
-class WideNet(nn.Module):
-    """Four blocks of two 640x640 Linear: large enough that shard padding stays under 2%."""
-
-    def __init__(self, width=640, n_blocks=4):
-        super().__init__()
-        self.norm = nn.LayerNorm(width)
-        self.blocks = nn.ModuleList(
-            nn.Sequential(nn.Linear(width, width), nn.GELU(), nn.Linear(width, width))
-            for _ in range(n_blocks))
-
-    def forward(self, x):
-        x = self.norm(x)
-        for b in self.blocks:
-            x = x + b(x)
-        return x
-
 
 PAPER_FORMULA = {1: lambda psi, n: 4 * psi + 12 * psi / n,
                  2: lambda psi, n: 2 * psi + 14 * psi / n,
