@@ -27,14 +27,7 @@ BIG = 1_000_003
 
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _torch_single_thread():
-    """torch's reference ops on one thread: on a small shared machine its OpenMP workers
-    otherwise spin against our kernel's threads and other jobs (10x slower, no better test)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("torch_single_thread")
 
 @pytest.fixture(params=ISAS)
 def isa(request, monkeypatch):
