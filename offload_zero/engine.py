@@ -21,7 +21,7 @@ from offload_zero.comm import Comm, init_from_env
 from offload_zero.config import EngineConfig, Tier
 from offload_zero.memory.accounting import StateKind, TierAccountant
 from offload_zero.memory.aligned import aligned_empty
-from offload_zero.memory.pool import HostBufferPool
+from offload_zero.memory.pool import GatherPool, HostBufferPool, storage_rebinding_supported
 from offload_zero.memory.tiers import (DeviceStore, HostParamHome, HostStore, NVMeParamHome,
                                        NVMeStore)
 from offload_zero.partition.flat_param import FlatParam, build_entries, shard_numel_for
@@ -104,7 +104,7 @@ class OffloadEngine:
 
         self.swapper = None
         self.param_home = None
-        self.pools: Dict[str, HostBufferPool] = {}
+        self.pools: Dict[str, object] = {}  # HostBufferPool | GatherPool, by name
         try:
             self._build(model)
         except BaseException:
@@ -169,9 +169,12 @@ class OffloadEngine:
             n = max(fp.shard_numel for fp in self.trainable)
             self._staging = self._host_alloc(n, cfg.dtype)
             self._acct.add(Tier.HOST, StateKind.BUFFERS, n * self._staging.element_size())
+        pool_for = self._build_gather_pools()
+        staging = self.grads.scratch if self.device.type != "cpu" else None
         self.scheduler = UnitScheduler(self.blocks, self.root, self.comm, cfg.prefetch,
                                        reshard_after_forward=cfg.stage == 3,
-                                       on_grad=self.grads.on_full_grad)
+                                       on_grad=self.grads.on_full_grad, pool_for=pool_for,
+                                       staging=staging)
         if cfg.activation_checkpointing:
             # a key/value cache filled in forward and again in the recomputation would make the
             # two passes differ (Hugging Face models turn it off for checkpointing the same way)
@@ -230,6 +233,35 @@ class OffloadEngine:
             for fp in unit.flat_params:
                 fp.set_views() if fp.keep_unsharded else fp.set_placeholders()
         return blocks, root
+
+    def _build_gather_pools(self):
+        """Device slots for gathered units, sized now (see [Note: gather pool]); returns
+        ``f(unit) -> GatherPool | None`` for the scheduler, or None when nothing is gathered.
+
+        Blocks share ``prefetch + 1`` slots of the largest block (one slot when shards live on
+        NVMe: the units ahead are read into host buffers, not gathered); the root unit, gathered
+        from the start of forward to the end of backward, has a slot of its own size."""
+        if self._keeps_full_params():
+            return None
+        if not storage_rebinding_supported():
+            log.info("this torch cannot rebind storages: gathered units are allocated per gather")
+            return None
+
+        def unit_bytes(unit):
+            return sum(fp.padded_numel * fp.itemsize for fp in unit.flat_params)
+
+        cfg = self.config
+        block_bytes = max((unit_bytes(u) for u in self.blocks), default=0)
+        count = 1 if cfg.param_tier is Tier.NVME else cfg.prefetch + 1
+        pools = {}
+        if block_bytes:
+            pools["blocks"] = GatherPool("gather", count, block_bytes, self.device, self._acct)
+            self.pools["gather"] = pools["blocks"]
+        if unit_bytes(self.root):
+            pools["root"] = GatherPool("gather_root", 1, unit_bytes(self.root), self.device,
+                                       self._acct)
+            self.pools["gather_root"] = pools["root"]
+        return lambda unit: pools.get("root" if unit.is_root else "blocks")
 
     def _keeps_full_params(self) -> bool:
         """Whether gathered parameters stay allocated: stages 1 and 2 always; stage 3 when one
@@ -404,8 +436,8 @@ class OffloadEngine:
         "live_units": {"current", "peak"}, "pools": {name: {"buffers", "buffer_bytes",
         "capacity_bytes", ...}}}``; ``"nvme"`` also has ``"read_bytes"`` and ``"written_bytes"``
         (cumulative bytes moved through the swapper). ``"pools"`` lists the fixed buffers sized
-        at start-up (parameter-shard read-ahead, the NVMe optimizer pipeline, the reduce-scatter
-        scratch). Units: bytes.
+        at start-up (the device gather pool for unsharded units, parameter-shard read-ahead, the NVMe
+        optimizer pipeline, the reduce-scatter scratch). Units: bytes.
         """
         rep = self._acct.report()
         rep["nvme"]["read_bytes"] = getattr(self.store, "read_bytes", 0)

@@ -23,10 +23,11 @@ Frozen parameters (``requires_grad=False``) cost only their compute-dtype copy.
 
 [Note: engine extras]
 Besides model states this engine holds, at the peak of a step:
-- stage 3: the gathered units, up to ``prefetch + 1`` of the largest blocks plus the root unit,
-  each ``padded_numel * K`` bytes on the device (parameters); with parameters on NVMe the units
-  ahead are read into host buffers instead, so one block plus the root; with one rank and the
-  shards on the device nothing is gathered (the shard is the whole parameter);
+- stage 3: the gather pool (device buffers, fixed at start-up): ``prefetch + 1`` slots the size
+  of the largest block unit (its flat parameters' ``padded_numel * K`` bytes) plus one slot the
+  size of the root unit; with parameters on NVMe the units ahead are read into host buffers
+  instead, so one block slot plus the root's; with one rank and the shards on the device
+  nothing is gathered (the shard is the whole parameter);
 - stages 2 and 3: one unit's full gradient in flight before it is reduce-scattered (the largest
   trainable flat parameter, ``padded_numel * K`` bytes, device gradients);
 - (stage 1 needs no gradient buffer beyond the full gradients: without offload it reduces in
@@ -402,10 +403,11 @@ def _extras(layout, stage, offload, n, k, padded, prefetch, accelerator, offload
             grad_full.append(k * shard * n)
     if stage == 3 and not (n == 1 and offload_param == "none"):
         # (one rank with its shards on the device keeps them as the parameters: nothing gathered)
-        blocks = sorted((b for u, b in full.items() if u != -1), reverse=True)
+        # the gather pool: slots of the largest block, and one of the root's size
+        largest = max((b for u, b in full.items() if u != -1), default=0)
         # NVMe-resident shards are read ahead, not gathered ahead: one block on the device
         gathered = 1 if offload_param == "nvme" else prefetch + 1
-        out["device"]["parameters"] += sum(blocks[:gathered]) + full.get(-1, 0)
+        out["device"]["buffers"] += gathered * largest + full.get(-1, 0)
     if stage >= 2 and grad_full:
         out["device"]["gradients"] += max(grad_full)
     if n > 1 and shards:  # the reduce-scatter scratch shard, sized at start-up

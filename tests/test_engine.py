@@ -716,3 +716,110 @@ def test_unknown_keyword_and_stale_swap_files_are_named(tmp_path):
     (stale / "unit0.trainable.param.swp").write_bytes(b"")
     with pytest.raises(ValueError, match=r"earlier run was killed.*delete"):
         OffloadEngine(TinyLM(), offload="nvme", path=str(tmp_path))
+
+
+# -- the gather pool ------------------------------------------------------------------------------
+def _slot_of(eng, ptr):
+    """(pool name, slot index) of a device address inside a gather pool, or None."""
+    for name in ("gather", "gather_root"):
+        pool = eng.pools.get(name)
+        for i, slot in enumerate(pool._slots if pool else []):
+            if slot.data_ptr() <= ptr < slot.data_ptr() + pool.slot_bytes:
+                return name, i
+    return None
+
+
+@pytest.mark.parametrize("offload_param", ["cpu", "nvme"])
+def test_gathered_units_live_in_the_fixed_gather_pool(offload_param, tmp_path):
+    """Every gathered parameter the modules see, in forward and backward, lies in the pool's
+    slots sized at start-up; a unit may come back in another slot for backward and autograd's
+    saved views still see its values (the numbers match plain AdamW)."""
+    torch.manual_seed(0)
+    model = TinyLM(n_blocks=8)
+    seen = {"forward": {}, "backward": {}, "root": []}
+
+    def on_engine(eng):
+        def record(phase, i, ptr):
+            seen[phase].setdefault(i, []).append(_slot_of(eng, ptr))
+
+        def pre(mod, args, i):
+            record("forward", i, mod.up.weight.data_ptr())
+
+        def post(mod, args, out, i):
+            out.register_hook(lambda g: record("backward", i, mod.up.weight.data_ptr()))
+
+        for i, b in enumerate(model.blocks):
+            b.register_forward_pre_hook(lambda mod, args, i=i: pre(mod, args, i))
+            b.register_forward_hook(lambda mod, args, out, i=i: post(mod, args, out, i))
+        model.head.register_forward_pre_hook(
+            lambda mod, args: seen["root"].append(_slot_of(eng, mod.weight.data_ptr())))
+
+    kw = {"stage": 3, "offload_param": offload_param, "path": str(tmp_path)}
+    eng, ref = _train_both(model, kw, tmp_path, "cpu", steps=4, on_engine=on_engine)
+    with eng:
+        assert max_param_diff(eng.full_state_dict(), ref) <= 1e-6
+        rep = eng.memory_report()
+        pools = rep["pools"]
+        slots = 1 if offload_param == "nvme" else 2  # prefetch + 1, one for NVMe-resident shards
+        block_bytes = max(sum(fp.padded_numel * 4 for fp in u.flat_params) for u in eng.blocks)
+        assert pools["gather"]["buffers"] == slots and pools["gather"]["grown"] == 0
+        assert pools["gather"]["buffer_bytes"] == block_bytes
+        assert pools["gather"]["in_use"] == 0 and pools["gather"]["peak_in_use"] == slots
+        assert pools["gather_root"]["buffers"] == 1
+        assert rep["device"]["by_kind"]["buffers"]["peak_bytes"] == (
+            slots * block_bytes + pools["gather_root"]["buffer_bytes"])
+        assert rep["device"]["by_kind"]["parameters"]["peak_bytes"] == 0  # nothing else gathered
+    every = [s for phase in ("forward", "backward") for v in seen[phase].values() for s in v]
+    assert len(every) == 2 * 8 * 4 and all(s is not None and s[0] == "gather" for s in every)
+    assert len(seen["root"]) == 4 and all(s == ("gather_root", 0) for s in seen["root"])
+    if slots > 1:
+        moved = [i for i in range(8) if seen["forward"][i] != seen["backward"][i]]
+        assert moved, seen
+
+
+def test_gather_pool_grows_once_when_a_schedule_holds_more_units(tmp_path, caplog):
+    """Blocks that share a weight gather each other (deps): more units at once than the pool was
+    sized for. It adds slots with a warning during the first step, the numbers stay right, and
+    later steps allocate nothing more."""
+    torch.manual_seed(3)
+    model = TinyLM(n_blocks=6)
+    for i in (2, 4):
+        model.blocks[i].up.weight = model.blocks[i - 2].up.weight  # tied across blocks
+    engines, grown = [], []
+
+    def before_step(i, model, ref):
+        if i:
+            grown.append(engines[0].memory_report()["pools"]["gather"]["grown"])
+
+    kw = {"stage": 3, "offload_param": "cpu"}
+    with caplog.at_level("WARNING", logger="offload_zero.memory.pool"):
+        eng, ref = _train_both(model, kw, tmp_path, "cpu", steps=4, before_step=before_step,
+                               on_engine=engines.append)
+    with eng:
+        assert max_param_diff(eng.full_state_dict(), ref) <= 1e-6
+        pool = eng.memory_report()["pools"]["gather"]
+        assert pool["grown"] >= 1 and pool["buffers"] == 2 + pool["grown"]
+        assert grown == [pool["grown"]] * 3  # grown during the first step only
+    assert any("gather pool 'gather'" in r.getMessage() and "adding one slot" in r.getMessage()
+               for r in caplog.records)
+
+
+def test_views_of_a_gathered_unit_keep_their_values_after_close():
+    """An error inside a unit's forward leaves it gathered; closing the engine gives the pool
+    back but copies the unit's values out first, so views still referenced stay readable."""
+    torch.manual_seed(0)
+    model = TinyLM()
+    held = []
+
+    def boom(mod, args):
+        held.append(mod.up.weight)
+        raise KeyError("stop")
+
+    eng = OffloadEngine(model, stage=3, offload="cpu", offload_param="cpu")
+    expected = eng.full_state_dict()["blocks.2.up.weight"].clone()
+    model.blocks[2].register_forward_pre_hook(boom)
+    with pytest.raises(KeyError):
+        eng(batches(1)[0][0])
+    assert eng.pools["gather"].in_use >= 1
+    eng.close()
+    assert torch.equal(held[0].float(), expected)

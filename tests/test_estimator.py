@@ -111,16 +111,18 @@ def test_table_has_every_stage_and_offload():
     assert set(d["selected"]["model_states"]) == set(TIERS)
 
 
-def test_extras_for_stage_3_are_the_gathered_units():
+def test_extras_for_stage_3_are_the_gather_pool():
     # 10 blocks of 1000 elements and a root of 500, bf16, N = 2
     est = estimate_memory(10_500, world_size=2, largest_unit_numel=1000, root_numel=500, stage=3,
                           prefetch=2)
     assert est.model_states["device"]["parameters"] == 2 * 10_500 / 2
-    assert est.extras["device"]["parameters"] == 2 * (3 * 1000 + 500)
+    assert est.extras["device"]["parameters"] == 0
+    # gather pool: prefetch + 1 block slots and a root slot; plus the reduce-scatter scratch shard
+    assert est.extras["device"]["buffers"] == 2 * (3 * 1000 + 500) + 2 * 1000 / 2
     assert est.extras["device"]["gradients"] == 2 * 1000  # one unit's gradient in flight
     # one rank with its shards on the device gathers nothing: the shard is the parameter
     one = estimate_memory(10_500, largest_unit_numel=1000, root_numel=500, stage=3, prefetch=2)
-    assert one.extras["device"]["parameters"] == 0
+    assert one.extras["device"]["parameters"] == one.extras["device"]["buffers"] == 0
     # stage 1: nothing gathered, no gradient in flight; only the reduce-scatter scratch shard
     assert est.placement(1, "none").tier_bytes("device", model_states=False) == 2 * 1000 / 2
 

@@ -9,9 +9,11 @@ owns elements ``[r * shard_numel, (r + 1) * shard_numel)``.
 
 [Note: unsharded storage]
 The gathered buffer ``full`` is a leaf tensor (``requires_grad`` for trainable groups) whose
-storage is resized to 0 bytes when resharded and back to ``padded_numel`` elements when
-unsharded. Autograd saves views of ``full`` in forward; because the storage object is the same,
-the saved views see the re-gathered values in backward. Data is written through ``_full_alias``,
+storage holds 0 bytes when resharded and ``padded_numel`` elements when unsharded: memory
+borrowed from the gather pool (see [Note: gather pool] in :mod:`offload_zero.memory.pool`), or
+allocated by resizing the storage when there is no pool. Autograd saves views of ``full`` in
+forward; because the storage object is the same, the saved views see the re-gathered values in
+backward. Data is written through ``_full_alias``,
 a tensor that shares the storage but not the version counter, so refilling it is invisible to
 autograd's in-place checks. Module attributes point at views of ``full`` while the unit is
 unsharded, and at zero-element placeholders that raise a clear error when used otherwise.
@@ -28,6 +30,7 @@ import torch.nn as nn
 
 from offload_zero.config import Tier
 from offload_zero.memory.accounting import StateKind, TierAccountant
+from offload_zero.memory.pool import bind_storage, unbind_storage
 
 ALIGN_BYTES = 4096
 
@@ -133,6 +136,7 @@ class FlatParam:
         self.shard_numel = shard_numel_for(self.numel, world_size, dtype)
         self.padded_numel = self.shard_numel * world_size
         self.itemsize = torch.empty(0, dtype=dtype).element_size()
+        self._bound = False  # full's storage borrows gather-pool memory
 
         self.full = torch.zeros(self.padded_numel, dtype=dtype, device=device)
         self._full_alias = torch.empty(0, dtype=dtype, device=device).set_(
@@ -158,31 +162,57 @@ class FlatParam:
             self.state = ShardedState.SHARDED
 
     # -- state transitions (the only places ``state`` changes) ---------------------------------
-    def to_unsharded(self, comm) -> None:
-        """SHARDED -> UNSHARDED: allocate ``full`` and all-gather every rank's shard into it."""
+    def to_unsharded(self, comm, memory: Optional[torch.Tensor] = None,
+                     staging: Optional[torch.Tensor] = None) -> None:
+        """SHARDED -> UNSHARDED: give ``full`` storage and all-gather every rank's shard into it.
+
+        Args:
+            comm: the data-parallel :class:`offload_zero.comm.Comm`.
+            memory: uint8 device memory of ``padded_numel * itemsize`` bytes from the gather pool
+                to bind ``full``'s storage to (see [Note: gather pool]); None allocates it.
+            staging: a device buffer of at least ``shard_numel`` elements in the compute dtype
+                that a host shard is copied into before a multi-rank all-gather (None allocates).
+        """
         if self.state is ShardedState.UNSHARDED:
             return
         shard = self.sharded if self.home is None else self.home.shard_for_gather(self)
-        self.full.untyped_storage().resize_(self.padded_numel * self.itemsize)
-        self._acct.add(Tier.DEVICE, StateKind.PARAMS, self.padded_numel * self.itemsize)
-        with torch.no_grad():
+        nbytes = self.padded_numel * self.itemsize
+        if memory is not None:
+            bind_storage(self.full.untyped_storage(), memory[:nbytes])
+            self._bound = True
+        else:
+            self.full.untyped_storage().resize_(nbytes)
+            self._acct.add(Tier.DEVICE, StateKind.PARAMS, nbytes)
+        if shard.device != self.device and self.world_size > 1:
             # a blocking copy: a host shard's buffer goes back to its pool right after
-            comm.all_gather_into(self._full_alias, shard.to(self.device))
+            if staging is not None and staging.numel() >= self.shard_numel:
+                shard = staging[:self.shard_numel].copy_(shard)
+            else:
+                shard = shard.to(self.device)
+        with torch.no_grad():
+            comm.all_gather_into(self._full_alias, shard)
         if self.home is not None:
             self.home.done_with(self)
         self.state = ShardedState.UNSHARDED
 
     def to_sharded(self) -> None:
-        """UNSHARDED -> SHARDED: release ``full``'s storage and point modules at placeholders.
-
-        A no-op for flat parameters that are never freed (stages 1 and 2).
-        """
+        """UNSHARDED -> SHARDED: release ``full``'s storage (or its gather-pool memory) and
+        point modules at placeholders. A no-op for flat parameters that are never freed
+        (stages 1 and 2)."""
         if self.state is ShardedState.SHARDED or self.keep_unsharded:
             return
-        self.full.untyped_storage().resize_(0)
-        self._acct.sub(Tier.DEVICE, StateKind.PARAMS, self.padded_numel * self.itemsize)
+        self._drop_full()
         self.state = ShardedState.SHARDED
         self.set_placeholders()
+
+    def _drop_full(self, keep_values: bool = False) -> None:
+        if self._bound:
+            unbind_storage(self.full.untyped_storage(), keep_values=keep_values)
+            self._bound = False
+        else:
+            if not keep_values:
+                self.full.untyped_storage().resize_(0)
+            self._acct.sub(Tier.DEVICE, StateKind.PARAMS, self.padded_numel * self.itemsize)
 
     # -- module attributes -------------------------------------------------------------------
     def set_views(self) -> None:
@@ -224,7 +254,9 @@ class FlatParam:
         The storage is released by reference counting rather than resized to 0 bytes, so views
         still held elsewhere (a traceback's frames, say) stay readable instead of dangling.
         """
-        if self.state is ShardedState.UNSHARDED:
+        if self.state is ShardedState.UNSHARDED and not self.keep_unsharded:
+            self._drop_full(keep_values=True)  # views held elsewhere keep their values
+        elif self.state is ShardedState.UNSHARDED:
             self._acct.sub(Tier.DEVICE, StateKind.PARAMS, self.padded_numel * self.itemsize)
         if self.home is not None:
             self.home.release(self)

@@ -32,17 +32,24 @@ class UnitScheduler:
         prefetch: units gathered ahead of use (>= 0).
         reshard_after_forward: True at stage 3 (free parameters after each unit's forward).
         on_grad: ``f(flat_param)`` called once a flat parameter's gradient is accumulated.
+        pool_for: ``f(unit) -> GatherPool | None``: where a unit's gathered parameters live
+            (see [Note: gather pool]); None allocates them per gather.
+        staging: device buffer a host shard is copied into before a multi-rank all-gather.
 
     Attributes:
         live_peak: the most units gathered at once since construction.
     """
 
     def __init__(self, blocks: List[Unit], root: Unit, comm, prefetch: int,
-                 reshard_after_forward: bool, on_grad: Callable):
+                 reshard_after_forward: bool, on_grad: Callable,
+                 pool_for: Optional[Callable] = None, staging: Optional[torch.Tensor] = None):
         self.blocks, self.root, self.comm = blocks, root, comm
         self.prefetch = prefetch
         self.reshard_after_forward = reshard_after_forward
         self._on_grad = on_grad
+        self._pool_for = pool_for or (lambda unit: None)
+        self._staging = staging
+        self._slots = {}                     # unit -> (pool, slot id)
         self.live_peak = 0
         self.order: List[Unit] = []          # recorded forward order of block units
         self._recording: Optional[List[Unit]] = None
@@ -69,8 +76,17 @@ class UnitScheduler:
         """Gather ``unit``'s flat parameters (no-op if gathered)."""
         if unit.state is UnitState.UNSHARDED:
             return
+        pool = self._pool_for(unit)
+        memory = None
+        if pool is not None and unit.flat_params:
+            slot, memory = pool.acquire()
+            self._slots[unit] = (pool, slot)
+        offset = 0
         for fp in unit.flat_params:
-            fp.to_unsharded(self.comm)
+            nbytes = fp.padded_numel * fp.itemsize
+            part = None if memory is None else memory[offset:offset + nbytes]
+            fp.to_unsharded(self.comm, memory=part, staging=self._staging)
+            offset += nbytes
         unit.state = UnitState.UNSHARDED
         self.live_peak = max(self.live_peak, self.live_units())
 
@@ -80,6 +96,9 @@ class UnitScheduler:
             return
         for fp in unit.flat_params:
             fp.to_sharded()
+        if unit in self._slots:
+            pool, slot = self._slots.pop(unit)
+            pool.release(slot)
         unit.state = UnitState.SHARDED
         self.live_peak = max(self.live_peak, self.live_units())
 
