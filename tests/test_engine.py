@@ -823,3 +823,29 @@ def test_views_of_a_gathered_unit_keep_their_values_after_close():
     assert eng.pools["gather"].in_use >= 1
     eng.close()
     assert torch.equal(held[0].float(), expected)
+
+
+def test_blocks_with_frozen_weights_are_freed_during_backward(tmp_path):
+    """Frozen weights (the LayerNorm that runs first, and a Linear) are still used by backward
+    after the block's trainable gradients are accumulated; the block is freed once its inputs'
+    gradients are computed, so backward holds as few blocks as forward and the gather pool never
+    grows. Numbers match plain AdamW."""
+    torch.manual_seed(6)
+    model = TinyLM(n_blocks=8)
+    for b in model.blocks:
+        b.ln.requires_grad_(False)
+        b.up.weight.requires_grad_(False)
+    live = []
+
+    def on_engine(eng):
+        for b in model.blocks:
+            b.register_forward_hook(lambda mod, args, out: out.register_hook(
+                lambda g: live.append(eng.scheduler.live_units())) and None)
+
+    kw = {"stage": 3, "offload_param": "cpu"}
+    eng, ref = _train_both(model, kw, tmp_path, "cpu", steps=3, on_engine=on_engine)
+    with eng:
+        assert max_param_diff(eng.full_state_dict(), ref) <= 1e-6
+        pool = eng.memory_report()["pools"]["gather"]
+        assert pool["grown"] == 0 and pool["peak_in_use"] <= 2
+        assert len(live) == 3 * 8 and max(live) <= 3, live  # two blocks + root

@@ -6,7 +6,9 @@ forward, unit k:  pre-forward hook: unshard k (+ its deps), prefetch the next ``
                   post-forward hook: reshard k (stage 3), hook k's outputs for backward.
 backward, unit k: the first gradient reaching k's outputs unshards k (+ deps) and prefetches the
                   ``prefetch`` units that run before it in forward; once k's flat parameters'
-                  gradients are accumulated they are reduced to shards and k is resharded.
+                  gradients are accumulated they are reduced to shards and k is resharded (a
+                  unit with frozen weights waits also for its inputs' gradients: until then
+                  backward may still use those weights).
 end of backward:  a callback queued on the autograd engine reshards whatever is still gathered.
 The root unit (everything outside the blocks) is gathered for the whole forward and from the
 first gradient of backward to its end. The forward order is recorded on the first training
@@ -18,7 +20,7 @@ from typing import Callable, List, Optional
 
 import torch
 import torch.nn as nn
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from offload_zero.partition.units import Unit, UnitState
 
@@ -56,8 +58,10 @@ class UnitScheduler:
         self._in_backward = False
         self._pending = {}                   # unit -> trainable flat params awaiting gradients
         self._handles = []
+        self._inputs_pending = {}             # unit -> forwards whose input gradients are due
         for unit in blocks:
-            self._handles.append(unit.module.register_forward_pre_hook(self._make_pre_forward(unit)))
+            self._handles.append(unit.module.register_forward_pre_hook(
+                self._make_pre_forward(unit), with_kwargs=True))
             self._handles.append(unit.module.register_forward_hook(self._make_post_forward(unit)))
         self._handles.append(root.module.register_forward_pre_hook(self._root_pre_forward))
         self._handles.append(root.module.register_forward_hook(self._root_post_forward))
@@ -149,13 +153,37 @@ class UnitScheduler:
         self._register_pre_backward(self.root, output)
 
     def _make_pre_forward(self, unit: Unit):
-        def hook(module, args):
+        has_frozen = any(not fp.requires_grad for fp in unit.flat_params)
+
+        def hook(module, args, kwargs):
             if self._recording is not None and unit not in self._recording:
                 self._recording.append(unit)
             self._activate(unit)
-            if not self._in_backward:
-                self._prefetch(unit, +1)
+            if self._in_backward:
+                return None
+            self._prefetch(unit, +1)
+            if has_frozen and self.reshard_after_forward and torch.is_grad_enabled():
+                return self._signal_input_grads(unit, args, kwargs)
+            return None
         return hook
+
+    def _signal_input_grads(self, unit: Unit, args, kwargs):
+        """Route ``unit``'s inputs that require grad through :class:`_InputGrads`, whose backward
+        runs once their gradients are computed: the unit's frozen weights are needed until then
+        (no gradient accumulation of theirs says when backward is done with them)."""
+        leaves, spec = tree_flatten((args, kwargs))
+        idx = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not idx:
+            return None
+        self._inputs_pending[unit] = self._inputs_pending.get(unit, 0) + 1
+        outs = _InputGrads.apply(lambda: self._input_grads_done(unit), *[leaves[i] for i in idx])
+        for i, t in zip(idx, outs):
+            leaves[i] = t
+        return tree_unflatten(leaves, spec)
+
+    def _input_grads_done(self, unit: Unit) -> None:
+        self._inputs_pending[unit] -= 1
+        self._maybe_reshard_after_backward(unit)
 
     def _make_post_forward(self, unit: Unit):
         def hook(module, args, output):
@@ -195,18 +223,24 @@ class UnitScheduler:
             self._on_grad(fp)
             if unit.is_root or not self.reshard_after_forward:
                 return
-            if any(not f.requires_grad for f in unit.flat_params):
-                return  # frozen weights may still be needed later in this backward
-            done = self._pending.setdefault(unit, set())
-            done.add(fp)
-            if len(done) == sum(f.requires_grad for f in unit.flat_params):
-                self._pending.pop(unit, None)
-                self.reshard(unit)
+            self._pending.setdefault(unit, set()).add(fp)
+            self._maybe_reshard_after_backward(unit)
         return hook
+
+    def _maybe_reshard_after_backward(self, unit: Unit) -> None:
+        """Reshard ``unit`` once backward is done with it: every trainable flat parameter's
+        gradient accumulated and, with frozen weights, the gradients of its inputs computed."""
+        trainable = sum(f.requires_grad for f in unit.flat_params)
+        if len(self._pending.get(unit, ())) < trainable or self._inputs_pending.get(unit, 0) > 0:
+            return
+        self._pending.pop(unit, None)
+        self._inputs_pending.pop(unit, None)
+        self.reshard(unit)
 
     def _end_of_backward(self) -> None:
         self._in_backward = False
         self._pending.clear()
+        self._inputs_pending.clear()
         if self.reshard_after_forward:
             self.reshard_all()
 
@@ -215,3 +249,18 @@ class UnitScheduler:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+
+
+class _InputGrads(torch.autograd.Function):
+    """Identity on a unit's inputs whose backward calls ``callback`` once their gradients are
+    computed, i.e. once backward has passed through the whole unit."""
+
+    @staticmethod
+    def forward(ctx, callback, *tensors):
+        ctx.callback = callback
+        return tensors
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.callback()
+        return (None,) + grads
