@@ -316,6 +316,7 @@ class OffloadEngine:
         """
         self._check_open()
         cfg = self.config
+        self.scheduler.reshard_all()  # a training forward without backward leaves the root gathered
         if cfg.stage == 1:
             self.grads.reduce_all_full(self.trainable)
         coef = 1.0

@@ -10,8 +10,8 @@ backward, unit k: the first gradient reaching k's outputs unshards k (+ deps) an
                   unit with frozen weights waits also for its inputs' gradients: until then
                   backward may still use those weights).
 end of backward:  a callback queued on the autograd engine reshards whatever is still gathered.
-The root unit (everything outside the blocks) is gathered for the whole forward and from the
-first gradient of backward to its end. The forward order is recorded on the first training
+The root unit (everything outside the blocks) is gathered from the start of a training forward
+to the end of its backward (an evaluation forward frees it at its end). The forward order is recorded on the first training
 forward and replayed for prefetch; it is re-recorded if a later forward runs another order.
 """
 from __future__ import annotations
@@ -149,7 +149,12 @@ class UnitScheduler:
                 self.order = self._recording
             self._recording = None
         if self.reshard_after_forward:
-            self.reshard_all()
+            # A training forward keeps the root gathered for the backward that follows: it is
+            # the first unit backward needs, its pool slot is its own, so keeping it costs no
+            # memory and saves gathering it again (an NVMe read or a collective).
+            keep_root = torch.is_grad_enabled() and module.training
+            for u in self.blocks + ([] if keep_root else [self.root]):
+                self.reshard(u)
         self._register_pre_backward(self.root, output)
 
     def _make_pre_forward(self, unit: Unit):
