@@ -137,20 +137,27 @@ class OffloadEngine:
         if cfg.param_tier is Tier.HOST:
             self.param_home = HostParamHome(self._acct, self._host_alloc)
         elif cfg.param_tier is Tier.NVME:
+            # fp32 shards are their own master weights: read from the optimizer's files and
+            # never written back separately, so no write-back ring either
+            share = cfg.optimizer_tier is Tier.NVME and cfg.dtype == torch.float32
+            ring = 0 if share else NVMeParamHome._WRITE_RING
             # in flight at once: (prefetch + 1) units of at most 2 flat parameters, plus the
-            # write-back ring of the step. An outsized root unit (embeddings) gets its own two
-            # buffers, so the main pool's buffers are block-sized.
-            count = 2 * (cfg.prefetch + 2) + NVMeParamHome._WRITE_RING
+            # write-back ring of the step. An outsized root unit (embeddings) gets a buffer of
+            # its own, so the main pool's buffers are block-sized: its flat parameters are read
+            # one after the other, and the step's write of its update is waited for before the
+            # next forward reads it.
+            count = 2 * (cfg.prefetch + 2) + ring
             main = HostBufferPool("param_shards", count, max(block_shard, 1), cfg.dtype,
                                   self._host_alloc, self._acct)
             self.pools["param_shards"] = main
             pool_for = lambda fp: main  # noqa: E731
             if root_shard > block_shard:
-                root = HostBufferPool("param_shards_root", 2, root_shard, cfg.dtype,
+                root = HostBufferPool("param_shards_root", 1, root_shard, cfg.dtype,
                                       self._host_alloc, self._acct)
                 self.pools["param_shards_root"] = root
                 pool_for = lambda fp: root if fp.name.startswith("root.") else main  # noqa: E731
-            self.param_home = NVMeParamHome(self.swapper, pool_for, self._acct)
+            self.param_home = NVMeParamHome(self.swapper, pool_for, self._acct,
+                                            master_is_param=share)
         self.store = self._build_store(plan)
         self.blocks, self.root = self._build_units(*plan)
         self.units: List[Unit] = self.blocks + [self.root]
@@ -278,7 +285,9 @@ class OffloadEngine:
             return HostStore(self._acct, self._host_alloc)
         sizes = [shard_numel_for(sum(p.numel() for p, _ in members), self.world_size, self.config.dtype)
                  for _, trainable, members in plan[2] if trainable]
-        return NVMeStore(self.swapper, self._acct, self._host_alloc, max(sizes, default=1024))
+        share = self.config.param_tier is Tier.NVME and self.config.dtype == torch.float32
+        return NVMeStore(self.swapper, self._acct, self._host_alloc, max(sizes, default=1024),
+                         master_is_param=share)
 
     # -- training loop -----------------------------------------------------------------------
     def __call__(self, *args, **kwargs):

@@ -17,8 +17,9 @@ moments (12Ψ/N) and the reduced gradient shards (fp32: 4Ψ/N) in host memory (Z
 ``"nvme"`` puts master weights and moments in NVMe files and keeps the gradient shards in host
 memory (ZeRO-Infinity); at stage 3 it puts the compute-dtype parameter shards (KΨ/N) in NVMe
 files too. At stages 0 and 1 the full gradient (KΨ) stays on the device until the
-step whatever the offload. With fp32 compute and no offload the master weights are the parameter
-shard itself (this engine keeps no second copy), so they cost 0 bytes.
+step whatever the offload. With fp32 compute the master weights are the parameter shard itself
+when both sit on the device (no offload) or both in NVMe files (``"nvme"`` at stage 3: the
+parameter shard is read from the master's bytes), so they cost 0 bytes beyond the parameters.
 Frozen parameters (``requires_grad=False``) cost only their compute-dtype copy.
 
 [Note: engine extras]
@@ -35,7 +36,9 @@ Besides model states this engine holds, at the peak of a step:
 - ``"nvme"``: three pipeline host buffer sets of ``3 * min(largest shard_numel, chunk) * 4``
   bytes each (read k+1 | update k | write k-1; chunks of ``NVMeStore.CHUNK_NUMEL`` elements); at stage 3 also the pool of parameter-shard buffers,
   ``2 * (prefetch + 2) + 2`` buffers of ``largest shard_numel * K`` bytes (reads ahead of use and
-  the step's write-back ring);
+  the step's write-back ring; no ring at fp32 with the optimizer state on NVMe too, where the
+  shard is the master and the update writes it once), and for an outsized root unit one buffer
+  of its own;
 - with an accelerator and any offload: one host staging buffer of ``largest shard_numel * K``;
 - with N > 1: one reduce-scatter scratch shard on the device, ``largest shard_numel * K``.
 Activations, the allocator's fragmentation and the framework's own workspace are not counted.
@@ -376,7 +379,8 @@ def _model_states(layout, stage, offload, n, k, padded, offload_param=None) -> D
             out["host"]["gradients"] += 4 * opt   # fp32 reduced gradient shards
         elif stage >= 2:
             dev["gradients"] += k * shard
-        aliased = offload == "none" and k == 4    # fp32 master is the parameter shard itself
+        # fp32 master is the parameter shard itself: on the device, or the same NVMe bytes
+        aliased = k == 4 and (offload == "none" or (offload == "nvme" and param_tier == "nvme"))
         out[opt_tier]["master_weights"] += 0 if aliased else 4 * opt
         out[opt_tier]["moments"] += 8 * opt
     return out
@@ -421,9 +425,11 @@ def _extras(layout, stage, offload, n, k, padded, prefetch, accelerator, offload
     if stage == 3 and offload_param == "nvme" and all_shards:
         block_shard = max([sh for sh, u in zip(all_shards, units_of) if u != -1], default=0)
         root_shard = max([sh for sh, u in zip(all_shards, units_of) if u == -1], default=0)
-        out["host"]["buffers"] += (2 * (prefetch + 2) + 2) * max(block_shard, 1) * k
+        # an fp32 shard on NVMe beside its optimizer state is its master: no write-back ring
+        ring = 0 if (k == 4 and offload == "nvme") else 2
+        out["host"]["buffers"] += (2 * (prefetch + 2) + ring) * max(block_shard, 1) * k
         if root_shard > block_shard:
-            out["host"]["buffers"] += 2 * root_shard * k
+            out["host"]["buffers"] += root_shard * k
     if offload != "none" and offload_param == "none" and accelerator and shards:
         out["host"]["buffers"] += biggest * k
     return out

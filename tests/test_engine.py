@@ -135,16 +135,19 @@ def test_one_rank_with_device_shards_gathers_nothing(stage):
         assert all(fp.sharded.data_ptr() == fp.full_values().data_ptr() for fp in eng.flat_params)
 
 
-def test_nvme_swap_files(tmp_path):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_nvme_swap_files(dtype, tmp_path):
     model = TinyLM()
-    eng = OffloadEngine(model, offload="nvme", path=str(tmp_path))
+    eng = OffloadEngine(model, offload="nvme", path=str(tmp_path), dtype=dtype)
     folder = tmp_path / "rank0"
     for x, y in batches(2):
         eng.backward(lm_loss(eng(x), y))
         eng.step()
     files = sorted(folder.iterdir())
-    # per flat parameter: [master | exp_avg | exp_avg_sq] and, at stage 3, the parameter shard
-    assert len(files) == 2 * len(eng.trainable) == 14
+    # per flat parameter: [master | exp_avg | exp_avg_sq] and, at stage 3, the parameter shard,
+    # which in fp32 is the master's own bytes (no file of its own, never written separately)
+    k = 4 if dtype == torch.float32 else 2
+    assert len(files) == (1 if k == 4 else 2) * len(eng.trainable)
     for f in files:
         st = f.stat()
         assert stat.S_IMODE(st.st_mode) == 0o600
@@ -152,14 +155,15 @@ def test_nvme_swap_files(tmp_path):
     total = sum(f.stat().st_size for f in files)
     s = sum(fp.shard_numel for fp in eng.trainable)
     rep = eng.memory_report()
-    assert rep["nvme"]["current_bytes"] == total == (12 + 4) * s
-    assert rep["nvme"]["by_kind"]["parameters"]["current_bytes"] == 4 * s
+    assert rep["nvme"]["current_bytes"] == total == 12 * s + (0 if k == 4 else k * s)
+    assert rep["nvme"]["by_kind"]["parameters"]["current_bytes"] == k * s
+    assert rep["nvme"]["by_kind"]["master_weights"]["current_bytes"] == (0 if k == 4 else 4 * s)
     # two steps: optimizer state read twice and written three times (with the initial write);
     # block shards read in forward and backward of each step, the root's once (it stays
-    # gathered from forward to backward)
+    # gathered from forward to backward); bf16 shards written once at start and after each step
     s_root = sum(fp.shard_numel for fp in eng.root.flat_params)
-    assert rep["nvme"]["read_bytes"] == 2 * 12 * s + 2 * (2 * 4 * (s - s_root) + 4 * s_root)
-    assert rep["nvme"]["written_bytes"] >= 3 * 12 * s
+    assert rep["nvme"]["read_bytes"] == 2 * 12 * s + 2 * (2 * k * (s - s_root) + k * s_root)
+    assert rep["nvme"]["written_bytes"] == 3 * 12 * s + (0 if k == 4 else 3 * k * s)
     eng.close()
     assert not folder.exists()
     assert list(tmp_path.iterdir()) == []
@@ -189,8 +193,9 @@ def test_memory_report_matches_numel_arithmetic(offload, tmp_path):
         assert kinds[param_tier]["parameters"] == 4 * s  # fp32 shards at rest, nothing gathered
         tier = {"none": "device", "cpu": "host", "nvme": "nvme"}[offload]
         assert kinds[tier]["moments"] == 8 * s
-        # fp32 compute with master on the device: the shard is the master (no second copy)
-        assert kinds[tier]["master_weights"] == (0 if offload == "none" else 4 * s)
+        # fp32 compute with master and shard on one tier (device, or NVMe at stage 3): the
+        # shard is the master (no second copy)
+        assert kinds[tier]["master_weights"] == (4 * s if offload == "cpu" else 0)
         grad_tier = "device" if offload == "none" else "host"
         # with the host as the device, one rank adopts the reduced gradient as its host shard
         # (no copy): the shard bytes exist from backward to step
@@ -277,8 +282,10 @@ def test_frozen_parameters_stay_sharded_and_unchanged(tmp_path):
         assert all(fp.requires_grad for fp in eng.trainable)
         frozen_fps = [fp for fp in eng.flat_params if not fp.requires_grad]
         assert len(frozen_fps) == 4  # three blocks + root
+        # optimizer state for the trainable shards (fp32: a trainable shard is its master's
+        # bytes), the frozen shards in files of their own
         assert eng.memory_report()["nvme"]["current_bytes"] == 12 * sum(
-            fp.shard_numel for fp in eng.trainable) + 4 * sum(fp.shard_numel for fp in eng.flat_params)
+            fp.shard_numel for fp in eng.trainable) + 4 * sum(fp.shard_numel for fp in frozen_fps)
 
 
 def test_buffers_are_not_sharded_and_eval_between_steps():
@@ -695,19 +702,26 @@ def test_nvme_optimizer_pipeline_in_chunks(tmp_path, monkeypatch):
     assert all(torch.equal(results[0][k], results[1][k]) for k in results[0])
 
 
-def test_parameter_pool_is_block_sized_with_a_separate_root_pool(tmp_path):
-    with OffloadEngine(TinyLM(), offload="nvme", path=str(tmp_path)) as eng:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_parameter_pool_is_block_sized_with_a_separate_root_pool(dtype, tmp_path):
+    """Reads ahead for (prefetch + 2) units of two flat parameters, plus a write-back ring of two
+    where the shard is not its master (bf16); the root's buffer apart (its read and its
+    write-back never overlap: the step's writes are done before the next forward reads)."""
+    k, ring = (4, 0) if dtype == torch.float32 else (2, 2)
+    with OffloadEngine(TinyLM(), offload="nvme", path=str(tmp_path), dtype=dtype) as eng:
         blocks = [fp for u in eng.blocks for fp in u.flat_params]
         roots = eng.root.flat_params
         pools = eng.memory_report()["pools"]
-        assert pools["param_shards"]["buffer_bytes"] == 4 * max(fp.shard_numel for fp in blocks)
-        assert pools["param_shards_root"]["buffers"] == 2
-        assert pools["param_shards_root"]["buffer_bytes"] == 4 * max(fp.shard_numel for fp in roots)
-        x, y = batches(1)[0]
-        eng.backward(lm_loss(eng(x), y))
-        eng.step()
+        assert pools["param_shards"]["buffer_bytes"] == k * max(fp.shard_numel for fp in blocks)
+        assert pools["param_shards"]["buffers"] == 2 * (1 + 2) + ring
+        assert pools["param_shards_root"]["buffers"] == 1
+        assert pools["param_shards_root"]["buffer_bytes"] == k * max(fp.shard_numel for fp in roots)
+        for x, y in batches(2):
+            eng.backward(lm_loss(eng(x), y))
+            eng.step()
         pools = eng.memory_report()["pools"]
-        assert pools["param_shards_root"]["peak_in_use"] <= 2 and pools["param_shards"]["in_use"] == 0
+        assert pools["param_shards_root"]["peak_in_use"] == 1
+        assert pools["param_shards"]["in_use"] == 0
 
 
 def test_unknown_keyword_and_stale_swap_files_are_named(tmp_path):
@@ -715,7 +729,7 @@ def test_unknown_keyword_and_stale_swap_files_are_named(tmp_path):
         OffloadEngine(TinyLM(), foo=1)
     stale = tmp_path / "rank0"
     stale.mkdir()
-    (stale / "unit0.trainable.param.swp").write_bytes(b"")
+    (stale / "unit0.trainable.swp").write_bytes(b"")
     with pytest.raises(ValueError, match=r"earlier run was killed.*delete"):
         OffloadEngine(TinyLM(), offload="nvme", path=str(tmp_path))
 

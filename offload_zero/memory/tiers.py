@@ -107,6 +107,9 @@ class NVMeStore:
         max_shard_numel: the largest shard_numel of any flat parameter (sizes the buffers).
         chunk_numel: elements streamed per pipeline stage (multiple of 1024; default
             ``CHUNK_NUMEL``): buffers hold ``3 * 3 * min(max_shard_numel, chunk_numel) * 4`` bytes.
+        master_is_param: the fp32 parameter shards are read from the master region (file
+            ``fp.name``, offset 0, ``4 * shard_numel`` bytes; see :class:`NVMeParamHome`); the
+            master's NVMe bytes are then accounted as parameters.
 
     Raises:
         offload_zero.memory.swapper.SwapIOError: an I/O failed; it names file and offset.
@@ -117,7 +120,8 @@ class NVMeStore:
     CHUNK_NUMEL = 1 << 22  # elements per chunk: 3 sets x 3 x 16 MiB of host buffers at most
 
     def __init__(self, swapper, accountant: TierAccountant, host_alloc, max_shard_numel: int,
-                 chunk_numel: Optional[int] = None):
+                 chunk_numel: Optional[int] = None, master_is_param: bool = False):
+        self._master_is_param = master_is_param
         chunk_numel = chunk_numel or self.CHUNK_NUMEL
         self._acct = accountant
         self.swapper = swapper
@@ -138,7 +142,7 @@ class NVMeStore:
         key = fp.name
         self.swapper.allocate(key, 3 * n * 4)
         self._numel[fp], self._keys[fp] = n, key
-        self._acct.add(Tier.NVME, StateKind.MASTER, 4 * n)
+        self._acct.add(Tier.NVME, StateKind.MASTER, self._master_bytes(n))
         self._acct.add(Tier.NVME, StateKind.MOMENTS, 8 * n)
         c = self._chunk
         for lo in range(0, n, c):
@@ -149,6 +153,11 @@ class NVMeStore:
             views[2].zero_()
             for h in self._io(fp, lo, hi, 0, write=True, key=key, n=n):
                 h.wait()
+
+    def _master_bytes(self, n: int) -> int:
+        # an fp32 parameter shard on NVMe is read from the master region: its bytes are counted
+        # once, as parameters (see NVMeParamHome's master_is_param)
+        return 0 if self._master_is_param else 4 * n
 
     def _views(self, slot: int, c: int):
         b = self._bufs[slot]
@@ -253,7 +262,7 @@ class NVMeStore:
             self.drain()
         finally:
             for fp, n in self._numel.items():
-                self._acct.sub(Tier.NVME, StateKind.MASTER, 4 * n)
+                self._acct.sub(Tier.NVME, StateKind.MASTER, self._master_bytes(n))
                 self._acct.sub(Tier.NVME, StateKind.MOMENTS, 8 * n)
             self._numel.clear()
             self._acct.sub(Tier.HOST, StateKind.BUFFERS, self._buf_bytes)
@@ -331,28 +340,39 @@ class NVMeParamHome:
             function ``fp -> pool`` (a small pool for an outsized root unit, say, so the main
             pool's buffers need not all be root-sized).
         accountant: NVMe ``PARAMS`` bytes are the files' sizes.
+        master_is_param: the compute dtype is fp32 and the optimizer state is on NVMe too: a
+            trainable shard is then the same bytes as its fp32 master weights, so it is read
+            from the master region of the optimizer's file (offset 0 of the file named
+            ``fp.name``; see :class:`NVMeStore`) and never written by this home: the update
+            writes it once, as the master. No second file, no second write per step.
     """
 
     tier = Tier.NVME
     _WRITE_RING = 2
 
-    def __init__(self, swapper, pool, accountant: TierAccountant):
+    def __init__(self, swapper, pool, accountant: TierAccountant, master_is_param: bool = False):
         self.swapper, self._acct = swapper, accountant
         self._pool_for = pool if callable(pool) else (lambda fp: pool)
         self._reads: Dict[object, tuple] = {}
         self._writes: List[tuple] = []
         self._targets: Dict[object, torch.Tensor] = {}
         self._sizes: Dict[object, int] = {}
+        self.master_is_param = master_is_param
+        self._in_master: set = set()
 
     def _key(self, fp) -> str:
-        return f"{fp.name}.param"
+        return fp.name if fp in self._in_master else f"{fp.name}.param"
 
     def adopt(self, fp, device_shard: torch.Tensor):
-        """Write ``fp``'s initial shard to its file; ``fp.sharded`` becomes None."""
+        """Write ``fp``'s initial shard to its file (unless it is its master's bytes, which the
+        optimizer's store writes); ``fp.sharded`` becomes None."""
         nbytes = device_shard.numel() * device_shard.element_size()
-        self.swapper.allocate(self._key(fp), nbytes)
         self._sizes[fp] = nbytes
         self._acct.add(Tier.NVME, StateKind.PARAMS, nbytes)
+        if self.master_is_param and fp.requires_grad and device_shard.dtype == torch.float32:
+            self._in_master.add(fp)
+            return None
+        self.swapper.allocate(self._key(fp), nbytes)
         pool = self._pool_for(fp)
         buf = pool.acquire()
         try:
@@ -385,8 +405,11 @@ class NVMeParamHome:
         handle.wait()
         self._pool_for(fp).release(buf)
 
-    def update_target(self, fp) -> torch.Tensor:
-        """A pool buffer the optimizer writes ``fp``'s new shard into (see :meth:`commit`)."""
+    def update_target(self, fp) -> Optional[torch.Tensor]:
+        """A pool buffer the optimizer writes ``fp``'s new shard into (see :meth:`commit`), or
+        None when the shard is the master weights (updated in place by the optimizer)."""
+        if fp in self._in_master:
+            return None
         while len(self._writes) >= self._WRITE_RING:
             self._retire(self._writes.pop(0))
         buf = self._pool_for(fp).acquire()
@@ -394,12 +417,17 @@ class NVMeParamHome:
         return buf[:fp.shard_numel]
 
     def commit(self, fp, target: torch.Tensor) -> None:
-        """Write the new shard in ``target`` back to ``fp``'s file, asynchronously."""
+        """Write the new shard in ``target`` back to ``fp``'s file, asynchronously (nothing to
+        do for a shard that is its master weights)."""
+        if fp in self._in_master:
+            return
         buf = self._targets.pop(fp)
         self._writes.append((fp, buf, self.swapper.swap_out(self._key(fp), target)))
 
     def discard(self, fp) -> None:
         """The update was skipped (overflow): return the target buffer unwritten."""
+        if fp in self._in_master:
+            return
         self._pool_for(fp).release(self._targets.pop(fp))
 
     def _retire(self, entry) -> None:
