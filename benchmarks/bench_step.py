@@ -18,6 +18,8 @@ Rows (a step = forward + backward + optimizer step, AdamW lr 1e-4, wd 0.01):
   this puts both the optimizer state and the parameter shards on NVMe.
 - ``ours-nvme-opt``: the same with ``offload_param="none"``: optimizer state on NVMe, parameter
   shards in RAM (the device is the CPU here).
+- ``ours-nvme+sib``, ``ours-nvme-opt+sib``: the two above with ``step_in_backward=True`` (each
+  unit updated as soon as its gradient is final; the main job's default). Same losses.
 - ``ds-cpu``, ``ds-nvme-opt``, ``ds-nvme-opt+param``: DeepSpeed ZeRO-3 (only when
   ``import deepspeed`` works), with optimizer and parameters offloaded to the CPU; optimizer to
   NVMe (parameters on the CPU); both to NVMe. Model built under ``deepspeed.zero.Init``;
@@ -55,7 +57,8 @@ import time
 from typing import Dict, List
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CONFIGS = ["torch", "ours-cpu", "ours-nvme", "ours-nvme-opt", "ds-cpu", "ds-nvme-opt", "ds-nvme-opt+param"]
+CONFIGS = ["torch", "ours-cpu", "ours-nvme", "ours-nvme-opt", "ours-nvme+sib", "ours-nvme-opt+sib",
+           "ds-cpu", "ds-nvme-opt", "ds-nvme-opt+param"]
 LR, BETAS, EPS, WD = 1e-4, (0.9, 0.999), 1e-8, 0.01
 GB = 1e9
 
@@ -163,8 +166,11 @@ def worker(args) -> None:
     elif config.startswith("ours-"):
         from offload_zero import OffloadEngine
         model = _build_model(args, dtype)
-        offload = config.split("-")[1]
-        extra = {"offload_param": "none"} if config == "ours-nvme-opt" else {}
+        base = config.replace("+sib", "")
+        offload = base.split("-")[1]
+        extra = {"offload_param": "none"} if base == "ours-nvme-opt" else {}
+        if config.endswith("+sib"):
+            extra["step_in_backward"] = True
         engine = OffloadEngine(model, stage=3, offload=offload,
                                path=args.path if offload == "nvme" else None, **extra,
                                lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, dtype=dtype)

@@ -80,6 +80,13 @@ class EngineConfig:
         grad_dtype: dtype of the gradient shards kept in host memory when offloading: float32
             (ZeRO-Offload's choice, the default) or bfloat16 (half the host bytes; the C++ Adam
             reads bf16 gradients directly). Ignored without offload (shards stay in ``dtype``).
+        step_in_backward: update each flat parameter as soon as its gradient shard is final in
+            backward, instead of all of them in :meth:`OffloadEngine.step` (FSDP's "optimizer in
+            backward"). With the optimizer state on NVMe, a unit's state is read while the unit's
+            backward runs and written back while the units before it run, so the step's I/O
+            hides behind backward. Same numbers as the plain step. Needs stage >= 2, no
+            ``max_grad_norm`` (the norm is known only after backward) and one ``backward`` per
+            ``step`` (no gradient accumulation). Default False.
     """
 
     offload: str = "none"
@@ -105,6 +112,7 @@ class EngineConfig:
     max_device_bytes: Optional[int] = None
     max_host_bytes: Optional[int] = None
     grad_dtype: torch.dtype = torch.float32
+    step_in_backward: bool = False
 
     def __post_init__(self):
         if self.offload not in OFFLOAD_CHOICES:
@@ -145,6 +153,15 @@ class EngineConfig:
             raise ValueError(f"prefetch={self.prefetch!r} is not valid; it must be an int >= 0")
         if self.max_grad_norm is not None:
             _check_float("max_grad_norm", self.max_grad_norm, low=0.0, low_inclusive=False)
+        if not isinstance(self.step_in_backward, bool):
+            raise ValueError(f"step_in_backward={self.step_in_backward!r} is not valid; use True or False")
+        if self.step_in_backward and self.stage < 2:
+            raise ValueError(f"step_in_backward=True needs stage 2 or 3 (gradients reduced unit "
+                             f"by unit in backward); got stage={self.stage}")
+        if self.step_in_backward and self.max_grad_norm is not None:
+            raise ValueError(f"step_in_backward=True cannot clip: max_grad_norm={self.max_grad_norm!r} "
+                             "needs every gradient before the first update; set max_grad_norm=None "
+                             "or step_in_backward=False")
         if self.aio_backend not in AIO_BACKENDS:
             raise ValueError(f"aio_backend={self.aio_backend!r} is not valid; choose one of {AIO_BACKENDS}")
         if self.aio_block_size is not None and (self.aio_block_size <= 0 or self.aio_block_size % 4096):

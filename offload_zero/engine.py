@@ -98,6 +98,8 @@ class OffloadEngine:
         self._acct = TierAccountant(self.rank)
         self._step_count: Dict[FlatParam, int] = {}
         self._targets: Dict[FlatParam, Optional[torch.Tensor]] = {}
+        self._early: Dict[FlatParam, bool] = {}  # step_in_backward: updated in backward -> ok
+        self._backward_pending = False
         self.skipped_steps = 0
         pin = self.device.type == "cuda"
         self._host_alloc = lambda n, dt: aligned_empty(n, dt, pin=pin)
@@ -178,10 +180,17 @@ class OffloadEngine:
             self._acct.add(Tier.HOST, StateKind.BUFFERS, n * self._staging.element_size())
         pool_for = self._build_gather_pools()
         staging = self.grads.scratch if self.device.type != "cpu" else None
+        on_grad, on_unit_backward = self.grads.on_full_grad, None
+        if cfg.step_in_backward:
+            on_grad, on_unit_backward = self._grad_ready, self._prefetch_state
+            if isinstance(self.store, NVMeStore):
+                numel = max((fp.shard_numel for u in self.blocks for fp in u.flat_params
+                             if fp.requires_grad), default=0)
+                self.store.enable_prefetch(numel)
         self.scheduler = UnitScheduler(self.blocks, self.root, self.comm, cfg.prefetch,
                                        reshard_after_forward=cfg.stage == 3,
-                                       on_grad=self.grads.on_full_grad, pool_for=pool_for,
-                                       staging=staging)
+                                       on_grad=on_grad, pool_for=pool_for, staging=staging,
+                                       on_unit_backward=on_unit_backward)
         if cfg.activation_checkpointing:
             # a key/value cache filled in forward and again in the recomputation would make the
             # two passes differ (Hugging Face models turn it off for checkpointing the same way)
@@ -311,7 +320,27 @@ class OffloadEngine:
         self._check_open()
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
             raise ValueError(f"backward needs a scalar loss tensor that requires grad, got {_describe(loss)}")
+        if self.config.step_in_backward and self._backward_pending:
+            raise RuntimeError("step_in_backward=True updates the weights during backward, so "
+                               "gradients cannot accumulate over several backward calls: call "
+                               "step() after each backward, or use step_in_backward=False")
+        self._backward_pending = True
         loss.backward()
+
+    # -- step_in_backward ----------------------------------------------------------------------
+    def _prefetch_state(self, unit: Unit) -> None:
+        """Backward reached ``unit``: start reading its optimizer state (NVMe) so the update
+        that follows its gradient does not wait for the disk."""
+        for fp in unit.flat_params:
+            if fp.requires_grad and fp not in self._early:
+                self.store.prefetch(fp)
+
+    def _grad_ready(self, fp: FlatParam) -> None:
+        """``fp``'s gradient is accumulated: reduce it to the shard and update ``fp`` now."""
+        self.grads.on_full_grad(fp)
+        if fp in self._early or not self.grads.has_grad[fp]:
+            return
+        self._early[fp] = fp not in self._update_states([fp], 1.0, known_finite=False)
 
     @torch.no_grad()
     def step(self) -> None:
@@ -338,16 +367,38 @@ class OffloadEngine:
                 self.skipped_steps += 1
                 self.grads.zero()
                 self.comm.end_step()
+                self._backward_pending = False
                 return
             coef = min(1.0, cfg.max_grad_norm / (norm + 1e-6))
             known_finite = True  # the kernel can skip its own inf/nan pass over the gradients
         self._known_finite = known_finite
-        with_grad = [fp for fp in self.trainable if self.grads.has_grad[fp]]
-        overflow = False
+        # (with step_in_backward most flat parameters were updated in backward already)
+        with_grad = [fp for fp in self.trainable if self.grads.has_grad[fp] and fp not in self._early]
+        try:
+            skipped = self._update_states(with_grad, coef, known_finite)
+        finally:
+            if hasattr(self.store, "release_prefetched"):
+                self.store.release_prefetched()
+            if self.param_home is not None:
+                self.param_home.drain()
+        if skipped or not all(self._early.values()):
+            self.skipped_steps += 1
+        self._early.clear()
+        self._backward_pending = False
+        if cfg.stage < 3:
+            for fp in self.trainable:
+                self.comm.all_gather_into(fp.full_values(), fp.sharded)
+        self.grads.zero()
+        self.comm.end_step()
+
+    def _update_states(self, fps: List[FlatParam], coef: float, known_finite: bool) -> set:
+        """Adam/AdamW on every flat parameter in ``fps`` (their gradients final); returns the
+        set skipped for inf/nan gradients. State read ahead (:meth:`NVMeStore.prefetch`) is
+        written back asynchronously; the step drains it."""
         skipped = set()
         try:
             # the store yields each flat parameter's state whole, or (NVMe) in chunks
-            for fp, lo, hi, master, m, v in self.store.iter_states(with_grad):
+            for fp, lo, hi, master, m, v in self.store.iter_states(fps):
                 whole = lo == 0 and hi == fp.shard_numel
                 if lo == 0:
                     if not (known_finite or whole) and not _all_finite(self.grads.buf[fp]):
@@ -364,18 +415,9 @@ class OffloadEngine:
                 if hi == fp.shard_numel:
                     self._finish_update(fp, ok)
         finally:
-            self._targets.clear()
-            if self.param_home is not None:
-                self.param_home.drain()
-        for fp in skipped:
-            overflow = True
-        if overflow:
-            self.skipped_steps += 1
-        if cfg.stage < 3:
-            for fp in self.trainable:
-                self.comm.all_gather_into(fp.full_values(), fp.sharded)
-        self.grads.zero()
-        self.comm.end_step()
+            for fp in fps:
+                self._targets.pop(fp, None)
+        return skipped
 
     def _update_target(self, fp: FlatParam) -> Optional[torch.Tensor]:
         """Where the kernel writes ``fp``'s new compute-dtype shard in the same pass as the
@@ -456,6 +498,9 @@ class OffloadEngine:
         rep["pools"] = {name: pool.report() for name, pool in self.pools.items()}
         if isinstance(self.store, NVMeStore):
             rep["pools"]["optimizer_pipeline"] = self.store.pool_report()
+            ahead = self.store.pool_report_prefetch()
+            if ahead is not None:
+                rep["pools"]["optimizer_prefetch"] = ahead
         if self.grads.scratch is not None:
             nbytes = self.grads.scratch.numel() * self.grads.scratch.element_size()
             rep["pools"]["reduce_scratch"] = {"buffers": 1, "buffer_bytes": nbytes,

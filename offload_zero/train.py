@@ -167,6 +167,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="draw bytes per tier (device, host, NVMe) over the steps to this PNG")
     engine.add_argument("--activation-checkpointing", action="store_true",
                         help="recompute each layer's forward in backward (less activation memory)")
+    engine.add_argument("--step-in-backward", action=argparse.BooleanOptionalAction, default=True,
+                        help="update each unit as soon as its gradient is final in backward, "
+                             "hiding NVMe optimizer I/O behind backward (stages 2-3; this loop "
+                             "runs one backward per step and does not clip; default: on)")
 
 
 def lr_at(step: int, steps: int, peak_lr: float, warmup: int) -> float:
@@ -479,8 +483,10 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     with _swap_folder(args.offload, args.path) as path, OffloadEngine(
             model, offload=args.offload, path=path, stage=args.stage, lr=args.lr,
             weight_decay=args.weight_decay, dtype=_DTYPES[args.dtype],
-            activation_checkpointing=args.activation_checkpointing) as engine:
+            activation_checkpointing=args.activation_checkpointing,
+            step_in_backward=args.step_in_backward and args.stage >= 2) as engine:
         rank, world_size = engine.rank, engine.world_size
+        step_in_backward = engine.config.step_in_backward
         offload_shown = args.offload
         if args.offload == "auto":  # say what was chosen
             offload_shown = (f"auto (optimizer {engine.config.offload_optimizer}, "
@@ -506,7 +512,8 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
                             files=len(files), offload=offload_shown, stage=args.stage,
                             dtype=args.dtype, steps=args.steps, seq_len=args.seq_len,
                             batch_size=args.batch_size, world_size=world_size, rank=rank,
-                            lr=args.lr, warmup=warmup, seed=args.seed, setup_s=setup_s))
+                            lr=args.lr, warmup=warmup, seed=args.seed, setup_s=setup_s,
+                            step_in_backward=step_in_backward))
     if rank == 0:
         print(format_summary(summary), flush=True)
         if args.memory_plot:

@@ -865,3 +865,74 @@ def test_blocks_with_frozen_weights_are_freed_during_backward(tmp_path):
         pool = eng.memory_report()["pools"]["gather"]
         assert pool["grown"] == 0 and pool["peak_in_use"] <= 2
         assert len(live) == 3 * 8 and max(live) <= 3, live  # two blocks + root
+
+
+# -- step_in_backward -----------------------------------------------------------------------------
+def _run(model, steps, **kw):
+    eng = OffloadEngine(model, lr=1e-2, weight_decay=0.1, **kw)
+    reads_after_backward = []
+    for x, y in batches(steps):
+        eng.backward(lm_loss(eng(x), y))
+        reads_after_backward.append(eng.memory_report()["nvme"]["read_bytes"])
+        eng.step()
+    return eng, reads_after_backward
+
+
+@pytest.mark.parametrize("offload,offload_param,stage,dtype", [
+    ("none", None, 2, torch.float32), ("cpu", None, 3, torch.float32),
+    ("cpu", "cpu", 3, torch.bfloat16), ("nvme", "none", 2, torch.float32),
+    ("nvme", "nvme", 3, torch.float32), ("nvme", "nvme", 3, torch.bfloat16)])
+def test_step_in_backward_gives_the_same_weights_as_the_step(offload, offload_param, stage, dtype,
+                                                             tmp_path):
+    """Updating each flat parameter as soon as its gradient is final, inside backward, gives
+    bit-for-bit the weights of the update in step(); with NVMe the blocks' optimizer state is
+    read during backward (the bytes read before step() is called)."""
+    torch.manual_seed(0)
+    model = TinyLM(n_blocks=4)
+    twin = copy.deepcopy(model)
+    kw = dict(offload=offload, stage=stage, dtype=dtype)
+    if offload_param:
+        kw["offload_param"] = offload_param
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    a, _ = _run(model, 4, path=str(tmp_path / "a"), **kw)
+    b, reads = _run(twin, 4, path=str(tmp_path / "b"), step_in_backward=True, **kw)
+    with a, b:
+        sa, sb = a.full_state_dict(), b.full_state_dict()
+        assert all(torch.equal(sa[k], sb[k]) for k in sa)
+        assert b.skipped_steps == a.skipped_steps == 0
+        if offload == "nvme":
+            blocks = [fp for u in b.blocks for fp in u.flat_params if fp.requires_grad]
+            # the blocks' state (master + moments) was read, and written, before step()
+            assert reads[1] - reads[0] >= 12 * sum(fp.shard_numel for fp in blocks)
+            ring = b.memory_report()["pools"]["optimizer_prefetch"]
+            assert ring["buffers"] == 2 and ring["in_use"] == 0
+            assert ring["buffer_bytes"] == 12 * max(fp.shard_numel for fp in blocks)
+
+
+def test_step_in_backward_skips_a_non_finite_step_and_refuses_accumulation(tmp_path):
+    torch.manual_seed(0)
+    model = TinyLM(n_blocks=3)
+    with OffloadEngine(model, offload="nvme", path=str(tmp_path), step_in_backward=True) as eng:
+        x, y = batches(1)[0]
+        eng.backward(lm_loss(eng(x), y))
+        eng.step()
+        before = eng.full_state_dict()
+        eng.backward(lm_loss(eng(x), y) * float("nan"))
+        eng.step()
+        assert eng.skipped_steps == 1
+        after = eng.full_state_dict()
+        assert all(torch.equal(before[k], after[k]) for k in before)
+        eng.backward(lm_loss(eng(x), y))
+        with pytest.raises(RuntimeError, match="cannot accumulate"):
+            eng.backward(lm_loss(eng(x), y))
+        eng.step()
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"step_in_backward": True, "max_grad_norm": 1.0}, "max_grad_norm=1.0"),
+    ({"step_in_backward": True, "stage": 1}, "stage=1"),
+    ({"step_in_backward": "yes"}, "step_in_backward='yes'")])
+def test_step_in_backward_bad_settings_raise(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        OffloadEngine(TinyLM(), **kwargs)

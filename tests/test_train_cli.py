@@ -81,6 +81,21 @@ def test_train_nvme_on_stdlib(tmp_path):
     assert _files_under(swap) == [], "swap files left behind"
 
 
+def test_step_in_backward_is_on_by_default_and_changes_no_number(tmp_path):
+    """The main job updates units inside backward by default; --no-step-in-backward gives the
+    very same losses (same arithmetic, other moment)."""
+    losses = []
+    for flag in ([], ["--no-step-in-backward"]):
+        out = tmp_path / f"out{len(flag)}.json"
+        proc = _run(["train", "--preset", "tiny", "--steps", "6", "--offload", "nvme",
+                     "--path", tmp_path, "--json", out, *flag, *FAST], cwd=tmp_path)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        summary = json.loads(out.read_text())
+        assert summary["step_in_backward"] is (not flag)
+        losses.append(summary["losses"])
+    assert losses[0] == losses[1]
+
+
 def test_finetune_local_checkpoint_with_its_tokenizer(tmp_path):
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(Path(argparse.__file__).read_text()[:60_000])

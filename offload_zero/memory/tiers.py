@@ -62,6 +62,10 @@ class _TensorStore:
             master, m, v = self._state[fp]
             yield (fp, 0, master.numel(), master, m, v)
 
+    def prefetch(self, fp) -> bool:
+        """Resident state needs no read-ahead: always False (see :meth:`NVMeStore.prefetch`)."""
+        return False
+
     def read_master(self, fp) -> torch.Tensor:
         """This rank's fp32 master shard of ``fp`` (a copy on the CPU), shape (shard_numel,)."""
         return self._state[fp][0].detach().to("cpu", copy=True)
@@ -122,6 +126,13 @@ class NVMeStore:
     def __init__(self, swapper, accountant: TierAccountant, host_alloc, max_shard_numel: int,
                  chunk_numel: Optional[int] = None, master_is_param: bool = False):
         self._master_is_param = master_is_param
+        self._host_alloc = host_alloc
+        # whole-state read-ahead ring (step_in_backward; see enable_prefetch)
+        self._whole: List[torch.Tensor] = []
+        self._whole_numel = 0
+        self._whole_free: List[int] = []
+        self._whole_reads: Dict[object, tuple] = {}   # fp -> (buffer index, read handles)
+        self._whole_writes: List[tuple] = []          # (buffer index, write handles), oldest first
         chunk_numel = chunk_numel or self.CHUNK_NUMEL
         self._acct = accountant
         self.swapper = swapper
@@ -164,14 +175,74 @@ class NVMeStore:
         k = self._chunk
         return b[:c], b[k:k + c], b[2 * k:2 * k + c]
 
-    def _io(self, fp, lo: int, hi: int, slot: int, write: bool, key=None, n=None):
+    def _io(self, fp, lo: int, hi: int, slot: int, write: bool, key=None, n=None, views=None):
         """Start the three transfers of elements [lo, hi) of (master, m, v) between the file
-        and buffer set ``slot``; returns their handles."""
+        and buffer set ``slot`` (or the three ``views``); returns their handles."""
         key = key or self._keys[fp]
         n = n or self._numel[fp]
         op = self.swapper.swap_out if write else self.swapper.swap_in
-        return [op(key, view, offset_bytes=4 * (part * n + lo))
-                for part, view in enumerate(self._views(slot, hi - lo))]
+        views = views if views is not None else self._views(slot, hi - lo)
+        return [op(key, view, offset_bytes=4 * (part * n + lo)) for part, view in enumerate(views)]
+
+    # -- whole-state read-ahead (step_in_backward) ----------------------------------------------
+    def enable_prefetch(self, max_numel: int, count: int = 2) -> None:
+        """Reserve ``count`` host buffers of ``3 * max_numel`` fp32 elements (sized once) into
+        which :meth:`prefetch` reads a flat parameter's whole state ahead of its update. Two
+        suffice for updates in backward: unit k's state is read while unit k+1's is written."""
+        if self._whole or max_numel <= 0:
+            return
+        self._whole = [self._host_alloc(3 * max_numel, torch.float32) for _ in range(count)]
+        self._whole_numel = max_numel
+        self._whole_free = list(range(count))
+        self._acct.add(Tier.HOST, StateKind.BUFFERS, count * 3 * max_numel * 4)
+
+    def _whole_views(self, idx: int, n: int):
+        b, k = self._whole[idx], self._whole_numel
+        return b[:n], b[k:k + n], b[2 * k:2 * k + n]
+
+    def _retire_whole_write(self) -> None:
+        idx, handles = self._whole_writes.pop(0)
+        try:
+            for h in handles:
+                h.wait()
+        finally:
+            self._whole_free.append(idx)
+
+    def prefetch(self, fp) -> bool:
+        """Start reading ``fp``'s whole state (master, moments) into a read-ahead buffer; the
+        next :meth:`iter_states` that reaches ``fp`` yields it from there. Returns False (and
+        does nothing) without read-ahead buffers, for a state larger than they are, or when both
+        hold states still to be updated."""
+        if not self._whole or fp in self._whole_reads or self._numel.get(fp, 0) > self._whole_numel:
+            return False
+        if not self._whole_free and self._whole_writes:
+            self._retire_whole_write()
+        if not self._whole_free:
+            return False
+        idx = self._whole_free.pop()
+        n = self._numel[fp]
+        self._whole_reads[fp] = (idx, self._io(fp, 0, n, 0, write=False,
+                                               views=self._whole_views(idx, n)))
+        return True
+
+    def release_prefetched(self) -> None:
+        """Finish and forget read-ahead that no update used (a unit without a gradient)."""
+        for fp in list(self._whole_reads):
+            idx, handles = self._whole_reads.pop(fp)
+            try:
+                for h in handles:
+                    h.wait()
+            finally:
+                self._whole_free.append(idx)
+
+    def pool_report_prefetch(self) -> Optional[dict]:
+        """The read-ahead ring in :meth:`pool_report`'s format, or None when not enabled."""
+        if not self._whole:
+            return None
+        per = 3 * self._whole_numel * 4
+        return {"buffers": len(self._whole), "buffer_bytes": per,
+                "capacity_bytes": per * len(self._whole),
+                "in_use": len(self._whole) - len(self._whole_free), "peak_in_use": len(self._whole)}
 
     def _chunks(self, fps):
         for fp in fps:
@@ -192,7 +263,20 @@ class NVMeStore:
         """Yield each flat parameter's state chunk by chunk from a host buffer set; write it
         back after the caller is done with it, with the next read and the previous write in
         flight meanwhile."""
-        items = list(self._chunks(flat_params))
+        ahead = [f for f in flat_params if f in self._whole_reads]
+        for fp in ahead:
+            idx, handles = self._whole_reads.pop(fp)
+            n = self._numel[fp]
+            try:
+                for h in handles:
+                    h.wait()
+                yield (fp, 0, n, *self._whole_views(idx, n))
+            except BaseException:
+                self._whole_free.append(idx)
+                raise
+            self._whole_writes.append((idx, self._io(fp, 0, n, 0, write=True,
+                                                     views=self._whole_views(idx, n))))
+        items = list(self._chunks([f for f in flat_params if f not in ahead]))
         if not items:
             return
         reads = {0: self._start_read(0, items[0])}
@@ -218,6 +302,8 @@ class NVMeStore:
                 self._pending_write[slot] = None
                 for h in w:
                     h.wait()
+        while self._whole_writes:
+            self._retire_whole_write()
 
     def read_all(self, fp) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """CPU copies of (master, exp_avg, exp_avg_sq) for ``fp``, read from its file."""
@@ -259,7 +345,10 @@ class NVMeStore:
             return
         self._closed = True
         try:
-            self.drain()
+            try:
+                self.release_prefetched()
+            finally:
+                self.drain()
         finally:
             for fp, n in self._numel.items():
                 self._acct.sub(Tier.NVME, StateKind.MASTER, self._master_bytes(n))
@@ -267,6 +356,9 @@ class NVMeStore:
             self._numel.clear()
             self._acct.sub(Tier.HOST, StateKind.BUFFERS, self._buf_bytes)
             self._bufs = []
+            if self._whole:
+                self._acct.sub(Tier.HOST, StateKind.BUFFERS, len(self._whole) * 3 * self._whole_numel * 4)
+                self._whole = []
 
 
 # -- where compute-dtype parameter shards live when they are not on the device ---------------------

@@ -37,6 +37,8 @@ class UnitScheduler:
         pool_for: ``f(unit) -> GatherPool | None``: where a unit's gathered parameters live
             (see [Note: gather pool]); None allocates them per gather.
         staging: device buffer a host shard is copied into before a multi-rank all-gather.
+        on_unit_backward: ``f(unit)`` called when backward reaches a unit (after gathering it),
+            or None.
 
     Attributes:
         live_peak: the most units gathered at once since construction.
@@ -44,13 +46,15 @@ class UnitScheduler:
 
     def __init__(self, blocks: List[Unit], root: Unit, comm, prefetch: int,
                  reshard_after_forward: bool, on_grad: Callable,
-                 pool_for: Optional[Callable] = None, staging: Optional[torch.Tensor] = None):
+                 pool_for: Optional[Callable] = None, staging: Optional[torch.Tensor] = None,
+                 on_unit_backward: Optional[Callable] = None):
         self.blocks, self.root, self.comm = blocks, root, comm
         self.prefetch = prefetch
         self.reshard_after_forward = reshard_after_forward
         self._on_grad = on_grad
         self._pool_for = pool_for or (lambda unit: None)
         self._staging = staging
+        self._on_unit_backward = on_unit_backward
         self._slots = {}                     # unit -> (pool, slot id)
         self.live_peak = 0
         self.order: List[Unit] = []          # recorded forward order of block units
@@ -214,6 +218,8 @@ class UnitScheduler:
                 self._in_backward = True
                 torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
             self._activate(unit)
+            if self._on_unit_backward is not None:
+                self._on_unit_backward(unit)
             if unit.is_root:
                 if self.order and self.prefetch:
                     for u in reversed(self.order[-self.prefetch:]):
