@@ -88,7 +88,8 @@ class OffloadEngine:
             from offload_zero.placement import choose_placement
             self.placement = choose_placement(
                 model, cfg.stage, self.world_size, cfg.dtype, cfg.prefetch, cfg.unit_classes,
-                self.device, cfg.path, cfg.max_device_bytes, cfg.max_host_bytes)
+                self.device, cfg.path, cfg.max_device_bytes, cfg.max_host_bytes,
+                step_in_backward=cfg.step_in_backward)
             self.config = cfg = dataclasses.replace(
                 cfg, offload_optimizer=self.placement.offload_optimizer,
                 offload_param=self.placement.offload_param)
@@ -218,8 +219,11 @@ class OffloadEngine:
     def _build_units(self, blocks, root, planned, users):
         cfg = self.config
         units = blocks + [root]
-        alias_ok = (cfg.optimizer_tier is Tier.DEVICE and cfg.param_tier is Tier.DEVICE
-                    and cfg.dtype == torch.float32)
+        # fp32 master weights in the same memory as the fp32 shard: the shard is the master (the
+        # device, or host "offload" where the CPU itself plays the device)
+        same_memory = (cfg.optimizer_tier is Tier.DEVICE
+                       or (cfg.optimizer_tier is Tier.HOST and self.device.type == "cpu"))
+        alias_ok = same_memory and cfg.param_tier is Tier.DEVICE and cfg.dtype == torch.float32
         owner_of = {}
         for unit, trainable, members in planned:
             entries = build_entries(members)
@@ -425,6 +429,8 @@ class OffloadEngine:
         fp32 master is the shard."""
         if fp.home is not None:
             return fp.home.update_target(fp)
+        if self.store.aliases(fp):
+            return None  # the master is the shard: updated in place
         if self.config.optimizer_tier is Tier.DEVICE and self.device.type != "cpu":
             return None  # torch ops on the accelerator; copied from the master afterwards
         if self.config.optimizer_tier is Tier.DEVICE and fp.dtype == torch.float32:

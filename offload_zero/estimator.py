@@ -18,8 +18,9 @@ moments (12Ψ/N) and the reduced gradient shards (fp32: 4Ψ/N) in host memory (Z
 memory (ZeRO-Infinity); at stage 3 it puts the compute-dtype parameter shards (KΨ/N) in NVMe
 files too. At stages 0 and 1 the full gradient (KΨ) stays on the device until the
 step whatever the offload. With fp32 compute the master weights are the parameter shard itself
-when both sit on the device (no offload) or both in NVMe files (``"nvme"`` at stage 3: the
-parameter shard is read from the master's bytes), so they cost 0 bytes beyond the parameters.
+when both sit on the device (no offload, or ``"cpu"`` when the CPU itself is the device) or
+both in NVMe files (``"nvme"`` at stage 3: the parameter shard is read from the master's
+bytes), so they cost 0 bytes beyond the parameters.
 Frozen parameters (``requires_grad=False``) cost only their compute-dtype copy.
 
 [Note: engine extras]
@@ -39,6 +40,8 @@ Besides model states this engine holds, at the peak of a step:
   the step's write-back ring; no ring at fp32 with the optimizer state on NVMe too, where the
   shard is the master and the update writes it once), and for an outsized root unit one buffer
   of its own;
+- with ``step_in_backward`` and ``"nvme"``: two read-ahead buffers of the largest trainable block
+  shard's whole state, ``2 * 12 * shard_numel`` bytes;
 - with an accelerator and any offload: one host staging buffer of ``largest shard_numel * K``;
 - with N > 1: one reduce-scatter scratch shard on the device, ``largest shard_numel * K``.
 Activations, the allocator's fragmentation and the framework's own workspace are not counted.
@@ -358,7 +361,8 @@ def default_offload_param(offload: str, stage: int) -> str:
     return "nvme" if (offload == "nvme" and stage == 3) else "none"
 
 
-def _model_states(layout, stage, offload, n, k, padded, offload_param=None) -> Dict[str, Dict[str, Number]]:
+def _model_states(layout, stage, offload, n, k, padded, offload_param=None,
+                  accelerator=True) -> Dict[str, Dict[str, Number]]:
     """Per-rank model-state bytes by tier and kind; see [Note: model-state arithmetic]."""
     out = _zeros()
     dev = out["device"]
@@ -380,13 +384,15 @@ def _model_states(layout, stage, offload, n, k, padded, offload_param=None) -> D
         elif stage >= 2:
             dev["gradients"] += k * shard
         # fp32 master is the parameter shard itself: on the device, or the same NVMe bytes
-        aliased = k == 4 and (offload == "none" or (offload == "nvme" and param_tier == "nvme"))
+        aliased = k == 4 and (offload == "none" or (offload == "nvme" and param_tier == "nvme")
+                              or (offload == "cpu" and param_tier == "device" and not accelerator))
         out[opt_tier]["master_weights"] += 0 if aliased else 4 * opt
         out[opt_tier]["moments"] += 8 * opt
     return out
 
 
-def _extras(layout, stage, offload, n, k, padded, prefetch, accelerator, offload_param=None):
+def _extras(layout, stage, offload, n, k, padded, prefetch, accelerator, offload_param=None,
+            step_in_backward=False):
     """Per-rank bytes of this engine's buffers at the step's peak; see [Note: engine extras]."""
     out = _zeros()
     if offload_param is None:
@@ -430,6 +436,11 @@ def _extras(layout, stage, offload, n, k, padded, prefetch, accelerator, offload
         out["host"]["buffers"] += (2 * (prefetch + 2) + ring) * max(block_shard, 1) * k
         if root_shard > block_shard:
             out["host"]["buffers"] += root_shard * k
+    if step_in_backward and offload == "nvme" and stage >= 2:
+        # two read-ahead buffers of a block's whole state (master + moments, fp32)
+        trainable_blocks = [sh for sh, u, spec in zip(all_shards, units_of, layout)
+                            if u != -1 and spec.trainable]
+        out["host"]["buffers"] += 2 * 3 * 4 * max(trainable_blocks, default=0)
     if offload != "none" and offload_param == "none" and accelerator and shards:
         out["host"]["buffers"] += biggest * k
     return out
@@ -494,7 +505,8 @@ def estimate_memory(model_or_num_params, world_size: int = 1, gpus_per_node: int
     rows = []
     for s in STAGES:
         for o in OFFLOADS:
-            states = _model_states(layout, s, o, world_size, itemsize, padded)
+            states = _model_states(layout, s, o, world_size, itemsize, padded,
+                                   accelerator=accelerator)
             extras = _extras(layout, s, o, world_size, itemsize, padded, prefetch, accelerator)
             rows.append(Placement(s, o, _to_bytes(states), _to_bytes(extras), gpus_per_node,
                                   engine_supported=s > 0))
@@ -514,21 +526,23 @@ def estimate_memory(model_or_num_params, world_size: int = 1, gpus_per_node: int
 def placement_bytes(model: nn.Module, stage: int, offload_optimizer: str, offload_param: str,
                     world_size: int = 1, dtype=torch.bfloat16, prefetch: int = 1,
                     unit_classes: Sequence[type] = (), accelerator: bool = True,
-                    layout=None) -> "Placement":
+                    layout=None, step_in_backward: bool = False) -> "Placement":
     """Bytes per rank for one placement with the optimizer and parameter tiers set apart.
 
     ``offload_optimizer`` / ``offload_param``: "none", "cpu" or "nvme" (parameters off the
     device only at stage 3). ``layout``: a precomputed :func:`model_layout` (saves a walk of
-    the model). Returns a :class:`Placement` whose ``offload`` reads ``"<optimizer>+<param>"``.
+    the model). ``step_in_backward``: the engine's option of that name (adds its NVMe
+    read-ahead buffers). Returns a :class:`Placement` whose ``offload`` reads ``"<optimizer>+<param>"``.
     Used by ``offload="auto"`` (:mod:`offload_zero.placement`).
     """
     dt = _resolve_dtype(dtype)
     k = torch.empty(0, dtype=dt).element_size()
     if layout is None:
         layout = model_layout(model, unit_classes)
-    states = _model_states(layout, stage, offload_optimizer, world_size, k, True, offload_param)
+    states = _model_states(layout, stage, offload_optimizer, world_size, k, True, offload_param,
+                           accelerator=accelerator)
     extras = _extras(layout, stage, offload_optimizer, world_size, k, True, prefetch, accelerator,
-                     offload_param)
+                     offload_param, step_in_backward=step_in_backward)
     return Placement(stage, f"{offload_optimizer}+{offload_param}", _to_bytes(states),
                      _to_bytes(extras), 1, engine_supported=stage > 0)
 

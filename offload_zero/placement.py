@@ -71,8 +71,10 @@ def measure_budgets(device: torch.device, path: Optional[str], max_device_bytes:
 def choose_placement(model: nn.Module, stage: int, world_size: int, dtype: torch.dtype,
                      prefetch: int, unit_classes, device: torch.device, path: Optional[str],
                      max_device_bytes: Optional[int] = None,
-                     max_host_bytes: Optional[int] = None) -> PlacementChoice:
-    """Pick the first of :data:`CANDIDATES` whose bytes fit the budgets.
+                     max_host_bytes: Optional[int] = None,
+                     step_in_backward: bool = False) -> PlacementChoice:
+    """Pick the first of :data:`CANDIDATES` whose bytes fit the budgets (``step_in_backward``:
+    count its NVMe read-ahead buffers too).
 
     Raises:
         ValueError: nothing fits; the message names, for the placement that needs the least
@@ -92,7 +94,7 @@ def choose_placement(model: nn.Module, stage: int, world_size: int, dtype: torch
             tried.append(f"{opt}+{param}: skipped, needs path= for NVMe files")
             continue
         p = placement_bytes(model, stage, opt, param, world_size, dtype, prefetch, unit_classes,
-                            accelerator, layout=layout)
+                            accelerator, layout=layout, step_in_backward=step_in_backward)
         need = {t: p.tier_bytes(t) for t in ("device", "host", "nvme")}
         short = _shortfall(need, budgets)
         tried.append(f"{opt}+{param}: needs " + ", ".join(f"{t} {_fmt(need[t])}" for t in need)

@@ -193,9 +193,9 @@ def test_memory_report_matches_numel_arithmetic(offload, tmp_path):
         assert kinds[param_tier]["parameters"] == 4 * s  # fp32 shards at rest, nothing gathered
         tier = {"none": "device", "cpu": "host", "nvme": "nvme"}[offload]
         assert kinds[tier]["moments"] == 8 * s
-        # fp32 compute with master and shard on one tier (device, or NVMe at stage 3): the
-        # shard is the master (no second copy)
-        assert kinds[tier]["master_weights"] == (4 * s if offload == "cpu" else 0)
+        # fp32 compute with master and shard in one memory (the device, the host when the CPU
+        # is the device, or NVMe at stage 3): the shard is the master (no second copy)
+        assert kinds[tier]["master_weights"] == 0
         grad_tier = "device" if offload == "none" else "host"
         # with the host as the device, one rank adopts the reduced gradient as its host shard
         # (no copy): the shard bytes exist from backward to step
@@ -207,8 +207,11 @@ def test_memory_report_matches_numel_arithmetic(offload, tmp_path):
             eng.step()
         rep = eng.memory_report()
         biggest_unit = max(fp.padded_numel for fp in eng.flat_params)
-        if offload == "nvme":  # shards on disk: gathered units come and go on the device
+        if offload == "nvme":  # a unit's full gradient comes and goes on the device
             assert rep["device"]["peak_bytes"] >= rep["device"]["current_bytes"] + 4 * biggest_unit
+        if offload == "cpu":  # the CPU is the device: the fp32 master is the shard's memory
+            assert all(eng.store._state[fp][0].data_ptr() == fp.sharded.data_ptr()
+                       for fp in eng.trainable)
         # storage-level check: every resident shard really holds its bytes
         if offload != "nvme":
             assert sum(fp.sharded.untyped_storage().nbytes() for fp in eng.flat_params) == 4 * sum(

@@ -244,3 +244,27 @@ def test_format_table_is_readable():
     assert [states[(str(s), "none")] for s in STAGES] == ["120.0", "31.4", "16.6", "1.9"]
     with pytest.raises(ValueError, match="unit='TB'"):
         format_table(estimate_memory(1000), unit="TB")
+
+
+@pytest.mark.parametrize("offload_param", ["none", "nvme"])
+def test_placement_bytes_count_the_step_in_backward_read_ahead(offload_param, tmp_path):
+    """With step_in_backward the engine adds two read-ahead buffers of a block's whole state;
+    the bytes placement_bytes gives (what offload="auto" budgets) equal memory_report's peaks."""
+    from offload_zero.estimator import placement_bytes
+    torch.manual_seed(0)
+    model = WiderLM()
+    plain = placement_bytes(model, 3, "nvme", offload_param, dtype=torch.float32, accelerator=False)
+    est = placement_bytes(model, 3, "nvme", offload_param, dtype=torch.float32, accelerator=False,
+                          step_in_backward=True)
+    with OffloadEngine(model, stage=3, offload="nvme", offload_param=offload_param,
+                       path=str(tmp_path), step_in_backward=True) as eng:
+        for x, y in batches(2):
+            eng.backward(lm_loss(eng(x), y))
+            eng.step()
+        rep = eng.memory_report()
+        ring = rep["pools"]["optimizer_prefetch"]["capacity_bytes"]
+    assert est.extras["host"]["buffers"] - plain.extras["host"]["buffers"] == ring > 0
+    for tier in TIERS:
+        measured = {k: rep[tier]["by_kind"][k]["peak_bytes"] for k in KINDS}
+        assert measured == {k: est.model_states[tier].get(k, 0) + est.extras[tier].get(k, 0)
+                            for k in KINDS}, tier

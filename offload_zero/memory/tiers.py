@@ -66,6 +66,10 @@ class _TensorStore:
         """Resident state needs no read-ahead: always False (see :meth:`NVMeStore.prefetch`)."""
         return False
 
+    def aliases(self, fp) -> bool:
+        """Whether ``fp``'s master weights are its parameter shard itself (``alias`` in :meth:`add`)."""
+        return self._held[fp][0] == 0
+
     def read_master(self, fp) -> torch.Tensor:
         """This rank's fp32 master shard of ``fp`` (a copy on the CPU), shape (shard_numel,)."""
         return self._state[fp][0].detach().to("cpu", copy=True)
@@ -164,6 +168,10 @@ class NVMeStore:
             views[2].zero_()
             for h in self._io(fp, lo, hi, 0, write=True, key=key, n=n):
                 h.wait()
+
+    def aliases(self, fp) -> bool:
+        """Master weights in files are never the in-memory shard: False."""
+        return False
 
     def _master_bytes(self, n: int) -> int:
         # an fp32 parameter shard on NVMe is read from the master region: its bytes are counted
