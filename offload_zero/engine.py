@@ -381,10 +381,14 @@ class OffloadEngine:
         try:
             skipped = self._update_states(with_grad, coef, known_finite)
         finally:
-            if hasattr(self.store, "release_prefetched"):
+            # every write-back done before the next forward reads parameters (an fp32 shard on
+            # NVMe is read from its master's bytes): updates made in backward included
+            try:
                 self.store.release_prefetched()
-            if self.param_home is not None:
-                self.param_home.drain()
+            finally:
+                self.store.drain()
+                if self.param_home is not None:
+                    self.param_home.drain()
         if skipped or not all(self._early.values()):
             self.skipped_steps += 1
         self._early.clear()

@@ -573,7 +573,7 @@ Estimate training memory for a model: bytes per device, host memory per node and
 for ZeRO stages 0-3 x offload none/cpu/nvme (stage 0 is plain data parallelism, for reference).
 Model states follow Rajbhandari et al., 2019 (ZeRO): 2 bytes of parameters + 2 of gradients +
 12 of fp32 optimizer state per parameter (bf16/fp16), partitioned over N = gpus x nodes ranks.
-The engine's extra buffers (gathered units at stage 3, a gradient in flight, NVMe pipeline
+The engine's extra buffers (the gather pool at stage 3, a gradient in flight, NVMe pipeline
 buffers) are shown apart. Activations are not counted. GB = 1e9 bytes.
 
 examples:
@@ -655,7 +655,7 @@ def format_table(est: MemoryEstimate, unit: str = "GB") -> str:
               "states: parameters, gradients, fp32 master weights and Adam moments per device",
               "        (ZeRO, Rajbhandari et al., 2019); host/node and NVMe/node: all of a "
               "node's ranks",
-              "extra:  this engine's gathered units (stage 3) and gradient in flight (stages 2-3)",
+              "extra:  this engine's gather pool (stage 3), gradient in flight (stages 2-3) and buffers",
               "stage 0 is plain data parallelism, shown for reference; the engine runs 1-3"]
     if not est.padded:
         lines.append(f"layout assumed from the parameter count: largest unit "

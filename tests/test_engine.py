@@ -913,6 +913,33 @@ def test_step_in_backward_gives_the_same_weights_as_the_step(offload, offload_pa
             assert ring["buffer_bytes"] == 12 * max(fp.shard_numel for fp in blocks)
 
 
+def test_step_in_backward_leaves_no_write_in_flight_after_step(tmp_path):
+    """A model whose every unit's state fits the read-ahead buffers is updated entirely in
+    backward; step() still waits for every write-back, since the next forward reads fp32
+    parameter shards from those very bytes."""
+    from models import WIDTH, Block
+    torch.manual_seed(2)
+    model = TinyLM(n_blocks=3)
+    model.blocks = nn.ModuleList(Block(WIDTH, hidden=200) for _ in range(3))  # root < block
+    twin = copy.deepcopy(model)
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    a, _ = _run(model, 3, offload="nvme", path=str(tmp_path / "a"))
+    b = OffloadEngine(twin, lr=1e-2, weight_decay=0.1, offload="nvme", path=str(tmp_path / "b"),
+                      step_in_backward=True)
+    with a, b:
+        root = [fp for fp in b.root.flat_params if fp.requires_grad]
+        blocks = [fp for u in b.blocks for fp in u.flat_params if fp.requires_grad]
+        assert max(fp.shard_numel for fp in root) <= max(fp.shard_numel for fp in blocks)
+        for x, y in batches(3):
+            b.backward(lm_loss(b(x), y))
+            assert b.store._whole_writes  # updates of the last units still being written
+            b.step()
+            assert not b.store._whole_writes and not b.store._whole_reads
+        sa, sb = a.full_state_dict(), b.full_state_dict()
+        assert all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
 def test_step_in_backward_skips_a_non_finite_step_and_refuses_accumulation(tmp_path):
     torch.manual_seed(0)
     model = TinyLM(n_blocks=3)

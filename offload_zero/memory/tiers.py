@@ -70,6 +70,12 @@ class _TensorStore:
         """Whether ``fp``'s master weights are its parameter shard itself (``alias`` in :meth:`add`)."""
         return self._held[fp][0] == 0
 
+    def release_prefetched(self) -> None:
+        """Nothing is read ahead for resident state (see :meth:`NVMeStore.release_prefetched`)."""
+
+    def drain(self) -> None:
+        """Resident state has no writes in flight (see :meth:`NVMeStore.drain`)."""
+
     def read_master(self, fp) -> torch.Tensor:
         """This rank's fp32 master shard of ``fp`` (a copy on the CPU), shape (shard_numel,)."""
         return self._state[fp][0].detach().to("cpu", copy=True)
