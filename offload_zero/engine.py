@@ -154,13 +154,19 @@ class OffloadEngine:
                                   self._host_alloc, self._acct)
             self.pools["param_shards"] = main
             pool_for = lambda fp: main  # noqa: E731
+            keep = None
             if root_shard > block_shard:
                 root = HostBufferPool("param_shards_root", 1, root_shard, cfg.dtype,
                                       self._host_alloc, self._acct)
                 self.pools["param_shards_root"] = root
                 pool_for = lambda fp: root if fp.name.startswith("root.") else main  # noqa: E731
+                if sum(u.is_root for u, _, _ in plan[2]) == 1:
+                    # the root's buffer is idle between its update and the next forward, which
+                    # gathers the root first: the updated shard stays there instead of being
+                    # read back from the file
+                    keep = lambda fp: fp.name.startswith("root.")  # noqa: E731
             self.param_home = NVMeParamHome(self.swapper, pool_for, self._acct,
-                                            master_is_param=share)
+                                            master_is_param=share, keep_after_update=keep)
         self.store = self._build_store(plan)
         self.blocks, self.root = self._build_units(*plan)
         self.units: List[Unit] = self.blocks + [self.root]

@@ -159,10 +159,12 @@ def test_nvme_swap_files(dtype, tmp_path):
     assert rep["nvme"]["by_kind"]["parameters"]["current_bytes"] == k * s
     assert rep["nvme"]["by_kind"]["master_weights"]["current_bytes"] == (0 if k == 4 else 4 * s)
     # two steps: optimizer state read twice and written three times (with the initial write);
-    # block shards read in forward and backward of each step, the root's once (it stays
-    # gathered from forward to backward); bf16 shards written once at start and after each step
+    # block shards read in forward and backward of each step; the root's only in the first
+    # forward (it stays gathered from forward to backward, and its updated shard stays in its
+    # buffer for the next forward); bf16 shards written once at start and after each step
     s_root = sum(fp.shard_numel for fp in eng.root.flat_params)
-    assert rep["nvme"]["read_bytes"] == 2 * 12 * s + 2 * (2 * k * (s - s_root) + k * s_root)
+    assert eng.pools["param_shards_root"].numel == s_root  # the root has a buffer of its own
+    assert rep["nvme"]["read_bytes"] == 2 * 12 * s + 2 * 2 * k * (s - s_root) + k * s_root
     assert rep["nvme"]["written_bytes"] == 3 * 12 * s + (0 if k == 4 else 3 * k * s)
     eng.close()
     assert not folder.exists()
@@ -450,11 +452,16 @@ def test_parameter_offload_matches_and_bounds_host_residency(offload_param, tmp_
             assert rep["pools"]["param_shards"]["in_use"] == 0
 
 
-def test_nvme_matches_cpu_offload_bit_for_bit(tmp_path):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_nvme_matches_cpu_offload_bit_for_bit(dtype, tmp_path):
+    """offload="nvme" (optimizer state and parameter shards in files; fp32 shards read from the
+    master's bytes; the root's updated shard kept for the next forward) against host offload
+    of both."""
     results = []
     for offload in ("cpu", "nvme"):
         torch.manual_seed(9)
-        with _engine(TinyLM(), offload, tmp_path, lr=1e-2) as eng:
+        with _engine(TinyLM(), offload, tmp_path, lr=1e-2, dtype=dtype, stage=3,
+                     offload_param=offload) as eng:
             for x, y in batches(5):
                 eng.backward(lm_loss(eng(x), y))
                 eng.step()

@@ -23,6 +23,7 @@ import torch
 
 from offload_zero.config import Tier
 from offload_zero.memory.accounting import StateKind, TierAccountant
+from offload_zero.memory.swapper import SwapHandle
 
 StateTuple = Tuple[object, int, int, torch.Tensor, torch.Tensor, torch.Tensor]
 
@@ -451,12 +452,17 @@ class NVMeParamHome:
             from the master region of the optimizer's file (offset 0 of the file named
             ``fp.name``; see :class:`NVMeStore`) and never written by this home: the update
             writes it once, as the master. No second file, no second write per step.
+        keep_after_update: ``f(fp) -> bool``: flat parameters whose new shard, written by the
+            optimizer into a pool buffer, stays there as the read for their next gather (the
+            root unit, gathered first in forward, with a buffer of its own): one read of the
+            shard per step less. None keeps nothing.
     """
 
     tier = Tier.NVME
     _WRITE_RING = 2
 
-    def __init__(self, swapper, pool, accountant: TierAccountant, master_is_param: bool = False):
+    def __init__(self, swapper, pool, accountant: TierAccountant, master_is_param: bool = False,
+                 keep_after_update=None):
         self.swapper, self._acct = swapper, accountant
         self._pool_for = pool if callable(pool) else (lambda fp: pool)
         self._reads: Dict[object, tuple] = {}
@@ -465,6 +471,7 @@ class NVMeParamHome:
         self._sizes: Dict[object, int] = {}
         self.master_is_param = master_is_param
         self._in_master: set = set()
+        self._keep = keep_after_update or (lambda fp: False)
 
     def _key(self, fp) -> str:
         return fp.name if fp in self._in_master else f"{fp.name}.param"
@@ -514,7 +521,7 @@ class NVMeParamHome:
     def update_target(self, fp) -> Optional[torch.Tensor]:
         """A pool buffer the optimizer writes ``fp``'s new shard into (see :meth:`commit`), or
         None when the shard is the master weights (updated in place by the optimizer)."""
-        if fp in self._in_master:
+        if fp in self._in_master and not self._keep(fp):
             return None
         while len(self._writes) >= self._WRITE_RING:
             self._retire(self._writes.pop(0))
@@ -525,23 +532,31 @@ class NVMeParamHome:
     def commit(self, fp, target: torch.Tensor) -> None:
         """Write the new shard in ``target`` back to ``fp``'s file, asynchronously (nothing to
         do for a shard that is its master weights)."""
-        if fp in self._in_master:
+        if fp in self._in_master and not self._keep(fp):
             return
         buf = self._targets.pop(fp)
+        if fp in self._in_master:  # its bytes are written as the master; keep the copy
+            self._reads[fp] = (buf, SwapHandle(self._key(fp), "kept", None, 0))
+            return
         self._writes.append((fp, buf, self.swapper.swap_out(self._key(fp), target)))
 
     def discard(self, fp) -> None:
         """The update was skipped (overflow): return the target buffer unwritten."""
-        if fp in self._in_master:
+        if fp not in self._targets:
             return
         self._pool_for(fp).release(self._targets.pop(fp))
 
     def _retire(self, entry) -> None:
         fp, buf, handle = entry
+        kept = False
         try:
             handle.wait()
+            if self._keep(fp) and fp not in self._reads:
+                self._reads[fp] = (buf, handle)  # the buffer holds the shard just written
+                kept = True
         finally:
-            self._pool_for(fp).release(buf)
+            if not kept:
+                self._pool_for(fp).release(buf)
 
     def _wait_writes_of(self, fp) -> None:
         pending = [w for w in self._writes if w[0] is fp]
