@@ -174,8 +174,11 @@ class EngineConfig:
             if not (isinstance(cls, type) and issubclass(cls, torch.nn.Module)):
                 raise ValueError(f"unit_classes entry {cls!r} is not a torch.nn.Module subclass")
         object.__setattr__(self, "device", _resolve_device(self.device))
-        if "nvme" in (self.offload, self.offload_optimizer, self.offload_param):
-            _check_swap_path(self.path)
+        asks = [f"{k}='nvme'" for k, v in (("offload", self.offload),
+                                             ("offload_optimizer", self.offload_optimizer),
+                                             ("offload_param", self.offload_param)) if v == "nvme"]
+        if asks:
+            _check_swap_path(self.path, " and ".join(asks))
 
     @property
     def optimizer_tier(self) -> Tier:
@@ -220,14 +223,14 @@ def _resolve_device(device) -> torch.device:
     return dev
 
 
-def _check_swap_path(path) -> None:
+def _check_swap_path(path, asked_by: str = "offload='nvme'") -> None:
     if path is None:
-        raise ValueError("offload='nvme' needs path=<folder for swap files>; got path=None")
+        raise ValueError(f"{asked_by} needs path=<folder for swap files>; got path=None")
     path = os.fspath(path)
     if not os.path.isdir(path):
-        raise ValueError(f"path={path!r} does not exist or is not a folder; offload='nvme' needs an existing writable folder")
+        raise ValueError(f"path={path!r} does not exist or is not a folder; {asked_by} needs an existing writable folder")
     if not os.access(path, os.W_OK | os.X_OK) or _is_read_only_mount(path):
-        raise ValueError(f"path={path!r} is not writable; offload='nvme' needs an existing writable folder")
+        raise ValueError(f"path={path!r} is not writable; {asked_by} needs an existing writable folder")
 
 
 def _is_read_only_mount(path: str) -> bool:

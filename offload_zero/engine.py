@@ -149,7 +149,8 @@ class OffloadEngine:
             # its own, so the main pool's buffers are block-sized: its flat parameters are read
             # one after the other, and the step's write of its update is waited for before the
             # next forward reads it.
-            count = 2 * (cfg.prefetch + 2) + ring
+            n_blocks = len({u for u, _, _ in plan[2] if not u.is_root})
+            count = 2 * (_ahead(cfg.prefetch, n_blocks) + 2) + ring
             main = HostBufferPool("param_shards", count, max(block_shard, 1), cfg.dtype,
                                   self._host_alloc, self._acct)
             self.pools["param_shards"] = main
@@ -264,9 +265,10 @@ class OffloadEngine:
         """Device slots for gathered units, sized now (see [Note: gather pool]); returns
         ``f(unit) -> GatherPool | None`` for the scheduler, or None when nothing is gathered.
 
-        Blocks share ``prefetch + 1`` slots of the largest block (one slot when shards live on
-        NVMe: the units ahead are read into host buffers, not gathered); the root unit, gathered
-        from the start of forward to the end of backward, has a slot of its own size."""
+        Blocks share ``prefetch + 1`` slots of the largest block (at most one per block; one
+        when shards live on NVMe: the units ahead are read into host buffers, not gathered); the
+        root unit, gathered from the start of forward to the end of backward, has a slot of its
+        own size."""
         if self._keeps_full_params():
             return None
         if not storage_rebinding_supported():
@@ -278,7 +280,8 @@ class OffloadEngine:
 
         cfg = self.config
         block_bytes = max((unit_bytes(u) for u in self.blocks), default=0)
-        count = 1 if cfg.param_tier is Tier.NVME else cfg.prefetch + 1
+        n_blocks = sum(bool(u.flat_params) for u in self.blocks)
+        count = 1 if cfg.param_tier is Tier.NVME else _ahead(cfg.prefetch, n_blocks) + 1
         pools = {}
         if block_bytes:
             pools["blocks"] = GatherPool("gather", count, block_bytes, self.device, self._acct)
@@ -529,7 +532,8 @@ class OffloadEngine:
         return self.comm.report()
 
     def full_state_dict(self, rank0_only: bool = False) -> Dict[str, torch.Tensor]:
-        """Every parameter as a full fp32 CPU tensor under the model's own names, plus buffers.
+        """Every parameter as a full fp32 CPU tensor under the model's own names, plus the
+        persistent buffers: what ``model.state_dict()`` has, so a fresh model loads it strictly.
 
         Trainable parameters come from the fp32 master weights (all-gathered over ranks);
         frozen ones from the compute-dtype shards. A tied parameter appears under each of its
@@ -552,7 +556,9 @@ class OffloadEngine:
                 value = full[e.offset:e.offset + e.numel].view(e.shape).clone()
                 for name in e.names:
                     out[name] = value
-        for name, buf in self.module.named_buffers():
+        # persistent buffers only, as the model's own state_dict() has them (its parameters
+        # live in the engine, so the wrapped module's state_dict holds just those)
+        for name, buf in self.module.state_dict().items():
             out[name] = buf.detach().cpu().clone()
         if rank0_only and self.rank != 0:
             return {}
@@ -636,6 +642,12 @@ def _flat_shard_fp32(fp: FlatParam, values: List[torch.Tensor]) -> torch.Tensor:
         if a < b:
             shard[a - lo:b - lo].copy_(v.reshape(-1)[a - e.offset:b - e.offset].float())
     return shard
+
+
+def _ahead(prefetch: int, n_blocks: int) -> int:
+    """Units that can really be in flight ahead of the running one: ``prefetch``, at most the
+    other blocks (pools are sized with this, so a huge ``prefetch`` costs nothing)."""
+    return max(0, min(prefetch, n_blocks - 1))
 
 
 def _all_finite(t: torch.Tensor, chunk: int = 1 << 22) -> bool:

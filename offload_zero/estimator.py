@@ -25,7 +25,8 @@ Frozen parameters (``requires_grad=False``) cost only their compute-dtype copy.
 
 [Note: engine extras]
 Besides model states this engine holds, at the peak of a step:
-- stage 3: the gather pool (device buffers, fixed at start-up): ``prefetch + 1`` slots the size
+- stage 3: the gather pool (device buffers, fixed at start-up): ``prefetch + 1`` slots (at most
+  one per block: ``prefetch`` counts at most the other blocks, here and below) the size
   of the largest block unit (its flat parameters' ``padded_numel * K`` bytes) plus one slot the
   size of the root unit; with parameters on NVMe the units ahead are read into host buffers
   instead, so one block slot plus the root's; with one rank and the shards on the device
@@ -399,6 +400,8 @@ def _extras(layout, stage, offload, n, k, padded, prefetch, accelerator, offload
         offload_param = default_offload_param(offload, stage)
     if stage == 0:
         return out
+    # units in flight ahead of the running one: prefetch, at most the other blocks
+    ahead = max(0, min(prefetch, len({spec.unit for spec in layout if spec.unit != -1}) - 1))
     full = {}     # unit -> gathered bytes
     shards = []   # trainable shard_numel
     grad_full = []
@@ -416,7 +419,7 @@ def _extras(layout, stage, offload, n, k, padded, prefetch, accelerator, offload
         # the gather pool: slots of the largest block, and one of the root's size
         largest = max((b for u, b in full.items() if u != -1), default=0)
         # NVMe-resident shards are read ahead, not gathered ahead: one block on the device
-        gathered = 1 if offload_param == "nvme" else prefetch + 1
+        gathered = 1 if offload_param == "nvme" else ahead + 1
         out["device"]["buffers"] += gathered * largest + full.get(-1, 0)
     if stage >= 2 and grad_full:
         out["device"]["gradients"] += max(grad_full)
@@ -433,7 +436,7 @@ def _extras(layout, stage, offload, n, k, padded, prefetch, accelerator, offload
         root_shard = max([sh for sh, u in zip(all_shards, units_of) if u == -1], default=0)
         # an fp32 shard on NVMe beside its optimizer state is its master: no write-back ring
         ring = 0 if (k == 4 and offload == "nvme") else 2
-        out["host"]["buffers"] += (2 * (prefetch + 2) + ring) * max(block_shard, 1) * k
+        out["host"]["buffers"] += (2 * (ahead + 2) + ring) * max(block_shard, 1) * k
         if root_shard > block_shard:
             out["host"]["buffers"] += root_shard * k
     if step_in_backward and offload == "nvme" and stage >= 2:

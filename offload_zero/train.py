@@ -167,10 +167,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="draw bytes per tier (device, host, NVMe) over the steps to this PNG")
     engine.add_argument("--activation-checkpointing", action="store_true",
                         help="recompute each layer's forward in backward (less activation memory)")
-    engine.add_argument("--step-in-backward", action=argparse.BooleanOptionalAction, default=True,
+    engine.add_argument("--step-in-backward", action=argparse.BooleanOptionalAction, default=None,
                         help="update each unit as soon as its gradient is final in backward, "
-                             "hiding NVMe optimizer I/O behind backward (stages 2-3; this loop "
-                             "runs one backward per step and does not clip; default: on)")
+                             "hiding NVMe optimizer I/O behind backward (this loop runs one "
+                             "backward per step and does not clip; default: on at stages 2-3)")
+
+
+def _step_in_backward(args) -> bool:
+    """``--step-in-backward``: on by default at stages 2-3; asked for at stage 1 is an error
+    (gradients are reduced only in step() there)."""
+    if args.step_in_backward and args.stage < 2:
+        raise ValueError(f"--step-in-backward needs --stage 2 or 3, got --stage {args.stage}")
+    return args.stage >= 2 if args.step_in_backward is None else args.step_in_backward
 
 
 def lr_at(step: int, steps: int, peak_lr: float, warmup: int) -> float:
@@ -316,7 +324,8 @@ def format_summary(s: Dict[str, Any]) -> str:
         "offload-zero train: summary",
         f"  model        {s['model']}, {s['params'] / 1e6:.2f}M params, tokenizer {s['tokenizer']}",
         f"  engine       offload {s['offload']}, stage {s['stage']}, dtype {s['dtype']}, "
-        f"world size {s['world_size']}",
+        f"world size {s['world_size']}"
+        + (", step in backward" if s.get("step_in_backward") else ""),
         f"  loss         first {s['first_loss']:.4f} -> last {s['last_loss']:.4f} "
         f"(mean of {k} step(s) each)",
         f"  peak memory  device {_fmt_bytes(peak['device'])} | host {_fmt_bytes(peak['host'])}"
@@ -462,6 +471,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     from offload_zero import OffloadEngine
 
     setup_start = time.perf_counter()
+    step_in_backward = _step_in_backward(args)
     if args.path is not None and args.offload not in ("nvme", "auto"):
         raise ValueError(f"--path is only used with --offload nvme or auto (got --offload {args.offload})")
     if args.path is not None:
@@ -484,9 +494,8 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
             model, offload=args.offload, path=path, stage=args.stage, lr=args.lr,
             weight_decay=args.weight_decay, dtype=_DTYPES[args.dtype],
             activation_checkpointing=args.activation_checkpointing,
-            step_in_backward=args.step_in_backward and args.stage >= 2) as engine:
+            step_in_backward=step_in_backward) as engine:
         rank, world_size = engine.rank, engine.world_size
-        step_in_backward = engine.config.step_in_backward
         offload_shown = args.offload
         if args.offload == "auto":  # say what was chosen
             offload_shown = (f"auto (optimizer {engine.config.offload_optimizer}, "

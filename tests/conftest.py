@@ -3,11 +3,16 @@ import sys
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+import atexit
+import shutil
 import tempfile
 
-# The NVMe self-tuning cache: one fresh file per test session, never the user's ~/.cache.
-os.environ.setdefault("OFFLOAD_ZERO_CACHE", os.path.join(tempfile.mkdtemp(prefix="oz-tuning-"),
-                                                         "aio_tuning.json"))
+# The NVMe self-tuning cache: one fresh file per test session, never the user's ~/.cache; the
+# folder goes when the session ends (subprocesses inherit the variable, not the folder's life).
+if "OFFLOAD_ZERO_CACHE" not in os.environ:
+    _cache_dir = tempfile.mkdtemp(prefix="oz-tuning-")
+    atexit.register(shutil.rmtree, _cache_dir, ignore_errors=True)
+    os.environ["OFFLOAD_ZERO_CACHE"] = os.path.join(_cache_dir, "aio_tuning.json")
 
 
 import pytest  # noqa: E402

@@ -63,6 +63,24 @@ def test_tied_embedding_is_one_parameter(offload, tmp_path):
         assert flat_numel == sum(p.numel() for p in ref.parameters())  # counted once
 
 
+def test_full_state_dict_loads_strictly_into_a_fresh_llama():
+    """Non-persistent buffers (rotary inv_freq) are not in the export, as in the model's own
+    state_dict(), so a fresh Hugging Face model loads it strictly."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    config = LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=2)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    expected = set(model.state_dict())
+    with OffloadEngine(model, offload="cpu") as eng:
+        x = torch.randint(0, 100, (2, 8))
+        eng.backward(eng(input_ids=x, labels=x).loss)
+        eng.step()
+        sd = eng.full_state_dict()
+    assert set(sd) == expected
+    LlamaForCausalLM(config).load_state_dict(sd)  # strict
+
+
 def test_full_state_dict_names_and_shapes(tmp_path):
     model = TinyLM()
     expected = {n: p.shape for n, p in model.state_dict().items()}
@@ -364,6 +382,7 @@ def test_reading_another_units_parameter_names_it():
     ({"lr": -1e-3}, r"lr=-0.001.*> 0"),
     ({"offload": "nvme"}, r"path=None"),
     ({"offload": "nvme", "path": "/nonexistent/swap"}, r"/nonexistent/swap"),
+    ({"offload": "cpu", "offload_param": "nvme"}, r"^offload_param='nvme' needs path="),
     ({"betas": (0.9, 1.5)}, r"betas\[1\]=1.5"),
     ({"dtype": torch.int32}, r"dtype=torch.int32"),
 ])
@@ -973,3 +992,24 @@ def test_step_in_backward_skips_a_non_finite_step_and_refuses_accumulation(tmp_p
 def test_step_in_backward_bad_settings_raise(kwargs, match):
     with pytest.raises(ValueError, match=match):
         OffloadEngine(TinyLM(), **kwargs)
+
+
+def test_pools_never_exceed_the_blocks_whatever_prefetch(tmp_path):
+    """prefetch counts at most the other blocks: a huge value sizes no huge pool (it used to
+    ask the allocator for prefetch-many buffers), and the estimate follows the same rule."""
+    from offload_zero.estimator import estimate_memory
+    model = TinyLM(n_blocks=2)
+    est = estimate_memory(model, stage=3, offload="nvme", dtype=torch.float32, prefetch=10 ** 9,
+                          accelerator=False)
+    with OffloadEngine(model, offload="nvme", path=str(tmp_path), prefetch=10 ** 9) as eng:
+        pools = eng.memory_report()["pools"]
+        assert pools["param_shards"]["buffers"] == 2 * (1 + 2)  # one block ahead, no ring at fp32
+        x, y = batches(1)[0]
+        eng.backward(lm_loss(eng(x), y))
+        eng.step()
+        rep = eng.memory_report()
+    assert {k: rep["host"]["by_kind"][k]["peak_bytes"] for k in ("buffers",)} == {
+        "buffers": est.by_kind("host")["buffers"]}
+    with OffloadEngine(TinyLM(n_blocks=2), stage=3, offload="cpu", offload_param="cpu",
+                       prefetch=10 ** 9) as eng:
+        assert eng.memory_report()["pools"]["gather"]["buffers"] == 2

@@ -92,8 +92,13 @@ def test_step_in_backward_is_on_by_default_and_changes_no_number(tmp_path):
         assert proc.returncode == 0, proc.stderr[-3000:]
         summary = json.loads(out.read_text())
         assert summary["step_in_backward"] is (not flag)
+        assert ("step in backward" in proc.stdout) is (not flag)
         losses.append(summary["losses"])
     assert losses[0] == losses[1]
+    # asked for where it cannot work: one line, exit 2, before anything is built
+    proc = _run(["train", "--step-in-backward", "--stage", "1", "--steps", "2"], cwd=tmp_path)
+    assert proc.returncode == 2 and "--step-in-backward needs --stage 2 or 3" in proc.stderr
+    assert "Traceback" not in proc.stderr
 
 
 def test_finetune_local_checkpoint_with_its_tokenizer(tmp_path):
