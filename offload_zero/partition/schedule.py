@@ -136,7 +136,7 @@ class UnitScheduler:
         if not self.prefetch or unit not in self.order:
             return
         i = self.order.index(unit)
-        for j in range(1, self.prefetch + 1):
+        for j in range(1, min(self.prefetch, len(self.order)) + 1):
             k = i + step * j
             if 0 <= k < len(self.order):
                 self.prefetch_unit(self.order[k])
