@@ -609,6 +609,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--unit", default="GB", choices=tuple(_UNITS),
                         help="unit of the table, one decimal (default GB = 1e9 bytes)")
     parser.add_argument("--json", action="store_true", help="print JSON (bytes) instead of a table")
+    parser.add_argument("--cpu-device", action="store_true",
+                        help="the CPU plays the device (no accelerator): device and host are one "
+                             "memory, so an fp32 master offloaded to the host is the shard itself "
+                             "and no staging buffer is needed (default: an accelerator)")
 
 
 def run(args: argparse.Namespace) -> MemoryEstimate:
@@ -619,7 +623,7 @@ def run(args: argparse.Namespace) -> MemoryEstimate:
     est = estimate_memory(args.params if args.params is not None else args.model,
                           world_size=args.gpus * args.nodes, gpus_per_node=args.gpus,
                           stage=args.stage, offload=args.offload, dtype=args.dtype,
-                          prefetch=args.prefetch)
+                          prefetch=args.prefetch, accelerator=not args.cpu_device)
     print(json.dumps(est.to_dict(), indent=2) if args.json else format_table(est, args.unit))
     return est
 

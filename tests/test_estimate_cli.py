@@ -56,6 +56,34 @@ def test_preset_model_in_megabytes(capsys):
     assert text.startswith("preset tiny") and "MB = 1e6 bytes" in text
 
 
+def test_cpu_device_estimate_equals_a_cpu_only_run(capsys, tmp_path):
+    """--cpu-device: the estimate of a CPU-only run, equal to what the engine reports (the fp32
+    master offloaded to the host is the shard's own memory there)."""
+    import torch
+    from offload_zero import OffloadEngine
+    from offload_zero.train import build_model, add_arguments
+    import argparse
+    assert cli.main(["estimate", "--model", "tiny", "--dtype", "fp32", "--offload", "cpu",
+                     "--json", "--cpu-device"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert cli.main(["estimate", "--model", "tiny", "--dtype", "fp32", "--offload", "cpu",
+                     "--json"]) == 0
+    accel = json.loads(capsys.readouterr().out)
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    model, _, _ = build_model(p.parse_args(["--preset", "tiny"]))
+    with OffloadEngine(model, stage=3, offload="cpu") as eng:
+        x = torch.randint(0, 100, (2, 8))
+        eng.backward(eng(input_ids=x, labels=x).loss)
+        eng.step()
+        rep = eng.memory_report()
+    sel, other = data["selected"], accel["selected"]
+    assert sel["model_states"]["host"]["master_weights"] == 0 < other["model_states"]["host"]["master_weights"]
+    for tier in ("device", "host", "nvme"):
+        for kind, v in sel["model_states"][tier].items():
+            assert rep[tier]["by_kind"][kind]["peak_bytes"] == v + sel["extras"][tier][kind], (tier, kind)
+
+
 @pytest.mark.parametrize("argv,needle", [
     (["--params", "-5"], "-5"), (["--params", "1e9", "--gpus", "0"], "--gpus 0"),
     (["--model", "no-such-preset"], "no-such-preset"),
