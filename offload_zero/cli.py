@@ -78,7 +78,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"{PROG} {args.command}: terminated (SIGTERM); swap files removed", file=sys.stderr)
         return 143
     except KeyboardInterrupt:
-        print(f"{PROG} {args.command}: interrupted", file=sys.stderr)
+        print(f"{PROG} {args.command}: interrupted (Ctrl-C); swap files removed", file=sys.stderr)
         return 130
     finally:
         signal.signal(signal.SIGTERM, previous)

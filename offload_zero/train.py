@@ -446,12 +446,21 @@ def _reduce_across_ranks(losses: List[float], report: Dict[str, Any]
 
 @contextlib.contextmanager
 def _swap_folder(offload: str, path: Optional[str]) -> Iterator[Optional[str]]:
-    """Yield the NVMe swap folder: ``path`` (created if missing) or, for ``offload == "nvme"``
-    without one, a fresh temporary folder that is removed on exit (also on errors)."""
+    """Yield the NVMe swap folder: ``path`` (created if missing, and then removed on exit if
+    left empty) or, for ``offload == "nvme"`` without one, a fresh temporary folder that is
+    removed on exit (also on errors)."""
     if offload != "nvme" or path is not None:
+        created = path is not None and not os.path.isdir(path)
         if path is not None:
             os.makedirs(path, exist_ok=True)
-        yield path
+        try:
+            yield path
+        finally:
+            if created:
+                try:
+                    os.rmdir(path)  # only if empty: never anything the run did not create
+                except OSError:
+                    pass
         return
     temp = tempfile.mkdtemp(prefix="offload-zero-swap-")
     try:

@@ -530,3 +530,30 @@ def test_tuned_swapper_real_probe(tmp_path, monkeypatch):
         assert sw.tuning["source"] == "probe" and sw.files == []
         assert os.listdir(folder) == []  # nothing of the probe left in the swap folder
     assert not folder.exists()
+
+
+def test_aio_context_released_once_even_if_interrupted():
+    """Ctrl-C right after the kernel context is released must not make the library release it
+    again when the object is collected (that printed an ignored EINVAL traceback at exit)."""
+    import gc
+    libaio = pytest.importorskip("libaio")
+    from offload_zero.memory.aio_libaio import _release_context
+    try:
+        ctx = libaio.AIOContext(4)
+    except OSError as exc:
+        pytest.skip(f"no AIO context here: {exc}")
+    calls = []
+    real = ctx._io_queue_release
+
+    def release_then_interrupt(raw):
+        calls.append(raw)
+        real(raw)
+        raise KeyboardInterrupt  # lands just after the release
+
+    ctx._io_queue_release = release_then_interrupt
+    with pytest.raises(KeyboardInterrupt):
+        _release_context(ctx)
+    ctx.close()  # what the library's __del__ does at exit: must find nothing to release
+    del ctx
+    gc.collect()
+    assert len(calls) == 1

@@ -81,6 +81,19 @@ def test_train_nvme_on_stdlib(tmp_path):
     assert _files_under(swap) == [], "swap files left behind"
 
 
+def test_a_swap_folder_the_run_created_is_removed(tmp_path):
+    made = tmp_path / "new-swap"
+    proc = _run(["train", "--preset", "tiny", "--steps", "2", "--offload", "nvme", "--path", made,
+                 *FAST], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert not made.exists()
+    kept = tmp_path / "user-swap"
+    kept.mkdir()
+    proc = _run(["train", "--preset", "tiny", "--steps", "2", "--offload", "nvme", "--path", kept,
+                 *FAST], cwd=tmp_path)
+    assert proc.returncode == 0 and kept.is_dir() and list(kept.iterdir()) == []
+
+
 def test_step_in_backward_is_on_by_default_and_changes_no_number(tmp_path):
     """The main job updates units inside backward by default; --no-step-in-backward gives the
     very same losses (same arithmetic, other moment)."""
@@ -278,8 +291,11 @@ def test_memory_plot_auto_offload_and_checkpointing(tmp_path):
     assert json.loads(out.read_text())["steps"] == 4
 
 
-def test_sigterm_removes_swap_files(tmp_path):
-    """torchrun, Slurm and docker stop send SIGTERM: the run must unwind and clean up."""
+@pytest.mark.parametrize("signame,code,word", [("SIGTERM", 143, "terminated (SIGTERM)"),
+                                               ("SIGINT", 130, "interrupted (Ctrl-C)")])
+def test_sigterm_removes_swap_files(signame, code, word, tmp_path):
+    """torchrun, Slurm and docker stop send SIGTERM, a user Ctrl-C: the run must unwind, clean
+    up, and say so in one line."""
     import signal
     import time
     swap = tmp_path / "swap"
@@ -293,10 +309,10 @@ def test_sigterm_removes_swap_files(tmp_path):
         time.sleep(0.2)
     assert list(swap.rglob("*.swp")), "the run never created its swap files"
     time.sleep(1.0)
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(getattr(signal, signame))
     _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 143, err[-2000:]
-    assert "terminated" in err and "Traceback" not in err
+    assert proc.returncode == code, err[-2000:]
+    assert f"{word}; swap files removed" in err and "Traceback" not in err
     assert _files_under(swap) == []
 
 

@@ -160,4 +160,22 @@ class LibaioBackend:
             request.finish(-errno.ECANCELED)
         if threading.current_thread() is not self._reaper:
             self._reaper.join()
-        self._ctx.close()
+        _release_context(self._ctx)
+
+
+def _release_context(ctx) -> None:
+    """Destroy ``ctx`` (a ``libaio.AIOContext``) exactly once.
+
+    The library's own ``close()`` releases the kernel context and only then forgets it; a
+    Ctrl-C landing between the two made its ``__del__`` release it again at exit (EINVAL,
+    printed as an ignored exception). Here the handle is taken from the object first, so its
+    ``close()``/``__del__`` find nothing to release, whatever interrupts us.
+    """
+    raw = ctx.__dict__.pop("_ctx", None) if "_ctx" in getattr(ctx, "__dict__", {}) else None
+    release = getattr(ctx, "_io_queue_release", None)
+    if raw is None or release is None:
+        if raw is not None:
+            ctx._ctx = raw
+        ctx.close()
+        return
+    release(raw)
