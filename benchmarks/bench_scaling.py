@@ -54,6 +54,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 
+from models import unique_storage_bytes  # noqa: E402
+
 KINDS = ("parameters", "gradients", "master_weights", "moments")
 FORMULA = {1: lambda psi, n: 4 * psi + 12 * psi / n,
            2: lambda psi, n: 2 * psi + 14 * psi / n,
@@ -68,13 +70,6 @@ def Net(width=WIDTH, n_blocks=BLOCKS) -> nn.Module:
     from models import WideNet
     return WideNet(width, n_blocks)
 
-
-def _storage_bytes(tensors):
-    seen = {}
-    for t in tensors:
-        st = t.untyped_storage()
-        seen[st.data_ptr()] = st.nbytes()
-    return sum(seen.values())
 
 
 def _zero_stage(rank, world_size, stage, steps):
@@ -129,8 +124,8 @@ def _ddp(rank, world_size, steps):
         state = [t for s in opt.state.values() for k, t in s.items()
                  if torch.is_tensor(t) and k != "step"]
         # AdamW state exists from the first step on; measure after the second backward
-        after_bwd = {"parameters": _storage_bytes(params), "gradients": _storage_bytes(grads),
-                     "master_weights": 0, "moments": _storage_bytes(state) if state else 0}
+        after_bwd = {"parameters": unique_storage_bytes(params), "gradients": unique_storage_bytes(grads),
+                     "master_weights": 0, "moments": unique_storage_bytes(state) if state else 0}
         opt.step()
     wall = time.perf_counter() - t0
     n = world_size

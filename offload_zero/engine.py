@@ -124,7 +124,7 @@ class OffloadEngine:
     # -- construction ------------------------------------------------------------------------
     def _build(self, model: nn.Module) -> None:
         cfg = self.config
-        plan = self._plan_units(model)
+        plan = self._plan = self._plan_units(model)
         if not any(members for _, _, members in plan[2]):
             raise ValueError("model has no parameters to train")
         if "nvme" in (cfg.offload_optimizer, cfg.offload_param):
@@ -142,15 +142,14 @@ class OffloadEngine:
         elif cfg.param_tier is Tier.NVME:
             # fp32 shards are their own master weights: read from the optimizer's files and
             # never written back separately, so no write-back ring either
-            share = cfg.optimizer_tier is Tier.NVME and cfg.dtype == torch.float32
+            share = self._master_is_param_on_nvme()
             ring = 0 if share else NVMeParamHome._WRITE_RING
             # in flight at once: (prefetch + 1) units of at most 2 flat parameters, plus the
             # write-back ring of the step. An outsized root unit (embeddings) gets a buffer of
             # its own, so the main pool's buffers are block-sized: its flat parameters are read
             # one after the other, and the step's write of its update is waited for before the
             # next forward reads it.
-            n_blocks = len({u for u, _, _ in plan[2] if not u.is_root})
-            count = 2 * (_ahead(cfg.prefetch, n_blocks) + 2) + ring
+            count = 2 * (_ahead(cfg.prefetch, plan) + 2) + ring
             main = HostBufferPool("param_shards", count, max(block_shard, 1), cfg.dtype,
                                   self._host_alloc, self._acct)
             self.pools["param_shards"] = main
@@ -191,10 +190,14 @@ class OffloadEngine:
         on_grad, on_unit_backward = self.grads.on_full_grad, None
         if cfg.step_in_backward:
             on_grad, on_unit_backward = self._grad_ready, self._prefetch_state
-            if isinstance(self.store, NVMeStore):
-                numel = max((fp.shard_numel for u in self.blocks for fp in u.flat_params
-                             if fp.requires_grad), default=0)
-                self.store.enable_prefetch(numel)
+            numel = max((fp.shard_numel for u in self.blocks for fp in u.flat_params
+                         if fp.requires_grad), default=0)
+            if isinstance(self.store, NVMeStore) and numel:
+                # read-ahead of a block's whole state: master | exp_avg | exp_avg_sq
+                ring = HostBufferPool("optimizer_prefetch", 2, 3 * numel, torch.float32,
+                                      self._host_alloc, self._acct)
+                self.pools["optimizer_prefetch"] = ring
+                self.store.enable_prefetch(ring)
         self.scheduler = UnitScheduler(self.blocks, self.root, self.comm, cfg.prefetch,
                                        reshard_after_forward=cfg.stage == 3,
                                        on_grad=on_grad, pool_for=pool_for, staging=staging,
@@ -280,8 +283,7 @@ class OffloadEngine:
 
         cfg = self.config
         block_bytes = max((unit_bytes(u) for u in self.blocks), default=0)
-        n_blocks = sum(bool(u.flat_params) for u in self.blocks)
-        count = 1 if cfg.param_tier is Tier.NVME else _ahead(cfg.prefetch, n_blocks) + 1
+        count = 1 if cfg.param_tier is Tier.NVME else _ahead(cfg.prefetch, self._plan) + 1
         pools = {}
         if block_bytes:
             pools["blocks"] = GatherPool("gather", count, block_bytes, self.device, self._acct)
@@ -307,9 +309,15 @@ class OffloadEngine:
             return HostStore(self._acct, self._host_alloc)
         sizes = [shard_numel_for(sum(p.numel() for p, _ in members), self.world_size, self.config.dtype)
                  for _, trainable, members in plan[2] if trainable]
-        share = self.config.param_tier is Tier.NVME and self.config.dtype == torch.float32
         return NVMeStore(self.swapper, self._acct, self._host_alloc, max(sizes, default=1024),
-                         master_is_param=share)
+                         master_is_param=self._master_is_param_on_nvme())
+
+    def _master_is_param_on_nvme(self) -> bool:
+        """fp32 parameter shards and optimizer state both on NVMe: a trainable shard is read
+        from its master's bytes (see ``NVMeParamHome(master_is_param=...)``)."""
+        cfg = self.config
+        return (cfg.param_tier is Tier.NVME and cfg.optimizer_tier is Tier.NVME
+                and cfg.dtype == torch.float32)
 
     # -- training loop -----------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
@@ -446,8 +454,6 @@ class OffloadEngine:
             return None  # the master is the shard: updated in place
         if self.config.optimizer_tier is Tier.DEVICE and self.device.type != "cpu":
             return None  # torch ops on the accelerator; copied from the master afterwards
-        if self.config.optimizer_tier is Tier.DEVICE and fp.dtype == torch.float32:
-            return None
         if fp.sharded.device.type == "cpu":
             return fp.sharded
         return self._staging[:fp.shard_numel]
@@ -517,9 +523,6 @@ class OffloadEngine:
         rep["pools"] = {name: pool.report() for name, pool in self.pools.items()}
         if isinstance(self.store, NVMeStore):
             rep["pools"]["optimizer_pipeline"] = self.store.pool_report()
-            ahead = self.store.pool_report_prefetch()
-            if ahead is not None:
-                rep["pools"]["optimizer_prefetch"] = ahead
         if self.grads.scratch is not None:
             nbytes = self.grads.scratch.numel() * self.grads.scratch.element_size()
             rep["pools"]["reduce_scratch"] = {"buffers": 1, "buffer_bytes": nbytes,
@@ -644,9 +647,11 @@ def _flat_shard_fp32(fp: FlatParam, values: List[torch.Tensor]) -> torch.Tensor:
     return shard
 
 
-def _ahead(prefetch: int, n_blocks: int) -> int:
+def _ahead(prefetch: int, plan) -> int:
     """Units that can really be in flight ahead of the running one: ``prefetch``, at most the
-    other blocks (pools are sized with this, so a huge ``prefetch`` costs nothing)."""
+    other blocks with parameters in ``plan`` (from ``_plan_units``); pools are sized with
+    this, so a huge ``prefetch`` costs nothing."""
+    n_blocks = len({unit for unit, _, _ in plan[2] if not unit.is_root})
     return max(0, min(prefetch, n_blocks - 1))
 
 

@@ -74,3 +74,12 @@ class WideNet(nn.Module):
         for b in self.blocks:
             x = x + b(x)
         return x
+
+
+def unique_storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (views of one buffer count once)."""
+    seen = {}
+    for t in tensors:
+        st = t.untyped_storage()
+        seen[st.data_ptr()] = st.nbytes()
+    return sum(seen.values())

@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 
 from dist_harness import run_ranks
-from models import TinyLM, WideNet, batches, lm_loss
+from models import TinyLM, WideNet, batches, lm_loss, unique_storage_bytes
 
 STEPS = 5
 CASES_WS2 = [(s, o) for s in (1, 2, 3) for o in ("none", "cpu", "nvme")]
@@ -85,14 +85,6 @@ PAPER_FORMULA = {1: lambda psi, n: 4 * psi + 12 * psi / n,
                  3: lambda psi, n: 16 * psi / n}
 
 
-def _unique_storage_bytes(tensors):
-    seen = {}
-    for t in tensors:
-        st = t.untyped_storage()
-        seen[st.data_ptr()] = st.nbytes()
-    return sum(seen.values())
-
-
 def _memory_and_comm_rank(rank, world_size):
     from offload_zero import OffloadEngine
     out = {}
@@ -112,7 +104,7 @@ def _memory_and_comm_rank(rank, world_size):
                 tensors += [fp.full.grad for fp in eng.flat_params if fp.full.grad is not None]
                 for fp in eng.trainable:
                     tensors += list(eng.store._state[fp])
-                storage = _unique_storage_bytes(tensors)
+                storage = unique_storage_bytes(tensors)
                 eng.step()
             padded = sum(fp.padded_numel for fp in eng.flat_params)
             out[stage] = dict(psi=psi, padded=padded, measured=measured, storage=storage,

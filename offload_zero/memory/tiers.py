@@ -137,13 +137,10 @@ class NVMeStore:
     def __init__(self, swapper, accountant: TierAccountant, host_alloc, max_shard_numel: int,
                  chunk_numel: Optional[int] = None, master_is_param: bool = False):
         self._master_is_param = master_is_param
-        self._host_alloc = host_alloc
         # whole-state read-ahead ring (step_in_backward; see enable_prefetch)
-        self._whole: List[torch.Tensor] = []
-        self._whole_numel = 0
-        self._whole_free: List[int] = []
-        self._whole_reads: Dict[object, tuple] = {}   # fp -> (buffer index, read handles)
-        self._whole_writes: List[tuple] = []          # (buffer index, write handles), oldest first
+        self._ahead = None                            # a HostBufferPool, or None
+        self._whole_reads: Dict[object, tuple] = {}   # fp -> (buffer, read handles)
+        self._whole_writes: List[tuple] = []          # (buffer, write handles), oldest first
         chunk_numel = chunk_numel or self.CHUNK_NUMEL
         self._acct = accountant
         self.swapper = swapper
@@ -200,64 +197,53 @@ class NVMeStore:
         return [op(key, view, offset_bytes=4 * (part * n + lo)) for part, view in enumerate(views)]
 
     # -- whole-state read-ahead (step_in_backward) ----------------------------------------------
-    def enable_prefetch(self, max_numel: int, count: int = 2) -> None:
-        """Reserve ``count`` host buffers of ``3 * max_numel`` fp32 elements (sized once) into
-        which :meth:`prefetch` reads a flat parameter's whole state ahead of its update. Two
-        suffice for updates in backward: unit k's state is read while unit k+1's is written."""
-        if self._whole or max_numel <= 0:
-            return
-        self._whole = [self._host_alloc(3 * max_numel, torch.float32) for _ in range(count)]
-        self._whole_numel = max_numel
-        self._whole_free = list(range(count))
-        self._acct.add(Tier.HOST, StateKind.BUFFERS, count * 3 * max_numel * 4)
+    def enable_prefetch(self, pool) -> None:
+        """Read whole states ahead into ``pool``, a
+        :class:`offload_zero.memory.pool.HostBufferPool` of fp32 buffers of ``3 * numel``
+        elements (master | exp_avg | exp_avg_sq of a shard of up to ``numel`` elements) owned
+        and closed by the caller. Two buffers suffice for updates in backward: unit k's state is
+        read while unit k+1's is written."""
+        self._ahead = pool
 
-    def _whole_views(self, idx: int, n: int):
-        b, k = self._whole[idx], self._whole_numel
-        return b[:n], b[k:k + n], b[2 * k:2 * k + n]
+    def _whole_views(self, buf: torch.Tensor, n: int):
+        k = buf.numel() // 3
+        return buf[:n], buf[k:k + n], buf[2 * k:2 * k + n]
 
     def _retire_whole_write(self) -> None:
-        idx, handles = self._whole_writes.pop(0)
+        buf, handles = self._whole_writes.pop(0)
         try:
             for h in handles:
                 h.wait()
         finally:
-            self._whole_free.append(idx)
+            self._ahead.release(buf)
 
     def prefetch(self, fp) -> bool:
         """Start reading ``fp``'s whole state (master, moments) into a read-ahead buffer; the
         next :meth:`iter_states` that reaches ``fp`` yields it from there. Returns False (and
         does nothing) without read-ahead buffers, for a state larger than they are, or when both
         hold states still to be updated."""
-        if not self._whole or fp in self._whole_reads or self._numel.get(fp, 0) > self._whole_numel:
+        pool = self._ahead
+        if pool is None or fp in self._whole_reads or 3 * self._numel.get(fp, 0) > pool.numel:
             return False
-        if not self._whole_free and self._whole_writes:
+        if pool.in_use == pool.count and self._whole_writes:
             self._retire_whole_write()
-        if not self._whole_free:
+        if pool.in_use == pool.count:
             return False
-        idx = self._whole_free.pop()
+        buf = pool.acquire()
         n = self._numel[fp]
-        self._whole_reads[fp] = (idx, self._io(fp, 0, n, 0, write=False,
-                                               views=self._whole_views(idx, n)))
+        self._whole_reads[fp] = (buf, self._io(fp, 0, n, 0, write=False,
+                                               views=self._whole_views(buf, n)))
         return True
 
     def release_prefetched(self) -> None:
         """Finish and forget read-ahead that no update used (a unit without a gradient)."""
         for fp in list(self._whole_reads):
-            idx, handles = self._whole_reads.pop(fp)
+            buf, handles = self._whole_reads.pop(fp)
             try:
                 for h in handles:
                     h.wait()
             finally:
-                self._whole_free.append(idx)
-
-    def pool_report_prefetch(self) -> Optional[dict]:
-        """The read-ahead ring in :meth:`pool_report`'s format, or None when not enabled."""
-        if not self._whole:
-            return None
-        per = 3 * self._whole_numel * 4
-        return {"buffers": len(self._whole), "buffer_bytes": per,
-                "capacity_bytes": per * len(self._whole),
-                "in_use": len(self._whole) - len(self._whole_free), "peak_in_use": len(self._whole)}
+                self._ahead.release(buf)
 
     def _chunks(self, fps):
         for fp in fps:
@@ -280,17 +266,17 @@ class NVMeStore:
         flight meanwhile."""
         ahead = [f for f in flat_params if f in self._whole_reads]
         for fp in ahead:
-            idx, handles = self._whole_reads.pop(fp)
+            buf, handles = self._whole_reads.pop(fp)
             n = self._numel[fp]
             try:
                 for h in handles:
                     h.wait()
-                yield (fp, 0, n, *self._whole_views(idx, n))
+                yield (fp, 0, n, *self._whole_views(buf, n))
             except BaseException:
-                self._whole_free.append(idx)
+                self._ahead.release(buf)
                 raise
-            self._whole_writes.append((idx, self._io(fp, 0, n, 0, write=True,
-                                                     views=self._whole_views(idx, n))))
+            self._whole_writes.append((buf, self._io(fp, 0, n, 0, write=True,
+                                                     views=self._whole_views(buf, n))))
         items = list(self._chunks([f for f in flat_params if f not in ahead]))
         if not items:
             return
@@ -371,9 +357,6 @@ class NVMeStore:
             self._numel.clear()
             self._acct.sub(Tier.HOST, StateKind.BUFFERS, self._buf_bytes)
             self._bufs = []
-            if self._whole:
-                self._acct.sub(Tier.HOST, StateKind.BUFFERS, len(self._whole) * 3 * self._whole_numel * 4)
-                self._whole = []
 
 
 # -- where compute-dtype parameter shards live when they are not on the device ---------------------
