@@ -207,3 +207,18 @@ def test_bad_arguments(folder, kwargs, needle, fake_probe):
 def test_missing_folder(tmp_path, fake_probe):
     with pytest.raises(ValueError, match="nope.*not an existing directory"):
         tuning.tuned_settings(str(tmp_path / "nope"))
+
+
+def test_test_session_removes_its_tuning_cache_folder(tmp_path):
+    """The suite points OFFLOAD_ZERO_CACHE at a fresh temp folder per session (never the user's
+    cache) and removes that folder when the session ends."""
+    import subprocess
+    import sys
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k != "OFFLOAD_ZERO_CACHE"}
+    env["TMPDIR"] = str(tmp_path)
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                        os.path.join(repo, "tests", "test_aligned.py")], cwd=repo, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:]
+    assert not list(tmp_path.glob("oz-tuning-*"))

@@ -90,6 +90,13 @@ def bind_storage(storage: torch.UntypedStorage, memory: torch.Tensor) -> None:
     The storage object keeps its identity, so every tensor and autograd-saved view already
     built on it sees the new memory. ``memory`` must outlive the binding (see
     :func:`unbind_storage`); it stays owned by its own tensor.
+
+    Args:
+        storage: the storage to bind (0 bytes). memory: any contiguous tensor on the same
+            device; the storage then holds ``memory.numel() * memory.element_size()`` bytes.
+
+    Raises:
+        RuntimeError: ``storage`` already holds bytes (unbind it first).
     """
     if storage.nbytes() != 0:
         raise RuntimeError(f"bind_storage: the storage already holds {storage.nbytes()} bytes")
@@ -101,7 +108,7 @@ def bind_storage(storage: torch.UntypedStorage, memory: torch.Tensor) -> None:
 def unbind_storage(storage: torch.UntypedStorage, keep_values: bool = False) -> None:
     """Detach ``storage`` from borrowed memory: afterwards it holds 0 bytes, or with
     ``keep_values`` a private copy of the bytes it held (so views that outlive the pool stay
-    readable)."""
+    readable; that copy allocates ``storage.nbytes()`` bytes on its device)."""
     nbytes = storage.nbytes()
     if keep_values:
         own = torch.empty(nbytes, dtype=torch.uint8, device=storage.device).untyped_storage()
@@ -131,6 +138,10 @@ class GatherPool:
         count: slots sized at start-up (>= 1); slot_bytes: bytes per slot (a multiple of 4096).
         device: where the slots live (the accelerator, or the CPU playing it).
         accountant: the capacity is recorded as device ``BUFFERS``.
+
+    Raises:
+        ValueError: ``count`` or ``slot_bytes`` below 1.
+        RuntimeError: :meth:`acquire` after :meth:`close`; :meth:`release` of a slot not in use.
     """
 
     def __init__(self, name: str, count: int, slot_bytes: int, device: torch.device,
