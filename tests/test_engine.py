@@ -732,6 +732,24 @@ def test_nvme_optimizer_pipeline_in_chunks(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_finite_check_before_a_chunked_update(dtype):
+    """The check that guards a chunked update: exact for inf and nan wherever they sit, and
+    finite values whose sum overflows are still finite (checked element by element)."""
+    from offload_zero.engine import _all_finite
+    t = torch.randn(10_000, dtype=dtype)
+    assert _all_finite(t)
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        u = t.clone()
+        u[7_777] = bad
+        assert not _all_finite(u, chunk=1024)
+    u = t.clone()
+    u[3], u[9_000] = float("inf"), float("-inf")  # the sum is nan, not 0
+    assert not _all_finite(u)
+    big = torch.full((4096,), torch.finfo(dtype).max / 2, dtype=dtype)
+    assert not torch.isfinite(big.sum()) and _all_finite(big, chunk=1000)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_parameter_pool_is_block_sized_with_a_separate_root_pool(dtype, tmp_path):
     """Reads ahead for (prefetch + 2) units of two flat parameters, plus a write-back ring of two
     where the shard is not its master (bf16); the root's buffer apart (its read and its
