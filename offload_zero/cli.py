@@ -36,7 +36,7 @@ _EPILOG = """\
 examples:
   offload-zero train                                   # default preset, stdlib corpus, CPU offload
   offload-zero train --offload nvme --path /mnt/nvme/swap --json run.json
-  offload-zero train --model ./my-checkpoint --data notes/ --steps 200 --dtype bf16
+  offload-zero train --model ./my-checkpoint --data notes/ --steps 200 --dtype bf16 --save ./tuned
   torchrun --nproc-per-node 2 -m offload_zero.cli train --stage 3
 
 Run 'offload-zero <command> --help' for a command's flags.

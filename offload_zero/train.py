@@ -5,7 +5,9 @@ a named preset, optionally overridden per field) with the byte tokenizer of
 :mod:`offload_zero.data`, or a local Hugging Face checkpoint (``--model DIR``) with its own
 tokenizer. Text comes from ``--data`` files/directories, or by default from the Python standard
 library's sources. The run ends with a summary (losses, peak bytes per tier, NVMe traffic,
-time, throughput) printed to stdout and optionally written as JSON.
+time, throughput) printed to stdout and optionally written as JSON. ``--save DIR`` keeps the
+trained weights as ``DIR/model.safetensors`` (with the Hugging Face config and tokenizer), a
+folder that ``--model DIR`` and ``transformers.AutoModelForCausalLM.from_pretrained`` load.
 
 :func:`add_arguments` fills the ``train`` sub-parser; :func:`run` executes a parsed namespace
 and returns the summary. Bad user input raises ``ValueError`` (the CLI turns it into a
@@ -19,10 +21,12 @@ import json
 import logging
 import math
 import os
+import re
 import shutil
 import sys
 import tempfile
 import time
+from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Tuple
@@ -37,6 +41,8 @@ log = logging.getLogger("offload_zero.train")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json",
                     "spiece.model", "vocab.txt")
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# The file --save writes the weights to: the name transformers' from_pretrained looks for first.
+WEIGHTS_NAME = "model.safetensors"
 
 
 @dataclass(frozen=True)
@@ -80,7 +86,9 @@ of --seq-len tokens per rank; under torchrun every rank gets a disjoint share of
 
 Shows a progress bar (loss, tokens/s) and ends with a summary on stdout: first and last loss,
 peak bytes per tier (device, host, nvme), NVMe bytes read and written, wall time and tokens/s.
---json FILE writes the same summary as JSON.
+--json FILE writes the same summary as JSON. --save DIR writes the trained weights to
+DIR/model.safetensors, with the model's config.json and its tokenizer (if it has a Hugging Face
+one): a folder that --model DIR fine-tunes further and transformers' from_pretrained loads.
 
 Defaults: preset {DEFAULT_PRESET!r} (~3M parameters), {DEFAULTS['steps']} steps of {DEFAULTS['batch_size']} x {DEFAULTS['seq_len']} tokens, --offload {DEFAULTS['offload']},
 --stage {DEFAULTS['stage']}, fp32: about a minute on two CPU cores.
@@ -152,7 +160,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     optim.add_argument("--lr", type=_positive_float, default=d["lr"],
                        help="peak learning rate of AdamW (default: %(default)s)")
     optim.add_argument("--warmup", type=_nonnegative_int, default=None, metavar="STEPS",
-                       help="linear warmup steps before cosine decay to lr/10 "
+                       help="linear warmup steps before cosine decay to lr/10, 0 to --steps "
                             "(default: steps/10, at most 100)")
     optim.add_argument("--weight-decay", type=float, default=d["weight_decay"], metavar="WD",
                        help="AdamW weight decay (default: %(default)s)")
@@ -162,6 +170,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="log a line every N steps, 0 for never (default: %(default)s)")
     out.add_argument("--json", metavar="FILE", default=None,
                      help="also write the summary as JSON to FILE")
+    out.add_argument("--save", metavar="DIR", default=None,
+                     help=f"after training, write the full weights to DIR/{WEIGHTS_NAME} with "
+                          "config.json and the tokenizer (a folder --model DIR and "
+                          "transformers' from_pretrained load); DIR is created if missing")
     out.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     out.add_argument("--memory-plot", metavar="FILE.png", default=None,
                      help="draw bytes per tier (device, host, NVMe) over the steps to this PNG")
@@ -334,7 +346,17 @@ def format_summary(s: Dict[str, Any]) -> str:
         f"written {_fmt_bytes(s['nvme_written_bytes'])}",
         f"  time         {s['wall_s']:.1f} s for {s['steps']} steps "
         f"(+{s['setup_s']:.1f} s setup), {s['tokens_per_s']:,.0f} tokens/s",
-    ])
+    ] + _saved_lines(s.get("saved")))
+
+
+def _saved_lines(saved: Optional[Dict[str, Any]]) -> List[str]:
+    """The summary's ``saved`` line (where ``--save`` put the weights), or none."""
+    if not saved:
+        return []
+    others = [f for f in saved["files"] if f != WEIGHTS_NAME]
+    extra = f"; with {', '.join(others)}" if others else ""
+    return [f"  saved        {saved['weights']} ({_fmt_bytes(saved['weights_bytes'])}, "
+            f"{saved['tensors']} tensors){extra}"]
 
 
 def _train_loop(engine, batches, args, warmup: int, tokens_per_step: int,
@@ -469,18 +491,18 @@ def _swap_folder(offload: str, path: Optional[str]) -> Iterator[Optional[str]]:
         shutil.rmtree(temp, ignore_errors=True)
 
 
-def run(args: argparse.Namespace) -> Dict[str, Any]:
-    """Run ``offload-zero train`` for parsed ``args``; return the summary dict.
+def check_args(args: argparse.Namespace) -> None:
+    """Check the flags that can be checked before anything is built, so a bad one fails in a
+    second instead of after the whole run. Writes nothing.
 
-    Only rank 0 shows progress (its own loss), prints the summary and writes ``--json``; with
-    several ranks the summary's losses are means over ranks, peak bytes the largest rank's and
-    NVMe traffic the sum over ranks. Raises ``ValueError`` on bad input (from this module, the
-    data pipeline or the engine).
+    Raises ``ValueError`` (naming the flag and its value) if ``--warmup`` is more than
+    ``--steps``; ``--path`` is given without ``--offload nvme``/``auto``, is not a folder or has
+    no parent folder; the folder of ``--json`` / ``--memory-plot`` is missing or not
+    writable; or ``--save`` is not a folder or cannot be created (see :func:`check_save_dir`).
     """
-    from offload_zero import OffloadEngine
-
-    setup_start = time.perf_counter()
-    step_in_backward = _step_in_backward(args)
+    if args.warmup is not None and args.warmup > args.steps:
+        raise ValueError(f"--warmup {args.warmup} is more than --steps {args.steps}; "
+                         f"give --warmup between 0 and {args.steps}")
     if args.path is not None and args.offload not in ("nvme", "auto"):
         raise ValueError(f"--path is only used with --offload nvme or auto (got --offload {args.offload})")
     if args.path is not None:
@@ -490,13 +512,167 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         if not os.path.isdir(parent):
             raise ValueError(f"--path {args.path!r}: its parent folder {parent!r} does not exist")
     for flag, out in (("--json", args.json), ("--memory-plot", args.memory_plot)):
-        if out is not None:  # fail now, not after the whole run
+        if out is not None:
             folder = os.path.dirname(os.path.abspath(out))
             if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
                 raise ValueError(f"{flag} {out!r}: folder {folder!r} does not exist or is not writable")
+    if args.save is not None:
+        check_save_dir(args.save)
+
+
+def check_save_dir(folder: str) -> None:
+    """Check that ``--save`` ``folder`` is, or can be made, a writable folder; creates nothing.
+
+    Raises ``ValueError`` naming the path if ``folder`` exists and is not a folder, if it is a
+    folder we cannot write to, if ``folder/model.safetensors`` is a folder, or, when it does not
+    exist, if its nearest existing ancestor is not a writable folder.
+    """
+    flag = f"--save {folder!r}"
+    if os.path.exists(folder):
+        if not os.path.isdir(folder):
+            raise ValueError(f"{flag} exists and is not a folder")
+        if not os.access(folder, os.W_OK | os.X_OK):
+            raise ValueError(f"{flag} is a folder this process cannot write to")
+        if os.path.isdir(os.path.join(folder, WEIGHTS_NAME)):
+            raise ValueError(f"{flag}: {os.path.join(folder, WEIGHTS_NAME)!r} is a folder")
+        return
+    ancestor = os.path.dirname(os.path.abspath(folder))
+    while not os.path.exists(ancestor):
+        ancestor = os.path.dirname(ancestor)
+    if not os.path.isdir(ancestor):
+        raise ValueError(f"{flag} cannot be created: {ancestor!r} is not a folder")
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise ValueError(f"{flag} cannot be created: {ancestor!r} is not writable")
+
+
+def tied_weight_patterns(model: torch.nn.Module) -> List[str]:
+    """The names a Hugging Face model declares as tied copies (``_tied_weights_keys`` of every
+    submodule, prefixed with its path; a dict's keys in transformers 5, a list before), as the
+    regular expressions transformers matches them with. Empty for a model without any."""
+    patterns: List[str] = []
+    for prefix, module in model.named_modules():
+        tied = getattr(module, "_tied_weights_keys", None) or ()
+        for key in (tied.keys() if isinstance(tied, dict) else tied):
+            patterns.append(f"{prefix}.{key}" if prefix else key)
+    return patterns
+
+
+def unshare_tensors(state_dict: Dict[str, torch.Tensor], tied_patterns: List[str] = ()
+                    ) -> Tuple[Dict[str, torch.Tensor], List[str]]:
+    """Make ``state_dict`` storable by safetensors, which refuses tensors sharing storage.
+
+    Names that hold the very same tensor (tied weights) keep one entry: the names matching
+    ``tied_patterns`` (see :func:`tied_weight_patterns`) are dropped, as transformers'
+    ``save_pretrained`` does, and ``from_pretrained`` ties them again on load; extra names the
+    model does not declare get a copy, as do tensors that overlap without being the same view.
+    Returns ``(new dict, dropped names)``; ``state_dict`` itself is not changed.
+    """
+    out = dict(state_dict)
+    dropped: List[str] = []
+    by_storage: Dict[int, List[str]] = defaultdict(list)
+    for name, tensor in state_dict.items():
+        if tensor.numel():
+            by_storage[tensor.untyped_storage().data_ptr()].append(name)
+    for names in by_storage.values():
+        if len(names) < 2:
+            continue
+        first = state_dict[names[0]]
+        same_view = all(state_dict[n].data_ptr() == first.data_ptr()
+                        and state_dict[n].shape == first.shape
+                        and state_dict[n].stride() == first.stride() for n in names)
+        declared = {n for n in names if same_view
+                    and any(re.search(p, n) for p in tied_patterns)}
+        keep = next((n for n in names if n not in declared), names[0])
+        for name in names:
+            if name == keep:
+                continue
+            if name in declared:
+                del out[name]
+                dropped.append(name)
+            else:
+                out[name] = state_dict[name].clone()
+    return out, dropped
+
+
+def save_checkpoint(folder: str, state_dict: Dict[str, torch.Tensor], *, config: Any = None,
+                    tokenizer: Any = None, tied_patterns: List[str] = ()) -> Dict[str, Any]:
+    """Write a loadable checkpoint folder: ``folder/model.safetensors`` holding ``state_dict``
+    (tied duplicates dropped by :func:`unshare_tensors`), plus ``config.save_pretrained(folder)``
+    and ``tokenizer.save_pretrained(folder)`` for those given that have the method.
+
+    ``folder`` is created if missing. The config and tokenizer are written first and the
+    weights last, to a temporary file in ``folder`` that is flushed to disk and then renamed
+    over ``model.safetensors``: a failed or interrupted save leaves any earlier
+    ``model.safetensors`` as it was and never a half-written one. Returns a JSON-ready dict
+    ``{"dir", "weights", "weights_bytes", "tensors", "dropped_tied", "files"}``. Raises
+    ``ValueError`` (naming the path) if ``state_dict`` is empty or anything cannot be written.
+    """
+    from safetensors.torch import save_file
+
+    if not state_dict:
+        raise ValueError(f"--save {folder!r}: no weights to write (an empty state dict)")
+    tensors, dropped = unshare_tensors(state_dict, tied_patterns)
+    tensors = {name: t.detach().cpu().contiguous() for name, t in tensors.items()}
+    weights = os.path.join(folder, WEIGHTS_NAME)
+    temp = os.path.join(folder, f".{WEIGHTS_NAME}.{os.getpid()}.tmp")
+    files: List[str] = []
+    try:
+        os.makedirs(folder, exist_ok=True)
+        if config is not None and hasattr(config, "save_pretrained"):
+            config.save_pretrained(folder)
+            files.append("config.json")
+        if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
+            written = tokenizer.save_pretrained(folder)
+            files.extend(sorted(os.path.basename(str(f)) for f in written or ()))
+        try:
+            save_file(tensors, temp, metadata={"format": "pt"})
+            umask = os.umask(0)  # safetensors makes its files 0600; give the usual mode
+            os.umask(umask)
+            os.chmod(temp, 0o666 & ~umask)
+            with open(temp, "rb+") as f:
+                os.fsync(f.fileno())
+            os.replace(temp, weights)
+        finally:
+            if os.path.exists(temp):
+                os.remove(temp)
+    except OSError as exc:
+        raise ValueError(f"--save {folder!r}: cannot write the checkpoint: {exc}") from exc
+    files.append(WEIGHTS_NAME)
+    return {"dir": folder, "weights": weights, "weights_bytes": os.path.getsize(weights),
+            "tensors": len(tensors), "dropped_tied": dropped, "files": files}
+
+
+def _tokenizer_to_save(args: argparse.Namespace, tokenizer) -> Any:
+    """The Hugging Face tokenizer to write with ``--save``, or ``None`` (the byte tokenizer
+    has no files: ``--model`` falls back to it for a folder without tokenizer files).
+
+    Loaded again from ``--model``: the one in use has a training-only ``model_max_length``."""
+    if not isinstance(tokenizer, data_lib.HFTokenizer):
+        return None
+    import transformers
+
+    return transformers.AutoTokenizer.from_pretrained(str(args.model))
+
+
+def run(args: argparse.Namespace) -> Dict[str, Any]:
+    """Run ``offload-zero train`` for parsed ``args``; return the summary dict.
+
+    Flags are checked by :func:`check_args` before anything is built. Only rank 0 shows
+    progress (its own loss), prints the summary and writes ``--json`` and ``--save`` (every
+    rank takes part in gathering the weights; see :func:`save_checkpoint`); with several ranks
+    the summary's losses are means over ranks, peak bytes the largest rank's and NVMe traffic
+    the sum over ranks. Raises ``ValueError`` on bad input (from this module, the data pipeline
+    or the engine) and when ``--save`` cannot be written.
+    """
+    from offload_zero import OffloadEngine
+
+    setup_start = time.perf_counter()
+    step_in_backward = _step_in_backward(args)
+    check_args(args)  # fail now, not after the whole run
     files = data_lib.find_text_files(args.data) if args.data else data_lib.stdlib_files()
     model, tokenizer, description = build_model(args)
     params = sum(p.numel() for p in model.parameters())
+    tied = tied_weight_patterns(model)
     warmup = args.warmup if args.warmup is not None else min(100, args.steps // 10)
 
     with _swap_folder(args.offload, args.path) as path, OffloadEngine(
@@ -521,7 +697,14 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         report = engine.memory_report()
         if world_size > 1:
             losses, report = _reduce_across_ranks(losses, report)
+        # every rank takes part in the gathers; only rank 0 gets (and writes) the weights
+        state = engine.full_state_dict(rank0_only=True) if args.save else {}
 
+    saved = None
+    if args.save and rank == 0:
+        saved = save_checkpoint(args.save, state, config=getattr(model, "config", None),
+                                tokenizer=_tokenizer_to_save(args, tokenizer), tied_patterns=tied)
+    del state
     summary = summarize(losses, report, wall_s=wall_s, tokens=tokens_per_step * args.steps,
                         extra=dict(
                             model=description, params=params,
@@ -531,7 +714,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
                             dtype=args.dtype, steps=args.steps, seq_len=args.seq_len,
                             batch_size=args.batch_size, world_size=world_size, rank=rank,
                             lr=args.lr, warmup=warmup, seed=args.seed, setup_s=setup_s,
-                            step_in_backward=step_in_backward))
+                            step_in_backward=step_in_backward, saved=saved))
     if rank == 0:
         print(format_summary(summary), flush=True)
         if args.memory_plot:

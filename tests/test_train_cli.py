@@ -34,12 +34,12 @@ def _files_under(path: Path):
     return sorted(p for p in path.rglob("*") if not p.is_dir())
 
 
-def _tiny_checkpoint(folder: Path, vocab_size: int) -> None:
+def _tiny_checkpoint(folder: Path, vocab_size: int, **config_fields) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(vocab_size=vocab_size, hidden_size=32, num_hidden_layers=2,
                          num_attention_heads=2, num_key_value_heads=2, intermediate_size=64,
-                         max_position_embeddings=128)
+                         max_position_embeddings=128, **config_fields)
     LlamaForCausalLM(config).save_pretrained(folder)
 
 
@@ -152,15 +152,24 @@ def test_checkpoint_without_tokenizer_uses_bytes(tmp_path):
 def test_torchrun_two_ranks(tmp_path):
     swap = tmp_path / "swap"
     out = tmp_path / "out.json"
+    saved = tmp_path / "saved"
     env = dict(os.environ, OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), str(REPO)) if p))
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
          "-m", "offload_zero.cli", "train", "--preset", "tiny", "--steps", "4", "--offload",
-         "nvme", "--path", str(swap), "--json", str(out), "--no-progress", *FAST],
+         "nvme", "--path", str(swap), "--json", str(out), "--no-progress", "--save", str(saved),
+         *FAST],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("summary") == 1  # rank 0 only
+    assert proc.stdout.count("saved ") == 1  # rank 0 writes the weights gathered from both
+    assert sorted(os.listdir(saved)) == ["config.json", "model.safetensors"]
+    import safetensors.torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    model = LlamaForCausalLM(LlamaConfig.from_pretrained(str(saved)))
+    model.load_state_dict(safetensors.torch.load_file(str(saved / "model.safetensors")),
+                          strict=True)  # full shapes, every name: both ranks' shards
     summary = json.loads(out.read_text())
     assert summary["world_size"] == 2 and summary["tokens"] == 4 * 4 * 64 * 2
     assert summary["nvme_written_bytes"] > 0
@@ -321,6 +330,9 @@ def test_sigterm_removes_swap_files(signame, code, word, tmp_path):
     (["--offload", "nvme", "--path", "/nonexistent-parent/swap"], "does not exist"),
     (["--json", "/nonexistent-parent/out.json"], "--json"),
     (["--memory-plot", "/nonexistent-parent/m.png"], "--memory-plot"),
+    (["--save", "{file}"], "exists and is not a folder"),
+    (["--save", "{file}/out"], "cannot be created"),
+    (["--steps", "20", "--warmup", "50"], "--warmup 50 is more than --steps 20"),
 ])
 def test_bad_output_paths_fail_before_training(tmp_path, flags, word):
     a_file = tmp_path / "a_file"
@@ -331,3 +343,184 @@ def test_bad_output_paths_fail_before_training(tmp_path, flags, word):
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert word in proc.stderr and "Traceback" not in proc.stderr
     assert "step " not in proc.stderr  # nothing was trained
+
+
+# --- --warmup against --steps -----------------------------------------------------------------
+
+def _parse(*argv):
+    return cli.build_parser().parse_args(["train", *map(str, argv)])
+
+
+def test_warmup_more_than_steps_is_an_error(capsys):
+    message = "--warmup 50 is more than --steps 20; give --warmup between 0 and 20"
+    assert cli.main(["train", "--steps", "20", "--warmup", "50"]) == 2
+    assert message in capsys.readouterr().err
+    with pytest.raises(ValueError) as info:  # run(args) checks it too, before building anything
+        train.run(_parse("--steps", 20, "--warmup", 50))
+    assert str(info.value) == message
+    for warmup in (0, 1, 19, 20):  # the valid range's edges pass
+        train.check_args(_parse("--steps", 20, "--warmup", warmup))
+    with pytest.raises(ValueError, match="--warmup 21 is more than --steps 20"):
+        train.check_args(_parse("--steps", 20, "--warmup", 21))
+
+
+# --- --save -----------------------------------------------------------------------------------
+
+def _run_capturing_weights(monkeypatch, argv):
+    """``train.run`` in process; returns (summary, what engine.full_state_dict returned)."""
+    from offload_zero import OffloadEngine
+
+    captured = {}
+    original = OffloadEngine.full_state_dict
+
+    def spy(self, *args, **kwargs):
+        captured.update(original(self, *args, **kwargs))
+        return captured
+
+    monkeypatch.setattr(OffloadEngine, "full_state_dict", spy)
+    summary = train.run(_parse(*argv, "--no-progress", *FAST))
+    assert captured, "--save did not take the engine's weights"
+    return summary, captured
+
+
+def test_save_writes_the_trained_weights(tmp_path, monkeypatch, capsys):
+    import safetensors.torch
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    out = tmp_path / "tuned" / "nested"  # parents are created
+    summary, engine_state = _run_capturing_weights(
+        monkeypatch, ["--preset", "tiny", "--steps", 2, "--save", out])
+    weights = out / "model.safetensors"
+    assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]  # no temp file left
+    assert f"saved        {weights}" in capsys.readouterr().out
+    assert summary["saved"]["weights"] == str(weights)
+    assert summary["saved"]["tensors"] == len(engine_state)
+
+    # the file holds exactly what the engine returned
+    loaded = safetensors.torch.load_file(str(weights))
+    assert loaded.keys() == engine_state.keys()
+    for name, value in engine_state.items():
+        assert torch.equal(loaded[name], value), name
+    # ... which is not the initial model: training changed the weights
+    initial, _, _ = train.build_model(_parse("--preset", "tiny", *FAST))
+    assert any(not torch.equal(t, loaded[n]) for n, t in initial.state_dict().items())
+
+    # a fresh model of the same config loads it strictly; from_pretrained loads the folder
+    fresh = LlamaForCausalLM(LlamaConfig.from_pretrained(str(out)))
+    fresh.load_state_dict(loaded, strict=True)
+    pretrained = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
+    ids = torch.randint(0, 259, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(fresh.eval()(ids).logits, pretrained.eval()(ids).logits)
+
+
+def test_save_tied_checkpoint_with_tokenizer_round_trips(tmp_path, monkeypatch, capsys):
+    """A checkpoint with tied embeddings and its own tokenizer: the tied copy is left out of the
+    file (safetensors refuses shared tensors) as transformers does, from_pretrained ties it
+    again, the tokenizer is written as it was loaded, and --model fine-tunes the result."""
+    import json as json_lib
+
+    import safetensors.torch
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(Path(argparse.__file__).read_text()[:20_000])
+    ckpt = tmp_path / "ckpt"
+    vocab = _train_bpe_tokenizer(corpus.read_text(), ckpt)
+    _tiny_checkpoint(ckpt, vocab, tie_word_embeddings=True)
+    out = tmp_path / "out"
+    summary, engine_state = _run_capturing_weights(
+        monkeypatch, ["--model", ckpt, "--data", corpus, "--steps", 2, "--save", out])
+    assert engine_state["lm_head.weight"] is engine_state["model.embed_tokens.weight"]
+    assert summary["saved"]["dropped_tied"] == ["lm_head.weight"]
+    assert "tokenizer.json" in summary["saved"]["files"]
+    loaded = safetensors.torch.load_file(str(out / "model.safetensors"))
+    assert set(loaded) == set(engine_state) - {"lm_head.weight"}
+    max_len = json_lib.loads((out / "tokenizer_config.json").read_text()).get("model_max_length")
+    assert max_len != 1 << 62, "the training-only model_max_length was saved"
+
+    model = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
+    state = model.state_dict()
+    for name, value in engine_state.items():
+        assert torch.equal(state[name], value), name
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+
+    capsys.readouterr()
+    again = train.run(_parse("--model", out, "--data", corpus, "--steps", 1, "--no-progress",
+                             *FAST))
+    assert again["model"] == f"checkpoint {out}" and not again["tokenizer"].startswith("byte")
+
+
+def test_save_path_errors_name_the_path(tmp_path):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    with pytest.raises(ValueError, match=f"--save '{a_file}' exists and is not a folder"):
+        train.check_args(_parse("--save", a_file))
+    with pytest.raises(ValueError, match=f"cannot be created: '{a_file}' is not a folder"):
+        train.check_args(_parse("--save", a_file / "sub" / "dir"))
+    (tmp_path / "d" / "model.safetensors").mkdir(parents=True)
+    with pytest.raises(ValueError, match="model.safetensors' is a folder"):
+        train.check_args(_parse("--save", tmp_path / "d"))
+    train.check_args(_parse("--save", tmp_path / "new" / "dir"))  # creatable: fine
+    assert not (tmp_path / "new").exists()  # and checking created nothing
+
+
+def test_failed_save_leaves_no_half_written_weights(tmp_path, monkeypatch):
+    import errno
+
+    import safetensors.torch
+    import torch
+
+    state = {"w": torch.arange(6.0).view(2, 3)}
+    train.save_checkpoint(str(tmp_path), state)
+    good = (tmp_path / "model.safetensors").read_bytes()
+
+    def disk_full(tensors, filename, metadata=None):
+        Path(filename).write_bytes(b"half a file")
+        raise OSError(errno.ENOSPC, "No space left on device", filename)
+
+    monkeypatch.setattr(safetensors.torch, "save_file", disk_full)
+    with pytest.raises(ValueError, match=f"--save '{tmp_path}': cannot write.*No space left"):
+        train.save_checkpoint(str(tmp_path), {"w": torch.zeros(2, 3)})
+    assert os.listdir(tmp_path) == ["model.safetensors"]  # the temporary file is gone
+    assert (tmp_path / "model.safetensors").read_bytes() == good  # the earlier save is intact
+    fresh = tmp_path / "fresh"
+    with pytest.raises(ValueError):
+        train.save_checkpoint(str(fresh), state)
+    assert os.listdir(fresh) == []
+    with pytest.raises(ValueError, match="no weights to write"):
+        train.save_checkpoint(str(fresh), {})
+
+
+def test_unshare_tensors():
+    import torch
+
+    weight = torch.randn(4, 3)
+    state = {"embed.weight": weight, "head.weight": weight, "norm": torch.ones(3)}
+    out, dropped = train.unshare_tensors(state, ["head.weight"])  # a declared tie: dropped
+    assert dropped == ["head.weight"] and set(out) == {"embed.weight", "norm"}
+    assert out["embed.weight"] is weight and set(state) == {"embed.weight", "head.weight", "norm"}
+    out, dropped = train.unshare_tensors(state)  # undeclared: both kept, one a copy
+    assert dropped == [] and set(out) == set(state)
+    assert torch.equal(out["head.weight"], weight)
+    assert out["head.weight"].data_ptr() != out["embed.weight"].data_ptr()
+    flat = torch.arange(8.0)
+    out, dropped = train.unshare_tensors({"a": flat[:6], "b": flat[2:]}, ["b"])  # overlapping
+    assert dropped == [] and torch.equal(out["b"], flat[2:])
+    assert out["b"].untyped_storage().data_ptr() != flat.untyped_storage().data_ptr()
+    zero_size = torch.empty(0)
+    assert set(train.unshare_tensors({"x": zero_size, "y": zero_size})[0]) == {"x", "y"}
+
+
+def test_tied_weight_patterns():
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=16, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
+                         num_key_value_heads=2, intermediate_size=16)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    assert "lm_head.weight" in train.tied_weight_patterns(model)
+    assert train.tied_weight_patterns(torch.nn.Linear(2, 2)) == []
