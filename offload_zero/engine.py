@@ -12,7 +12,7 @@ import logging
 import math
 import os
 import weakref
-from typing import Dict, List, Optional
+from typing import Dict, Iterator, List, Optional
 
 import torch
 import torch.nn as nn
@@ -27,7 +27,8 @@ from offload_zero.memory.tiers import (DeviceStore, HostParamHome, HostStore, NV
 from offload_zero.partition.flat_param import FlatParam, build_entries, shard_numel_for
 from offload_zero.partition.grads import GradientShards
 from offload_zero.partition.schedule import UnitScheduler
-from offload_zero.partition.units import Unit, find_unit_modules, group_parameters
+from offload_zero.partition.units import (Unit, find_unit_modules, group_parameters,
+                                          split_by_gradient_order)
 
 log = logging.getLogger("offload_zero")
 
@@ -100,6 +101,7 @@ class OffloadEngine:
         self._step_count: Dict[FlatParam, int] = {}
         self._targets: Dict[FlatParam, Optional[torch.Tensor]] = {}
         self._early: Dict[FlatParam, bool] = {}  # step_in_backward: updated in backward -> ok
+        self._deferred: List[tuple] = []  # step_in_backward: (fp, update generator, skipped)
         self._backward_pending = False
         self.skipped_steps = 0
         pin = self.device.type == "cuda"
@@ -145,10 +147,10 @@ class OffloadEngine:
             share = self._master_is_param_on_nvme()
             ring = 0 if share else NVMeParamHome._WRITE_RING
             # in flight at once: (prefetch + 1) units of at most 2 flat parameters, plus the
-            # write-back ring of the step. An outsized root unit (embeddings) gets a buffer of
-            # its own, so the main pool's buffers are block-sized: its flat parameters are read
-            # one after the other, and the step's write of its update is waited for before the
-            # next forward reads it.
+            # write-back ring of the step. An outsized root unit (embeddings) gets buffers of
+            # its own, so the main pool's buffers are block-sized: one per flat parameter when
+            # they are all trainable (each keeps its updated shard for the next forward), else
+            # one, through which its flat parameters are read one after the other.
             count = 2 * (_ahead(cfg.prefetch, plan) + 2) + ring
             main = HostBufferPool("param_shards", count, max(block_shard, 1), cfg.dtype,
                                   self._host_alloc, self._acct)
@@ -156,14 +158,16 @@ class OffloadEngine:
             pool_for = lambda fp: main  # noqa: E731
             keep = None
             if root_shard > block_shard:
-                root = HostBufferPool("param_shards_root", 1, root_shard, cfg.dtype,
+                keep_root = all(trainable for u, trainable, _ in plan[2] if u.is_root)
+                count = sum(u.is_root for u, _, _ in plan[2]) if keep_root else 1
+                root = HostBufferPool("param_shards_root", count, root_shard, cfg.dtype,
                                       self._host_alloc, self._acct)
                 self.pools["param_shards_root"] = root
                 pool_for = lambda fp: root if fp.name.startswith("root.") else main  # noqa: E731
-                if sum(u.is_root for u, _, _ in plan[2]) == 1:
-                    # the root's buffer is idle between its update and the next forward, which
-                    # gathers the root first: the updated shard stays there instead of being
-                    # read back from the file
+                if keep_root:
+                    # the root's buffers are idle between its update and the next forward,
+                    # which gathers the root first: the updated shards stay there instead of
+                    # being read back from the files
                     keep = lambda fp: fp.name.startswith("root.")  # noqa: E731
             self.param_home = NVMeParamHome(self.swapper, pool_for, self._acct,
                                             master_is_param=share, keep_after_update=keep)
@@ -218,12 +222,19 @@ class OffloadEngine:
         groups, users = group_parameters(model, [n for n, _ in block_mods])
         blocks = [Unit(i, n, m, is_root=False) for i, (n, m) in enumerate(block_mods)]
         root = Unit(len(blocks), "", model, is_root=True)
+        names = [n for n, _ in block_mods]
         planned = []
         for unit, group in zip(blocks + [root], groups):
             for trainable in (True, False):
                 members = [(p, refs) for p, refs in group if p.requires_grad == trainable]
-                if members:
-                    planned.append((unit, trainable, members))
+                if not members:
+                    continue
+                parts = [members]
+                if unit.is_root and trainable and self.config.step_in_backward:
+                    # the LM head's gradient is final at the start of backward, the
+                    # embeddings' at its end: two flat parameters, updated when each is ready
+                    parts = split_by_gradient_order(model, members, names)
+                planned.extend((unit, trainable, part) for part in parts)
         return blocks, root, planned, users
 
     def _build_units(self, blocks, root, planned, users):
@@ -235,11 +246,16 @@ class OffloadEngine:
                        or (cfg.optimizer_tier is Tier.HOST and self.device.type == "cpu"))
         alias_ok = same_memory and cfg.param_tier is Tier.DEVICE and cfg.dtype == torch.float32
         owner_of = {}
+        taken: Dict[str, int] = {}
         for unit, trainable, members in planned:
             entries = build_entries(members)
             values = [p.detach() for p, _ in members]
             tag = "root" if unit.is_root else f"unit{unit.index}"
-            fp = FlatParam(f"{tag}.{'trainable' if trainable else 'frozen'}", entries, values,
+            name = f"{tag}.{'trainable' if trainable else 'frozen'}"
+            taken[name] = taken.get(name, 0) + 1
+            if taken[name] > 1:  # the root's trainable parameters split by gradient order
+                name = f"{name}.{taken[name] - 1}"
+            fp = FlatParam(name, entries, values,
                            trainable, cfg.dtype, self.device, self.rank, self.world_size,
                            keep_unsharded=self._keeps_full_params(), accountant=self._acct,
                            home=self.param_home)
@@ -352,16 +368,43 @@ class OffloadEngine:
     def _prefetch_state(self, unit: Unit) -> None:
         """Backward reached ``unit``: start reading its optimizer state (NVMe) so the update
         that follows its gradient does not wait for the disk."""
+        self._pump()
         for fp in unit.flat_params:
             if fp.requires_grad and fp not in self._early:
                 self.store.prefetch(fp)
 
     def _grad_ready(self, fp: FlatParam) -> None:
-        """``fp``'s gradient is accumulated: reduce it to the shard and update ``fp`` now."""
+        """``fp``'s gradient is accumulated: reduce it to the shard and update ``fp`` now, or
+        (NVMe state too large for the read-ahead ring) chunk by chunk from the hooks that follow,
+        so its reads and writes overlap the rest of backward (see :meth:`_pump`)."""
         self.grads.on_full_grad(fp)
         if fp in self._early or not self.grads.has_grad[fp]:
             return
+        if isinstance(self.store, NVMeStore) and not self.store.prefetched(fp):
+            skipped: set = set()
+            self._deferred.append((fp, self._iter_updates([fp], 1.0, False, skipped), skipped))
+            self._early[fp] = False  # until its last chunk is updated (see _pump)
+            self._pump()
+            return
         self._early[fp] = fp not in self._update_states([fp], 1.0, known_finite=False)
+
+    def _pump(self, all_of_them: bool = False) -> None:
+        """Advance the oldest deferred update by one chunk (every deferred update to its end
+        with ``all_of_them``). The updates go one after the other: they share the store's
+        pipeline buffers. Each chunk's read was started one chunk earlier, so a call rarely
+        waits for the disk."""
+        while self._deferred:
+            fp, gen, skipped = self._deferred[0]
+            try:
+                next(gen)
+                if not all_of_them:
+                    return
+            except StopIteration:
+                self._deferred.pop(0)
+                self._early[fp] = fp not in skipped
+            except BaseException:
+                self._deferred.pop(0)
+                raise
 
     @torch.no_grad()
     def step(self) -> None:
@@ -376,6 +419,7 @@ class OffloadEngine:
         self._check_open()
         cfg = self.config
         self.scheduler.reshard_all()  # a training forward without backward leaves the root gathered
+        self._pump(all_of_them=True)  # updates started in backward finish first
         if cfg.stage == 1:
             self.grads.reduce_all_full(self.trainable)
         coef = 1.0
@@ -420,7 +464,15 @@ class OffloadEngine:
         """Adam/AdamW on every flat parameter in ``fps`` (their gradients final); returns the
         set skipped for inf/nan gradients. State read ahead (:meth:`NVMeStore.prefetch`) is
         written back asynchronously; the step drains it."""
-        skipped = set()
+        skipped: set = set()
+        for _ in self._iter_updates(fps, coef, known_finite, skipped):
+            pass
+        return skipped
+
+    def _iter_updates(self, fps: List[FlatParam], coef: float, known_finite: bool,
+                      skipped: set) -> Iterator[None]:
+        """:meth:`_update_states` as a generator that yields after each chunk; flat parameters
+        skipped for inf/nan gradients are added to ``skipped``."""
         try:
             # the store yields each flat parameter's state whole, or (NVMe) in chunks
             for fp, lo, hi, master, m, v in self.store.iter_states(fps):
@@ -439,10 +491,10 @@ class OffloadEngine:
                     skipped.add(fp)
                 if hi == fp.shard_numel:
                     self._finish_update(fp, ok)
+                yield
         finally:
             for fp in fps:
                 self._targets.pop(fp, None)
-        return skipped
 
     def _update_target(self, fp: FlatParam) -> Optional[torch.Tensor]:
         """Where the kernel writes ``fp``'s new compute-dtype shard in the same pass as the
@@ -581,7 +633,11 @@ class OffloadEngine:
         if self._closed:
             return
         self._closed = True
-        self._finalizer()
+        try:
+            while self._deferred:  # updates cut short by an error: end their I/O first
+                self._deferred.pop(0)[1].close()
+        finally:
+            self._finalizer()
 
     def __enter__(self) -> "OffloadEngine":
         return self

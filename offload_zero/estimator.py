@@ -254,23 +254,30 @@ def _param_count(value) -> int:
     return int(value)
 
 
-def model_layout(model: nn.Module, unit_classes: Sequence[type] = ()) -> List[FlatSpec]:
+def model_layout(model: nn.Module, unit_classes: Sequence[type] = (),
+                 step_in_backward: bool = False) -> List[FlatSpec]:
     """The engine's flat parameters of ``model``: one :class:`FlatSpec` per unit and
-    ``requires_grad`` value, units found as :class:`offload_zero.OffloadEngine` finds them.
+    ``requires_grad`` value, units found as :class:`offload_zero.OffloadEngine` finds them
+    (``step_in_backward``: the root's trainable parameters in two, by gradient order, as the
+    engine splits them; see :func:`offload_zero.partition.units.split_by_gradient_order`).
 
     A parameter shared by several modules (tied embeddings) is counted once. Works on models on
     the ``meta`` device (nothing is allocated). Units: elements.
     """
-    from offload_zero.partition.units import find_unit_modules, group_parameters
+    from offload_zero.partition.units import (find_unit_modules, group_parameters,
+                                              split_by_gradient_order)
     names = [n for n, _ in find_unit_modules(model, tuple(unit_classes))]
     groups, _ = group_parameters(model, names)
     specs = []
     for index, group in enumerate(groups):
         unit = -1 if index == len(names) else index
         for trainable in (True, False):
-            numel = sum(p.numel() for p, _ in group if p.requires_grad == trainable)
-            if numel:
-                specs.append(FlatSpec(numel, unit, trainable))
+            members = [(p, refs) for p, refs in group if p.requires_grad == trainable]
+            parts = [members] if members else []
+            if members and unit == -1 and trainable and step_in_backward:
+                parts = split_by_gradient_order(model, members, names)
+            for part in parts:
+                specs.append(FlatSpec(sum(p.numel() for p, _ in part), unit, trainable))
     if not specs:
         raise ValueError(f"model {type(model).__name__} has no parameters")
     return specs
@@ -438,7 +445,11 @@ def _extras(layout, stage, offload, n, k, padded, prefetch, accelerator, offload
         ring = 0 if (k == 4 and offload == "nvme") else 2
         out["host"]["buffers"] += (2 * (ahead + 2) + ring) * max(block_shard, 1) * k
         if root_shard > block_shard:
-            out["host"]["buffers"] += root_shard * k
+            # one buffer per root flat parameter when all are trainable (each keeps its
+            # updated shard for the next forward), else one
+            root_specs = [spec for spec in layout if spec.unit == -1]
+            count = len(root_specs) if all(spec.trainable for spec in root_specs) else 1
+            out["host"]["buffers"] += count * root_shard * k
     if step_in_backward and offload == "nvme" and stage >= 2:
         # two read-ahead buffers of a block's whole state (master + moments, fp32)
         trainable_blocks = [sh for sh, u, spec in zip(all_shards, units_of, layout)
@@ -541,7 +552,7 @@ def placement_bytes(model: nn.Module, stage: int, offload_optimizer: str, offloa
     dt = _resolve_dtype(dtype)
     k = torch.empty(0, dtype=dt).element_size()
     if layout is None:
-        layout = model_layout(model, unit_classes)
+        layout = model_layout(model, unit_classes, step_in_backward=step_in_backward)
     states = _model_states(layout, stage, offload_optimizer, world_size, k, True, offload_param,
                            accelerator=accelerator)
     extras = _extras(layout, stage, offload_optimizer, world_size, k, True, prefetch, accelerator,

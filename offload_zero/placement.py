@@ -83,7 +83,7 @@ def choose_placement(model: nn.Module, stage: int, world_size: int, dtype: torch
     """
     from offload_zero.estimator import model_layout, placement_bytes
     budgets = measure_budgets(device, path, max_device_bytes, max_host_bytes)
-    layout = model_layout(model, unit_classes)
+    layout = model_layout(model, unit_classes, step_in_backward=step_in_backward)
     accelerator = device.type != "cpu"
     tried: List[str] = []
     last = None

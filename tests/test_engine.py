@@ -984,6 +984,55 @@ def test_step_in_backward_leaves_no_write_in_flight_after_step(tmp_path):
         assert all(torch.equal(sa[k], sb[k]) for k in sa)
 
 
+def test_step_in_backward_streams_outsized_root_states_during_backward(tmp_path, monkeypatch):
+    """With step_in_backward the root's trainable parameters are two flat parameters: the LM
+    head and final norm, whose gradient backward finishes first (their views are made when they
+    run, not at the start of forward), and the embeddings. A state larger than the read-ahead
+    buffers is updated chunk by chunk from the hooks that follow its gradient: the LM head's is
+    done before backward reaches the first block. Weights equal the plain step's bit for bit,
+    and a nan step is skipped by both."""
+    from models import WIDTH, Block
+    from offload_zero.memory.tiers import NVMeStore
+    monkeypatch.setattr(NVMeStore, "CHUNK_NUMEL", 1024)
+    torch.manual_seed(4)
+    model = TinyLM(n_blocks=4)
+    model.blocks = nn.ModuleList(Block(WIDTH, hidden=3) for _ in range(4))  # root >> block
+    twin = copy.deepcopy(model)
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    kw = dict(lr=1e-2, weight_decay=0.1, offload="nvme")
+    with OffloadEngine(model, path=str(tmp_path / "a"), **kw) as a, \
+            OffloadEngine(twin, path=str(tmp_path / "b"), step_in_backward=True, **kw) as b:
+        head, emb = b.root.flat_params
+        assert (head.name, emb.name) == ("root.trainable", "root.trainable.1")
+        assert {fqn for e in head.entries for _, _, fqn in e.refs} == {
+            "norm.weight", "norm.bias", "head.weight"}
+        assert {fqn for e in emb.entries for _, _, fqn in e.refs} == {"emb.weight"}
+        assert b.store._chunk < head.shard_numel and not b.store.prefetch(head)
+        events = []
+        on_grad = b.scheduler._on_grad
+
+        def spy(fp):
+            done = head in b._early and all(d[0] is not head for d in b._deferred)
+            events.append((fp.name, done))
+            on_grad(fp)
+        b.scheduler._on_grad = spy
+        for i, (x, y) in enumerate(batches(4)):
+            scale = float("nan") if i == 2 else 1.0
+            for eng in (a, b):
+                events.clear()
+                eng.backward(lm_loss(eng(x), y) * scale)
+                eng.step()
+            order = [name for name, _ in events]
+            assert order == ["root.trainable"] + [f"unit{k}.trainable" for k in (3, 2, 1, 0)] + [
+                "root.trainable.1"], order
+            assert dict(events)["unit0.trainable"], events  # the LM head's update is done
+            assert not b._deferred
+        assert a.skipped_steps == b.skipped_steps == 1
+        sa, sb = a.full_state_dict(), b.full_state_dict()
+        assert all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
 def test_step_in_backward_skips_a_non_finite_step_and_refuses_accumulation(tmp_path):
     torch.manual_seed(0)
     model = TinyLM(n_blocks=3)

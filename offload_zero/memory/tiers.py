@@ -235,6 +235,10 @@ class NVMeStore:
                                                views=self._whole_views(buf, n)))
         return True
 
+    def prefetched(self, fp) -> bool:
+        """Whether ``fp``'s whole state is being read ahead (see :meth:`prefetch`)."""
+        return fp in self._whole_reads
+
     def release_prefetched(self) -> None:
         """Finish and forget read-ahead that no update used (a unit without a gradient)."""
         for fp in list(self._whole_reads):

@@ -11,7 +11,10 @@ backward, unit k: the first gradient reaching k's outputs unshards k (+ deps) an
                   backward may still use those weights).
 end of backward:  a callback queued on the autograd engine reshards whatever is still gathered.
 The root unit (everything outside the blocks) is gathered from the start of a training forward
-to the end of its backward (an evaluation forward frees it at its end). The forward order is recorded on the first training
+to the end of its backward (an evaluation forward frees it at its end). Each of its flat
+parameters gets fresh views when the first module using it runs: autograd runs ready nodes
+newest first, so views made at the start of forward would hold back an LM head's gradient to the
+end of backward. The forward order is recorded on the first training
 forward and replayed for prefetch; it is re-recorded if a later forward runs another order.
 """
 from __future__ import annotations
@@ -69,6 +72,11 @@ class UnitScheduler:
             self._handles.append(unit.module.register_forward_hook(self._make_post_forward(unit)))
         self._handles.append(root.module.register_forward_pre_hook(self._root_pre_forward))
         self._handles.append(root.module.register_forward_hook(self._root_post_forward))
+        self._fresh_views: set = set()       # root flat params given fresh views this forward
+        for fp in root.flat_params:
+            users = {id(m): m for e in fp.entries for m, _, _ in e.refs if m is not root.module}
+            for module in users.values():
+                self._handles.append(module.register_forward_pre_hook(self._make_fresh_views(fp)))
         for unit in blocks + [root]:
             for fp in unit.flat_params:
                 if fp.requires_grad:
@@ -145,7 +153,17 @@ class UnitScheduler:
     def _root_pre_forward(self, module, args):
         if torch.is_grad_enabled() and module.training:
             self._recording = []
+        self._fresh_views.clear()
         self._activate(self.root)
+
+    def _make_fresh_views(self, fp):
+        def hook(module, args):
+            if (fp in self._fresh_views or self._in_backward or not torch.is_grad_enabled()
+                    or self.root.state is not UnitState.UNSHARDED):
+                return
+            self._fresh_views.add(fp)
+            fp.set_views()
+        return hook
 
     def _root_post_forward(self, module, args, output):
         if self._recording is not None:

@@ -118,3 +118,31 @@ def group_parameters(model: nn.Module, block_names: List[str]
         owner = root if root in users[key] else min(users[key])
         groups[owner].append((params[key], refs[key]))
     return groups, users
+
+
+def split_by_gradient_order(model: nn.Module, members: List[Tuple[nn.Parameter, list]],
+                            block_names: List[str]) -> List[List[Tuple[nn.Parameter, list]]]:
+    """Split the root unit's ``members`` (``(param, refs)`` pairs from :func:`group_parameters`)
+    by when backward finishes their gradients, for updates in backward (``step_in_backward``).
+
+    Returns ``[late]`` or ``[early, late]``: ``early`` holds the parameters that only modules
+    registered after the first block use (an LM head, a final norm: backward reaches them
+    first), ``late`` the rest (input embeddings, and any parameter also used before the blocks,
+    such as an embedding tied to the LM head: its gradient is final only at the end of
+    backward). Module registration order stands for execution order here; if a model runs its
+    modules in another order, only the timing of the updates changes, never their result.
+    Without blocks, or when either part is empty, the members stay one group.
+    """
+    if not block_names:
+        return [members]
+    position = {name: i for i, (name, _) in enumerate(model.named_modules(remove_duplicate=False))}
+    first_block = min(position[b] for b in block_names)
+
+    def after_blocks(refs) -> bool:
+        # a parameter set on the model itself (module path "") counts as used before the blocks
+        return all("." in fqn and position.get(fqn.rsplit(".", 1)[0], -1) > first_block
+                   for _, _, fqn in refs)
+
+    early = [(p, refs) for p, refs in members if after_blocks(refs)]
+    late = [(p, refs) for p, refs in members if not after_blocks(refs)]
+    return [early, late] if early and late else [members]
