@@ -172,6 +172,8 @@ class OffloadEngine:
             self.param_home = NVMeParamHome(self.swapper, pool_for, self._acct,
                                             master_is_param=share, keep_after_update=keep)
         self.store = self._build_store(plan)
+        if isinstance(self.param_home, NVMeParamHome) and self.param_home.master_is_param:
+            self.param_home.master_source = self.store
         self.blocks, self.root = self._build_units(*plan)
         self.units: List[Unit] = self.blocks + [self.root]
         self.flat_params = [fp for u in self.units for fp in u.flat_params]
@@ -197,8 +199,11 @@ class OffloadEngine:
             numel = max((fp.shard_numel for u in self.blocks for fp in u.flat_params
                          if fp.requires_grad), default=0)
             if isinstance(self.store, NVMeStore) and numel:
-                # read-ahead of a block's whole state: master | exp_avg | exp_avg_sq
-                ring = HostBufferPool("optimizer_prefetch", 2, 3 * numel, torch.float32,
+                # read-ahead of a block's whole state: master | exp_avg | exp_avg_sq; a third
+                # buffer when the next unit's parameters are gathered from it (see
+                # _prefetch_state)
+                count = 3 if self._params_from_state() else 2
+                ring = HostBufferPool("optimizer_prefetch", count, 3 * numel, torch.float32,
                                       self._host_alloc, self._acct)
                 self.pools["optimizer_prefetch"] = ring
                 self.store.enable_prefetch(ring)
@@ -365,13 +370,28 @@ class OffloadEngine:
         loss.backward()
 
     # -- step_in_backward ----------------------------------------------------------------------
+    def _params_from_state(self) -> bool:
+        """Whether fp32 parameter shards on NVMe are their master's bytes: with
+        step_in_backward the whole state read ahead for an update then also serves the
+        unit's gather in backward (one read of the parameters less per unit and step)."""
+        home = self.param_home
+        return isinstance(home, NVMeParamHome) and home.master_source is not None
+
     def _prefetch_state(self, unit: Unit) -> None:
         """Backward reached ``unit``: start reading its optimizer state (NVMe) so the update
-        that follows its gradient does not wait for the disk."""
+        that follows its gradient does not wait for the disk. When parameter shards are their
+        master's bytes, the state of the unit backward reaches next is read now too: its
+        gather takes the parameters from that read instead of reading them separately."""
         self._pump()
-        for fp in unit.flat_params:
-            if fp.requires_grad and fp not in self._early:
-                self.store.prefetch(fp)
+        units = [unit]
+        order = self.scheduler.order
+        if self._params_from_state() and order:
+            i = len(order) if unit.is_root else (order.index(unit) if unit in order else 0)
+            units += order[i - 1:i] if i > 0 else []
+        for u in units:
+            for fp in u.flat_params:
+                if fp.requires_grad and fp not in self._early:
+                    self.store.prefetch(fp)
 
     def _grad_ready(self, fp: FlatParam) -> None:
         """``fp``'s gradient is accumulated: reduce it to the shard and update ``fp`` now, or

@@ -451,10 +451,12 @@ def _extras(layout, stage, offload, n, k, padded, prefetch, accelerator, offload
             count = len(root_specs) if all(spec.trainable for spec in root_specs) else 1
             out["host"]["buffers"] += count * root_shard * k
     if step_in_backward and offload == "nvme" and stage >= 2:
-        # two read-ahead buffers of a block's whole state (master + moments, fp32)
+        # read-ahead buffers of a block's whole state (master + moments, fp32): two, three
+        # when fp32 parameter shards on NVMe are gathered from them in backward
         trainable_blocks = [sh for sh, u, spec in zip(all_shards, units_of, layout)
                             if u != -1 and spec.trainable]
-        out["host"]["buffers"] += 2 * 3 * 4 * max(trainable_blocks, default=0)
+        count = 3 if (stage == 3 and offload_param == "nvme" and k == 4) else 2
+        out["host"]["buffers"] += count * 3 * 4 * max(trainable_blocks, default=0)
     if offload != "none" and offload_param == "none" and accelerator and shards:
         out["host"]["buffers"] += biggest * k
     return out

@@ -953,7 +953,9 @@ def test_step_in_backward_gives_the_same_weights_as_the_step(offload, offload_pa
             # the blocks' state (master + moments) was read, and written, before step()
             assert reads[1] - reads[0] >= 12 * sum(fp.shard_numel for fp in blocks)
             ring = b.memory_report()["pools"]["optimizer_prefetch"]
-            assert ring["buffers"] == 2 and ring["in_use"] == 0
+            # a third buffer when fp32 parameter shards are gathered from the read-ahead
+            from_state = offload_param == "nvme" and dtype == torch.float32
+            assert ring["buffers"] == (3 if from_state else 2) and ring["in_use"] == 0
             assert ring["buffer_bytes"] == 12 * max(fp.shard_numel for fp in blocks)
 
 
@@ -1031,6 +1033,52 @@ def test_step_in_backward_streams_outsized_root_states_during_backward(tmp_path,
         assert a.skipped_steps == b.skipped_steps == 1
         sa, sb = a.full_state_dict(), b.full_state_dict()
         assert all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def test_step_in_backward_gathers_fp32_nvme_parameters_from_the_state_read(tmp_path):
+    """fp32 parameter shards on NVMe are their master's bytes: in backward each block is
+    gathered from the whole state read ahead for its update, so a step reads exactly one
+    parameter shard per block less than the plain step (the blocks' reads in backward), with
+    the same weights bit for bit. A parameter read while the store still writes that shard's
+    master waits for the write first."""
+    torch.manual_seed(5)
+    model = TinyLM(n_blocks=4)
+    twin = copy.deepcopy(model)
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    kw = dict(offload="nvme", offload_param="nvme", stage=3, dtype=torch.float32)
+    a = OffloadEngine(model, lr=1e-2, weight_decay=0.1, path=str(tmp_path / "a"), **kw)
+    b = OffloadEngine(twin, lr=1e-2, weight_decay=0.1, path=str(tmp_path / "b"),
+                      step_in_backward=True, **kw)
+    with a, b:
+        blocks = [fp for u in b.blocks for fp in u.flat_params]
+        assert all(fp.requires_grad for fp in blocks)
+        per_step = {}
+        for eng in (a, b):
+            reads = []
+            for x, y in batches(4):
+                reads.append(eng.swapper.bytes_read)
+                eng.backward(lm_loss(eng(x), y))
+                eng.step()
+            per_step[eng] = reads[3] - reads[2]
+        for eng, param_reads in ((a, 2), (b, 1)):  # forward and backward, or forward only
+            block_shards = sum(fp.shard_numel for u in eng.blocks for fp in u.flat_params)
+            state = sum(fp.shard_numel for fp in eng.trainable)
+            # the root is read in forward unless its updated shards stay in buffers of its own
+            root = 0 if "param_shards_root" in eng.pools else sum(
+                fp.shard_numel for fp in eng.root.flat_params)
+            assert per_step[eng] == 4 * (param_reads * block_shards + root) + 12 * state
+        sa, sb = a.full_state_dict(), b.full_state_dict()
+        assert all(torch.equal(sa[k], sb[k]) for k in sa)
+        x, y = batches(1)[0]
+        b.backward(lm_loss(b(x), y))
+        pending = [w[0] for w in b.store._whole_writes]
+        assert pending  # the last units' updates are still being written
+        fp = pending[-1]
+        shard = b.param_home.read(fp)  # waits for that write, then reads the file
+        assert all(w[0] is not fp for w in b.store._whole_writes)
+        b.step()
+        assert torch.equal(shard, b.store.read_master(fp))
 
 
 def test_step_in_backward_skips_a_non_finite_step_and_refuses_accumulation(tmp_path):

@@ -248,7 +248,8 @@ def test_format_table_is_readable():
 
 @pytest.mark.parametrize("offload_param", ["none", "nvme"])
 def test_placement_bytes_count_the_step_in_backward_read_ahead(offload_param, tmp_path):
-    """With step_in_backward the engine adds two read-ahead buffers of a block's whole state;
+    """With step_in_backward the engine adds read-ahead buffers of a block's whole state (two,
+    three when fp32 parameter shards on NVMe are gathered from them);
     the bytes placement_bytes gives (what offload="auto" budgets) equal memory_report's peaks."""
     from offload_zero.estimator import placement_bytes
     torch.manual_seed(0)

@@ -140,7 +140,7 @@ class NVMeStore:
         # whole-state read-ahead ring (step_in_backward; see enable_prefetch)
         self._ahead = None                            # a HostBufferPool, or None
         self._whole_reads: Dict[object, tuple] = {}   # fp -> (buffer, read handles)
-        self._whole_writes: List[tuple] = []          # (buffer, write handles), oldest first
+        self._whole_writes: List[tuple] = []          # (fp, buffer, write handles), oldest first
         chunk_numel = chunk_numel or self.CHUNK_NUMEL
         self._acct = accountant
         self.swapper = swapper
@@ -209,8 +209,8 @@ class NVMeStore:
         k = buf.numel() // 3
         return buf[:n], buf[k:k + n], buf[2 * k:2 * k + n]
 
-    def _retire_whole_write(self) -> None:
-        buf, handles = self._whole_writes.pop(0)
+    def _retire_whole_write(self, index: int = 0) -> None:
+        _, buf, handles = self._whole_writes.pop(index)
         try:
             for h in handles:
                 h.wait()
@@ -239,6 +239,28 @@ class NVMeStore:
         """Whether ``fp``'s whole state is being read ahead (see :meth:`prefetch`)."""
         return fp in self._whole_reads
 
+    def master_view(self, fp) -> Optional[torch.Tensor]:
+        """``fp``'s fp32 master weights from its read-ahead buffer (waiting for that part of
+        the read only), or None when its state is not being read ahead. The view is valid
+        until the update that consumes the read-ahead (:meth:`iter_states`)."""
+        if fp not in self._whole_reads:
+            return None
+        buf, handles = self._whole_reads[fp]
+        handles[0].wait()
+        return self._whole_views(buf, self._numel[fp])[0]
+
+    def wait_writes(self, fp) -> None:
+        """Wait for every write of ``fp``'s state still in flight (before its bytes are read
+        by another reader: an fp32 parameter shard is read from the master's bytes)."""
+        for i in reversed(range(len(self._whole_writes))):
+            if self._whole_writes[i][0] is fp:
+                self._retire_whole_write(i)
+        for slot, w in enumerate(self._pending_write):
+            if w is not None and w[0] is fp:
+                self._pending_write[slot] = None
+                for h in w[1]:
+                    h.wait()
+
     def release_prefetched(self) -> None:
         """Finish and forget read-ahead that no update used (a unit without a gradient)."""
         for fp in list(self._whole_reads):
@@ -258,7 +280,7 @@ class NVMeStore:
     def _start_read(self, slot: int, item):
         w = self._pending_write[slot]
         if w is not None:
-            for h in w:
+            for h in w[1]:
                 h.wait()
             self._pending_write[slot] = None
         fp, lo, hi = item
@@ -279,8 +301,8 @@ class NVMeStore:
             except BaseException:
                 self._ahead.release(buf)
                 raise
-            self._whole_writes.append((buf, self._io(fp, 0, n, 0, write=True,
-                                                     views=self._whole_views(buf, n))))
+            self._whole_writes.append((fp, buf, self._io(fp, 0, n, 0, write=True,
+                                                         views=self._whole_views(buf, n))))
         items = list(self._chunks([f for f in flat_params if f not in ahead]))
         if not items:
             return
@@ -293,7 +315,7 @@ class NVMeStore:
                 for h in reads.pop(i):
                     h.wait()
                 yield (fp, lo, hi, *self._views(slot, hi - lo))
-                self._pending_write[slot] = self._io(fp, lo, hi, slot, write=True)
+                self._pending_write[slot] = (fp, self._io(fp, lo, hi, slot, write=True))
         finally:
             for hs in reads.values():
                 for h in hs:
@@ -305,7 +327,7 @@ class NVMeStore:
         for slot, w in enumerate(self._pending_write):
             if w is not None:
                 self._pending_write[slot] = None
-                for h in w:
+                for h in w[1]:
                     h.wait()
         while self._whole_writes:
             self._retire_whole_write()
@@ -443,6 +465,12 @@ class NVMeParamHome:
             optimizer into a pool buffer, stays there as the read for their next gather (the
             root unit, gathered first in forward, with a buffer of its own): one read of the
             shard per step less. None keeps nothing.
+
+    Attributes:
+        master_source: with ``master_is_param``, the :class:`NVMeStore` that owns the master's
+            bytes (set by the engine). A shard it is reading ahead with the whole optimizer
+            state (``step_in_backward``) is gathered from that read, not read a second time,
+            and a shard is read from the file only after the store's writes to it are done.
     """
 
     tier = Tier.NVME
@@ -459,6 +487,7 @@ class NVMeParamHome:
         self.master_is_param = master_is_param
         self._in_master: set = set()
         self._keep = keep_after_update or (lambda fp: False)
+        self.master_source: Optional[NVMeStore] = None
 
     def _key(self, fp) -> str:
         return fp.name if fp in self._in_master else f"{fp.name}.param"
@@ -483,24 +512,36 @@ class NVMeParamHome:
             pool.release(buf)
         return None
 
+    def _from_store(self, fp) -> bool:
+        source = self.master_source
+        return source is not None and fp in self._in_master and source.prefetched(fp)
+
     def fetch(self, fp) -> None:
-        """Start reading ``fp``'s shard into a pool buffer (no-op if already under way)."""
-        if fp in self._reads:
+        """Start reading ``fp``'s shard into a pool buffer (no-op if already under way, or
+        if the optimizer's store is reading it with the whole state)."""
+        if fp in self._reads or self._from_store(fp):
             return
         self._wait_writes_of(fp)
+        if self.master_source is not None and fp in self._in_master:
+            self.master_source.wait_writes(fp)
         buf = self._pool_for(fp).acquire()
         view = buf[:fp.shard_numel]
         self._reads[fp] = (buf, self.swapper.swap_in(self._key(fp), view))
 
     def shard_for_gather(self, fp) -> torch.Tensor:
         """Wait for ``fp``'s read (starting it if needed) and return the host shard."""
+        if fp not in self._reads and self._from_store(fp):
+            return self.master_source.master_view(fp)
         self.fetch(fp)
         buf, handle = self._reads[fp]
         handle.wait()
         return buf[:fp.shard_numel]
 
     def done_with(self, fp) -> None:
-        """Return ``fp``'s read buffer to the pool."""
+        """Return ``fp``'s read buffer to the pool (nothing to return for a shard gathered
+        from the store's read-ahead)."""
+        if fp not in self._reads:
+            return
         buf, handle = self._reads.pop(fp)
         handle.wait()
         self._pool_for(fp).release(buf)
