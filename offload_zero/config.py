@@ -84,7 +84,12 @@ class EngineConfig:
             backward, instead of all of them in :meth:`OffloadEngine.step` (FSDP's "optimizer in
             backward"). With the optimizer state on NVMe, a unit's state is read while the unit's
             backward runs and written back while the units before it run, so the step's I/O
-            hides behind backward. Same numbers as the plain step. Needs stage >= 2, no
+            hides behind backward; a state too large for the read-ahead buffers (an LM head) is
+            streamed chunk by chunk while the next units run, and fp32 parameter shards on NVMe
+            are gathered for backward from the state read. The root unit's trainable
+            parameters become two flat parameters, the ones after the blocks (LM head, final
+            norm: final early in backward) and the rest (embeddings). Same numbers as the plain
+            step. Needs stage >= 2, no
             ``max_grad_norm`` (the norm is known only after backward) and one ``backward`` per
             ``step`` (no gradient accumulation). Default False.
     """
