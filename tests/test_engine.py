@@ -986,7 +986,9 @@ def test_step_in_backward_leaves_no_write_in_flight_after_step(tmp_path):
         assert all(torch.equal(sa[k], sb[k]) for k in sa)
 
 
-def test_step_in_backward_streams_outsized_root_states_during_backward(tmp_path, monkeypatch):
+@pytest.mark.parametrize("stage", [2, 3])
+def test_step_in_backward_streams_outsized_root_states_during_backward(stage, tmp_path,
+                                                                       monkeypatch):
     """With step_in_backward the root's trainable parameters are two flat parameters: the LM
     head and final norm, whose gradient backward finishes first (their views are made when they
     run, not at the start of forward), and the embeddings. A state larger than the read-ahead
@@ -1002,7 +1004,7 @@ def test_step_in_backward_streams_outsized_root_states_during_backward(tmp_path,
     twin = copy.deepcopy(model)
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
-    kw = dict(lr=1e-2, weight_decay=0.1, offload="nvme")
+    kw = dict(lr=1e-2, weight_decay=0.1, offload="nvme", stage=stage)
     with OffloadEngine(model, path=str(tmp_path / "a"), **kw) as a, \
             OffloadEngine(twin, path=str(tmp_path / "b"), step_in_backward=True, **kw) as b:
         head, emb = b.root.flat_params
