@@ -1037,6 +1037,36 @@ def test_step_in_backward_streams_outsized_root_states_during_backward(stage, tm
         assert all(torch.equal(sa[k], sb[k]) for k in sa)
 
 
+def test_step_in_backward_with_a_frozen_root_parameter_and_bf16_shards_on_nvme(tmp_path):
+    """A root with frozen parameters has one buffer for its shards on NVMe; with
+    step_in_backward its two trainable flat parameters are updated one after the other in the
+    same backward (here with frozen blocks between them), so the second waits for the first
+    one's write-back to free that buffer. Same weights as the plain step."""
+    from models import VOCAB, WIDTH, Block
+    torch.manual_seed(6)
+    model = TinyLM(n_blocks=3)
+    model.blocks = nn.ModuleList(Block(WIDTH, hidden=3) for _ in range(3))
+    model.emb = nn.Embedding(4 * VOCAB, WIDTH)  # root >> block
+    model.head = nn.Linear(WIDTH, 4 * VOCAB, bias=False)
+    model.norm.weight.requires_grad_(False)
+    model.blocks.requires_grad_(False)  # no block update (and write) between the two
+    twin = copy.deepcopy(model)
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    kw = dict(lr=1e-2, weight_decay=0.1, offload="nvme", stage=3, dtype=torch.bfloat16)
+    with OffloadEngine(model, path=str(tmp_path / "a"), **kw) as a, \
+            OffloadEngine(twin, path=str(tmp_path / "b"), step_in_backward=True, **kw) as b:
+        assert [fp.name for fp in b.root.flat_params] == [
+            "root.trainable", "root.trainable.1", "root.frozen"]
+        assert b.memory_report()["pools"]["param_shards_root"]["buffers"] == 1
+        for x, y in batches(3):
+            for eng in (a, b):
+                eng.backward(lm_loss(eng(x), y))
+                eng.step()
+        sa, sb = a.full_state_dict(), b.full_state_dict()
+        assert all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
 def test_step_in_backward_gathers_fp32_nvme_parameters_from_the_state_read(tmp_path):
     """fp32 parameter shards on NVMe are their master's bytes: in backward each block is
     gathered from the whole state read ahead for its update, so a step reads exactly one

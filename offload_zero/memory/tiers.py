@@ -525,7 +525,7 @@ class NVMeParamHome:
         self._wait_writes_of(fp)
         if self.master_source is not None and fp in self._in_master:
             self.master_source.wait_writes(fp)
-        buf = self._pool_for(fp).acquire()
+        buf = self._acquire(fp)
         view = buf[:fp.shard_numel]
         self._reads[fp] = (buf, self.swapper.swap_in(self._key(fp), view))
 
@@ -554,7 +554,7 @@ class NVMeParamHome:
             return None
         while len(self._writes) >= self._WRITE_RING:
             self._retire(self._writes.pop(0))
-        buf = self._pool_for(fp).acquire()
+        buf = self._acquire(fp)
         self._targets[fp] = buf
         return buf[:fp.shard_numel]
 
@@ -574,6 +574,14 @@ class NVMeParamHome:
         if fp not in self._targets:
             return
         self._pool_for(fp).release(self._targets.pop(fp))
+
+    def _acquire(self, fp) -> torch.Tensor:
+        """A buffer of ``fp``'s pool, retiring write-backs (oldest first) while every buffer
+        is in flight: a small pool (an outsized root's) may hold only writes just started."""
+        pool = self._pool_for(fp)
+        while pool.in_use == pool.count and self._writes:
+            self._retire(self._writes.pop(0))
+        return pool.acquire()
 
     def _retire(self, entry) -> None:
         fp, buf, handle = entry
