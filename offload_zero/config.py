@@ -179,9 +179,10 @@ class EngineConfig:
             if not (isinstance(cls, type) and issubclass(cls, torch.nn.Module)):
                 raise ValueError(f"unit_classes entry {cls!r} is not a torch.nn.Module subclass")
         object.__setattr__(self, "device", _resolve_device(self.device))
-        asks = [f"{k}='nvme'" for k, v in (("offload", self.offload),
-                                             ("offload_optimizer", self.offload_optimizer),
-                                             ("offload_param", self.offload_param)) if v == "nvme"]
+        # name the setting that asked for NVMe: offload="nvme" alone, or the finer keywords
+        asks = ["offload='nvme'"] if self.offload == "nvme" else [
+            f"{k}='nvme'" for k, v in (("offload_optimizer", self.offload_optimizer),
+                                       ("offload_param", self.offload_param)) if v == "nvme"]
         if asks:
             _check_swap_path(self.path, " and ".join(asks))
 

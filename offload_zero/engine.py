@@ -193,9 +193,11 @@ class OffloadEngine:
             self._acct.add(Tier.HOST, StateKind.BUFFERS, n * self._staging.element_size())
         pool_for = self._build_gather_pools()
         staging = self.grads.scratch if self.device.type != "cpu" else None
-        on_grad, on_unit_backward = self.grads.on_full_grad, None
+        on_grad, on_unit_backward, on_forward = self.grads.on_full_grad, None, None
         if cfg.step_in_backward:
             on_grad, on_unit_backward = self._grad_ready, self._prefetch_state
+            # an update still streaming when backward returns ends before weights are read
+            on_forward = self._finish_updates
             numel = max((fp.shard_numel for u in self.blocks for fp in u.flat_params
                          if fp.requires_grad), default=0)
             if isinstance(self.store, NVMeStore) and numel:
@@ -210,7 +212,7 @@ class OffloadEngine:
         self.scheduler = UnitScheduler(self.blocks, self.root, self.comm, cfg.prefetch,
                                        reshard_after_forward=cfg.stage == 3,
                                        on_grad=on_grad, pool_for=pool_for, staging=staging,
-                                       on_unit_backward=on_unit_backward)
+                                       on_unit_backward=on_unit_backward, on_forward=on_forward)
         if cfg.activation_checkpointing:
             # a key/value cache filled in forward and again in the recomputation would make the
             # two passes differ (Hugging Face models turn it off for checkpointing the same way)
@@ -426,6 +428,11 @@ class OffloadEngine:
                 self._deferred.pop(0)
                 raise
 
+    def _finish_updates(self) -> None:
+        """Finish every update started in backward and still streaming (step_in_backward): before
+        the step, a forward or a read of the weights, so none sees half of one."""
+        self._pump(all_of_them=True)
+
     @torch.no_grad()
     def step(self) -> None:
         """Update every trainable flat parameter with Adam/AdamW, then zero the gradients.
@@ -439,7 +446,7 @@ class OffloadEngine:
         self._check_open()
         cfg = self.config
         self.scheduler.reshard_all()  # a training forward without backward leaves the root gathered
-        self._pump(all_of_them=True)  # updates started in backward finish first
+        self._finish_updates()
         if cfg.stage == 1:
             self.grads.reduce_all_full(self.trainable)
         coef = 1.0
@@ -616,6 +623,7 @@ class OffloadEngine:
         gathers). Shapes: the original parameter shapes.
         """
         self._check_open()
+        self._finish_updates()
         out: Dict[str, torch.Tensor] = {}
         for fp in self.flat_params:
             if fp.requires_grad:

@@ -593,7 +593,7 @@ The engine's extra buffers (the gather pool at stage 3, a gradient in flight, NV
 buffers) are shown apart. Activations are not counted. GB = 1e9 bytes.
 
 examples:
-  offload-zero estimate --params 7.5e9 --gpus 64        # the paper's example: 120/31.4/16.6/1.9
+  offload-zero estimate --params 7.5e9 --gpus 8 --nodes 8  # the paper's example: 120/31.4/16.6/1.9
   offload-zero estimate --model base --stage 3 --offload cpu
   offload-zero estimate --model ./my-checkpoint --gpus 8 --nodes 4 --json
 """

@@ -380,8 +380,9 @@ def test_reading_another_units_parameter_names_it():
     ({"stage": 4}, r"stage=4.*\(1, 2, 3\)"),
     ({"lr": 0.0}, r"lr=0.0.*> 0"),
     ({"lr": -1e-3}, r"lr=-0.001.*> 0"),
-    ({"offload": "nvme"}, r"path=None"),
-    ({"offload": "nvme", "path": "/nonexistent/swap"}, r"/nonexistent/swap"),
+    ({"offload": "nvme"}, r"^offload='nvme' needs path="),
+    ({"offload": "nvme", "path": "/nonexistent/swap"},
+     r"/nonexistent/swap.*; offload='nvme' needs an existing"),
     ({"offload": "cpu", "offload_param": "nvme"}, r"^offload_param='nvme' needs path="),
     ({"betas": (0.9, 1.5)}, r"betas\[1\]=1.5"),
     ({"dtype": torch.int32}, r"dtype=torch.int32"),
@@ -1035,6 +1036,44 @@ def test_step_in_backward_streams_outsized_root_states_during_backward(stage, tm
         assert a.skipped_steps == b.skipped_steps == 1
         sa, sb = a.full_state_dict(), b.full_state_dict()
         assert all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def test_step_in_backward_state_read_between_backward_and_step(tmp_path, monkeypatch):
+    """An update still streaming when backward returns (the embeddings', whose gradient comes
+    last) is finished before anything reads the weights: full_state_dict() and an evaluation
+    forward between backward and step see every update of that backward, and training goes on
+    bit for bit as without them."""
+    from models import WIDTH, Block
+    from offload_zero.memory.tiers import NVMeStore
+    monkeypatch.setattr(NVMeStore, "CHUNK_NUMEL", 1024)
+    torch.manual_seed(7)
+    model = TinyLM(n_blocks=3)
+    model.blocks = nn.ModuleList(Block(WIDTH, hidden=3) for _ in range(3))  # root >> block
+    twin = copy.deepcopy(model)
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    kw = dict(lr=1e-2, weight_decay=0.1, offload="nvme", step_in_backward=True)
+    with OffloadEngine(model, path=str(tmp_path / "a"), **kw) as a, \
+            OffloadEngine(twin, path=str(tmp_path / "b"), **kw) as b:
+        for x, y in batches(3):
+            a.backward(lm_loss(a(x), y))
+            a.step()
+            b.backward(lm_loss(b(x), y))
+            assert b._deferred  # the embeddings' update is still under way
+            peek = b.full_state_dict()
+            with torch.no_grad():
+                b.eval()
+                logits = b(x)
+                b.train()
+            b.step()
+            after = a.full_state_dict()
+            assert all(torch.equal(peek[k], after[k]) for k in after)
+            with torch.no_grad():
+                a.eval()
+                assert torch.equal(logits, a(x))
+                a.train()
+        sb = b.full_state_dict()
+        assert all(torch.equal(after[k], sb[k]) for k in after)
 
 
 def test_step_in_backward_with_a_frozen_root_parameter_and_bf16_shards_on_nvme(tmp_path):

@@ -42,6 +42,7 @@ class UnitScheduler:
         staging: device buffer a host shard is copied into before a multi-rank all-gather.
         on_unit_backward: ``f(unit)`` called when backward reaches a unit (after gathering it),
             or None.
+        on_forward: ``f()`` called when a forward starts, before anything is gathered, or None.
 
     Attributes:
         live_peak: the most units gathered at once since construction.
@@ -50,7 +51,8 @@ class UnitScheduler:
     def __init__(self, blocks: List[Unit], root: Unit, comm, prefetch: int,
                  reshard_after_forward: bool, on_grad: Callable,
                  pool_for: Optional[Callable] = None, staging: Optional[torch.Tensor] = None,
-                 on_unit_backward: Optional[Callable] = None):
+                 on_unit_backward: Optional[Callable] = None,
+                 on_forward: Optional[Callable] = None):
         self.blocks, self.root, self.comm = blocks, root, comm
         self.prefetch = prefetch
         self.reshard_after_forward = reshard_after_forward
@@ -58,6 +60,7 @@ class UnitScheduler:
         self._pool_for = pool_for or (lambda unit: None)
         self._staging = staging
         self._on_unit_backward = on_unit_backward
+        self._on_forward = on_forward
         self._slots = {}                     # unit -> (pool, slot id)
         self.live_peak = 0
         self.order: List[Unit] = []          # recorded forward order of block units
@@ -151,6 +154,8 @@ class UnitScheduler:
 
     # -- forward -----------------------------------------------------------------------------
     def _root_pre_forward(self, module, args):
+        if self._on_forward is not None:
+            self._on_forward()
         if torch.is_grad_enabled() and module.training:
             self._recording = []
         self._fresh_views.clear()
