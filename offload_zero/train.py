@@ -255,6 +255,8 @@ def build_model(args: argparse.Namespace) -> Tuple[torch.nn.Module, Any, str]:
     if not (folder / "config.json").is_file():
         raise ValueError(f"--model {str(folder)!r} is not a Hugging Face checkpoint folder "
                          f"(no config.json)")
+    if getattr(args, "no_progress", False):
+        transformers.utils.logging.disable_progress_bar()  # its "Loading weights" bar too
     model = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
     vocab_rows = model.get_input_embeddings().num_embeddings
     if any((folder / name).is_file() for name in _TOKENIZER_FILES):

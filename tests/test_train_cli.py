@@ -128,6 +128,7 @@ def test_finetune_local_checkpoint_with_its_tokenizer(tmp_path):
                 cwd=tmp_path, TMPDIR=str(temp))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "step 2/4" in proc.stderr and "step 4/4" in proc.stderr
+    assert "Loading weights" not in proc.stderr  # --no-progress hides transformers' bar too
     assert list(temp.iterdir()) == [], "temporary swap folder left behind"
     summary = json.loads(out.read_text())
     assert summary["nvme_written_bytes"] > 0
