@@ -551,6 +551,11 @@ class OffloadEngine:
             overflow = adam_step_(master, grad, m, v, step=step, lr=self.lr, betas=cfg.betas,
                                   eps=cfg.eps, weight_decay=cfg.weight_decay, adamw=cfg.adamw,
                                   grad_scale=coef, out=out, check_overflow=check_overflow)
+            if (not overflow and out is not None and fp.home is None
+                    and out.data_ptr() != fp.sharded[lo:hi].data_ptr()):
+                # staging buffer -> accelerator shard, chunk by chunk: the buffer is free again
+                # before another update (interleaved with this one in backward) writes to it
+                fp.sharded[lo:hi].copy_(out)
         else:
             overflow = _torch_adam_(master, grad, m, v, step, self.lr, cfg.betas, cfg.eps,
                                     cfg.weight_decay, cfg.adamw, coef)
@@ -561,13 +566,11 @@ class OffloadEngine:
         return not overflow
 
     def _finish_update(self, fp: FlatParam, ok: bool) -> None:
-        """After the last chunk: persist the new compute-dtype shard where it does not live in
-        place (NVMe home: write back; accelerator shard: copy from the staging buffer)."""
+        """After the last chunk: write the new compute-dtype shard back to an NVMe home (an
+        accelerator shard got each chunk from the staging buffer in :meth:`_update`)."""
         target = self._targets.pop(fp, None)
         if fp.home is not None:
             fp.home.commit(fp, target) if ok else fp.home.discard(fp)
-        elif ok and target is not None and target.data_ptr() != fp.sharded.data_ptr():
-            fp.sharded.copy_(target)
 
     def set_lr(self, lr: float) -> None:
         """Set the learning rate used by the next :meth:`step` (for schedules). lr > 0."""

@@ -1076,6 +1076,50 @@ def test_step_in_backward_state_read_between_backward_and_step(tmp_path, monkeyp
         assert all(torch.equal(after[k], sb[k]) for k in after)
 
 
+def test_step_in_backward_interleaved_updates_through_one_staging_buffer(tmp_path, monkeypatch):
+    """With shards on an accelerator and the optimizer state off it, every update writes its
+    new compute-dtype values into one host staging buffer before they are copied to the device.
+    An LM head's update streamed chunk by chunk is interleaved with the blocks' updates, so each
+    chunk must reach the device before another update takes the buffer. Emulated on the CPU by
+    routing the updates through one shared buffer, as on CUDA; same weights as the plain step."""
+    from models import VOCAB, WIDTH, Block
+    from offload_zero.memory.tiers import NVMeStore
+    monkeypatch.setattr(NVMeStore, "CHUNK_NUMEL", 1024)
+    original = OffloadEngine._update_target
+
+    def through_staging(self, fp):
+        target = original(self, fp)
+        if target is not None and fp.home is None and target.data_ptr() == fp.sharded.data_ptr():
+            if getattr(self, "_test_staging", None) is None:
+                self._test_staging = torch.empty(max(f.shard_numel for f in self.trainable),
+                                                 dtype=fp.sharded.dtype)
+            return self._test_staging[:fp.shard_numel]
+        return target
+    monkeypatch.setattr(OffloadEngine, "_update_target", through_staging)
+    torch.manual_seed(8)
+    model = TinyLM(n_blocks=3)
+    model.blocks = nn.ModuleList(Block(WIDTH, hidden=3) for _ in range(3))
+    model.emb = nn.Embedding(4 * VOCAB, WIDTH)  # the LM head streams in 5 chunks
+    model.head = nn.Linear(WIDTH, 4 * VOCAB, bias=False)
+    twin = copy.deepcopy(model)
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    kw = dict(lr=1e-2, weight_decay=0.1, offload="nvme", offload_param="none", stage=3)
+    with OffloadEngine(model, path=str(tmp_path / "a"), **kw) as a, \
+            OffloadEngine(twin, path=str(tmp_path / "b"), step_in_backward=True, **kw) as b:
+        for x, y in batches(3):
+            for eng in (a, b):
+                eng.backward(lm_loss(eng(x), y))
+                eng.step()
+        assert b._test_staging is not None
+        sa, sb = a.full_state_dict(), b.full_state_dict()
+        assert all(torch.equal(sa[k], sb[k]) for k in sa)
+        x, y = batches(1, seed=1)[0]
+        with torch.no_grad():  # the compute-dtype shards on the device, not only the masters
+            a.eval(), b.eval()
+            assert torch.equal(a(x), b(x))
+
+
 def test_step_in_backward_with_a_frozen_root_parameter_and_bf16_shards_on_nvme(tmp_path):
     """A root with frozen parameters has one buffer for its shards on NVMe; with
     step_in_backward its two trainable flat parameters are updated one after the other in the

@@ -162,3 +162,33 @@ def test_gather_pool_on_cuda_allocates_nothing_per_step(tmp_path):
         assert max_param_diff(eng.full_state_dict(), ref) <= 1e-5
     assert len(set(live[1:])) == 1, live
     assert len(set(peaks[1:])) == 1, peaks
+
+
+@pytest.mark.parametrize("offload_param", ["none", "nvme"])
+def test_step_in_backward_on_cuda_same_weights_as_the_step(offload_param, tmp_path, monkeypatch):
+    """step_in_backward on CUDA with the optimizer state on NVMe: the LM head's state streams
+    in chunks interleaved with the blocks' updates, all of them through the one host staging
+    buffer (offload_param="none") or the NVMe parameter home; bit for bit the plain step."""
+    import torch.nn as nn
+    from models import VOCAB, WIDTH, Block
+    from offload_zero.memory.tiers import NVMeStore
+    monkeypatch.setattr(NVMeStore, "CHUNK_NUMEL", 1024)
+    torch.manual_seed(9)
+    model = TinyLM(n_blocks=3)
+    model.blocks = nn.ModuleList(Block(WIDTH, hidden=3) for _ in range(3))
+    model.emb = nn.Embedding(4 * VOCAB, WIDTH)
+    model.head = nn.Linear(WIDTH, 4 * VOCAB, bias=False)
+    twin = copy.deepcopy(model)
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    kw = dict(lr=1e-2, weight_decay=0.1, offload="nvme", offload_param=offload_param, stage=3,
+              device=DEV)
+    with OffloadEngine(model, path=str(tmp_path / "a"), **kw) as a, \
+            OffloadEngine(twin, path=str(tmp_path / "b"), step_in_backward=True, **kw) as b:
+        for x, y in batches(4):
+            x, y = x.to(DEV), y.to(DEV)
+            for eng in (a, b):
+                eng.backward(lm_loss(eng(x), y))
+                eng.step()
+        sa, sb = a.full_state_dict(), b.full_state_dict()
+        assert all(torch.equal(sa[k], sb[k]) for k in sa)
