@@ -83,3 +83,16 @@ def unique_storage_bytes(tensors) -> int:
         st = t.untyped_storage()
         seen[st.data_ptr()] = st.nbytes()
     return sum(seen.values())
+
+
+def big_root_lm(n_blocks=3, vocab_scale=1):
+    """A :class:`TinyLM` with tiny blocks (hidden width 3), so its root (embeddings, LM head)
+    is far larger than a block: the root's optimizer state does not fit the step_in_backward
+    read-ahead buffers and streams in chunks. ``vocab_scale`` widens the embeddings and the LM
+    head (labels from :func:`batches` stay below ``VOCAB``)."""
+    model = TinyLM(n_blocks=n_blocks)
+    model.blocks = nn.ModuleList(Block(WIDTH, hidden=3) for _ in range(n_blocks))
+    if vocab_scale > 1:
+        model.emb = nn.Embedding(vocab_scale * VOCAB, WIDTH)
+        model.head = nn.Linear(WIDTH, vocab_scale * VOCAB, bias=False)
+    return model

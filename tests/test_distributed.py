@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 
 from dist_harness import run_ranks
-from models import TinyLM, WideNet, batches, lm_loss, unique_storage_bytes
+from models import TinyLM, WideNet, batches, big_root_lm, lm_loss, unique_storage_bytes
 
 STEPS = 5
 CASES_WS2 = [(s, o) for s in (1, 2, 3) for o in ("none", "cpu", "nvme")]
@@ -78,15 +78,11 @@ def _step_in_backward_rank(rank, world_size):
     chunks: the weights of both runs on this rank."""
     from offload_zero import OffloadEngine
     from offload_zero.memory.tiers import NVMeStore
-    from models import VOCAB, WIDTH, Block
     NVMeStore.CHUNK_NUMEL = 1024
     out = {}
     for sib in (False, True):
         torch.manual_seed(0)
-        model = TinyLM(n_blocks=3)
-        model.blocks = nn.ModuleList(Block(WIDTH, hidden=3) for _ in range(3))
-        model.emb = nn.Embedding(4 * VOCAB, WIDTH)
-        model.head = nn.Linear(WIDTH, 4 * VOCAB, bias=False)
+        model = big_root_lm(3, vocab_scale=4)
         with tempfile.TemporaryDirectory() as d, OffloadEngine(
                 model, stage=3, offload="nvme", path=d, lr=1e-2, weight_decay=0.1,
                 step_in_backward=sib) as eng:

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from models import TinyLM, batches, lm_loss, max_param_diff
+from models import TinyLM, batches, big_root_lm, lm_loss, max_param_diff
 from offload_zero import OffloadEngine
 
 OFFLOADS = ["none", "cpu", "nvme"]
@@ -926,6 +926,18 @@ def _run(model, steps, **kw):
     return eng, reads_after_backward
 
 
+def _twins(model, tmp_path, sib_a=False, sib_b=True, **kw):
+    """Engines ``(a, b)`` on ``model`` and a deep copy of it, each with a swap folder of its
+    own under ``tmp_path``, lr 1e-2 and weight decay 0.1 unless ``kw`` says otherwise: ``a``
+    with ``step_in_backward=sib_a`` (the reference), ``b`` with ``sib_b``."""
+    kw = {"lr": 1e-2, "weight_decay": 0.1, **kw}
+    twin = copy.deepcopy(model)
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    return (OffloadEngine(model, path=str(tmp_path / "a"), step_in_backward=sib_a, **kw),
+            OffloadEngine(twin, path=str(tmp_path / "b"), step_in_backward=sib_b, **kw))
+
+
 @pytest.mark.parametrize("offload,offload_param,stage,dtype", [
     ("none", None, 2, torch.float32), ("cpu", None, 3, torch.float32),
     ("cpu", "cpu", 3, torch.bfloat16), ("nvme", "none", 2, torch.float32),
@@ -996,18 +1008,12 @@ def test_step_in_backward_streams_outsized_root_states_during_backward(stage, tm
     buffers is updated chunk by chunk from the hooks that follow its gradient: the LM head's is
     done before backward reaches the first block. Weights equal the plain step's bit for bit,
     and a nan step is skipped by both."""
-    from models import WIDTH, Block
     from offload_zero.memory.tiers import NVMeStore
     monkeypatch.setattr(NVMeStore, "CHUNK_NUMEL", 1024)
     torch.manual_seed(4)
-    model = TinyLM(n_blocks=4)
-    model.blocks = nn.ModuleList(Block(WIDTH, hidden=3) for _ in range(4))  # root >> block
-    twin = copy.deepcopy(model)
-    (tmp_path / "a").mkdir()
-    (tmp_path / "b").mkdir()
-    kw = dict(lr=1e-2, weight_decay=0.1, offload="nvme", stage=stage)
-    with OffloadEngine(model, path=str(tmp_path / "a"), **kw) as a, \
-            OffloadEngine(twin, path=str(tmp_path / "b"), step_in_backward=True, **kw) as b:
+    model = big_root_lm(4)
+    a, b = _twins(model, tmp_path, offload="nvme", stage=stage)
+    with a, b:
         head, emb = b.root.flat_params
         assert (head.name, emb.name) == ("root.trainable", "root.trainable.1")
         assert {fqn for e in head.entries for _, _, fqn in e.refs} == {
@@ -1043,18 +1049,12 @@ def test_step_in_backward_state_read_between_backward_and_step(tmp_path, monkeyp
     last) is finished before anything reads the weights: full_state_dict() and an evaluation
     forward between backward and step see every update of that backward, and training goes on
     bit for bit as without them."""
-    from models import WIDTH, Block
     from offload_zero.memory.tiers import NVMeStore
     monkeypatch.setattr(NVMeStore, "CHUNK_NUMEL", 1024)
     torch.manual_seed(7)
-    model = TinyLM(n_blocks=3)
-    model.blocks = nn.ModuleList(Block(WIDTH, hidden=3) for _ in range(3))  # root >> block
-    twin = copy.deepcopy(model)
-    (tmp_path / "a").mkdir()
-    (tmp_path / "b").mkdir()
-    kw = dict(lr=1e-2, weight_decay=0.1, offload="nvme", step_in_backward=True)
-    with OffloadEngine(model, path=str(tmp_path / "a"), **kw) as a, \
-            OffloadEngine(twin, path=str(tmp_path / "b"), **kw) as b:
+    model = big_root_lm(3)
+    a, b = _twins(model, tmp_path, sib_a=True, offload="nvme")
+    with a, b:
         for x, y in batches(3):
             a.backward(lm_loss(a(x), y))
             a.step()
@@ -1082,7 +1082,6 @@ def test_step_in_backward_interleaved_updates_through_one_staging_buffer(tmp_pat
     An LM head's update streamed chunk by chunk is interleaved with the blocks' updates, so each
     chunk must reach the device before another update takes the buffer. Emulated on the CPU by
     routing the updates through one shared buffer, as on CUDA; same weights as the plain step."""
-    from models import VOCAB, WIDTH, Block
     from offload_zero.memory.tiers import NVMeStore
     monkeypatch.setattr(NVMeStore, "CHUNK_NUMEL", 1024)
     original = OffloadEngine._update_target
@@ -1097,16 +1096,9 @@ def test_step_in_backward_interleaved_updates_through_one_staging_buffer(tmp_pat
         return target
     monkeypatch.setattr(OffloadEngine, "_update_target", through_staging)
     torch.manual_seed(8)
-    model = TinyLM(n_blocks=3)
-    model.blocks = nn.ModuleList(Block(WIDTH, hidden=3) for _ in range(3))
-    model.emb = nn.Embedding(4 * VOCAB, WIDTH)  # the LM head streams in 5 chunks
-    model.head = nn.Linear(WIDTH, 4 * VOCAB, bias=False)
-    twin = copy.deepcopy(model)
-    (tmp_path / "a").mkdir()
-    (tmp_path / "b").mkdir()
-    kw = dict(lr=1e-2, weight_decay=0.1, offload="nvme", offload_param="none", stage=3)
-    with OffloadEngine(model, path=str(tmp_path / "a"), **kw) as a, \
-            OffloadEngine(twin, path=str(tmp_path / "b"), step_in_backward=True, **kw) as b:
+    model = big_root_lm(3, vocab_scale=4)
+    a, b = _twins(model, tmp_path, offload="nvme", offload_param="none", stage=3)
+    with a, b:
         for x, y in batches(3):
             for eng in (a, b):
                 eng.backward(lm_loss(eng(x), y))
@@ -1125,20 +1117,12 @@ def test_step_in_backward_with_a_frozen_root_parameter_and_bf16_shards_on_nvme(t
     step_in_backward its two trainable flat parameters are updated one after the other in the
     same backward (here with frozen blocks between them), so the second waits for the first
     one's write-back to free that buffer. Same weights as the plain step."""
-    from models import VOCAB, WIDTH, Block
     torch.manual_seed(6)
-    model = TinyLM(n_blocks=3)
-    model.blocks = nn.ModuleList(Block(WIDTH, hidden=3) for _ in range(3))
-    model.emb = nn.Embedding(4 * VOCAB, WIDTH)  # root >> block
-    model.head = nn.Linear(WIDTH, 4 * VOCAB, bias=False)
+    model = big_root_lm(3, vocab_scale=4)
     model.norm.weight.requires_grad_(False)
     model.blocks.requires_grad_(False)  # no block update (and write) between the two
-    twin = copy.deepcopy(model)
-    (tmp_path / "a").mkdir()
-    (tmp_path / "b").mkdir()
-    kw = dict(lr=1e-2, weight_decay=0.1, offload="nvme", stage=3, dtype=torch.bfloat16)
-    with OffloadEngine(model, path=str(tmp_path / "a"), **kw) as a, \
-            OffloadEngine(twin, path=str(tmp_path / "b"), step_in_backward=True, **kw) as b:
+    a, b = _twins(model, tmp_path, offload="nvme", stage=3, dtype=torch.bfloat16)
+    with a, b:
         assert [fp.name for fp in b.root.flat_params] == [
             "root.trainable", "root.trainable.1", "root.frozen"]
         assert b.memory_report()["pools"]["param_shards_root"]["buffers"] == 1
@@ -1158,13 +1142,8 @@ def test_step_in_backward_gathers_fp32_nvme_parameters_from_the_state_read(tmp_p
     master waits for the write first."""
     torch.manual_seed(5)
     model = TinyLM(n_blocks=4)
-    twin = copy.deepcopy(model)
-    (tmp_path / "a").mkdir()
-    (tmp_path / "b").mkdir()
-    kw = dict(offload="nvme", offload_param="nvme", stage=3, dtype=torch.float32)
-    a = OffloadEngine(model, lr=1e-2, weight_decay=0.1, path=str(tmp_path / "a"), **kw)
-    b = OffloadEngine(twin, lr=1e-2, weight_decay=0.1, path=str(tmp_path / "b"),
-                      step_in_backward=True, **kw)
+    a, b = _twins(model, tmp_path, offload="nvme", offload_param="nvme", stage=3,
+                  dtype=torch.float32)
     with a, b:
         blocks = [fp for u in b.blocks for fp in u.flat_params]
         assert all(fp.requires_grad for fp in blocks)

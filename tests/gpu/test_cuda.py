@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-from models import TinyLM, batches, lm_loss, max_param_diff
+from models import TinyLM, batches, big_root_lm, lm_loss, max_param_diff
 from offload_zero import OffloadEngine
 from offload_zero.memory.aligned import aligned_empty
 
@@ -169,15 +169,10 @@ def test_step_in_backward_on_cuda_same_weights_as_the_step(offload_param, tmp_pa
     """step_in_backward on CUDA with the optimizer state on NVMe: the LM head's state streams
     in chunks interleaved with the blocks' updates, all of them through the one host staging
     buffer (offload_param="none") or the NVMe parameter home; bit for bit the plain step."""
-    import torch.nn as nn
-    from models import VOCAB, WIDTH, Block
     from offload_zero.memory.tiers import NVMeStore
     monkeypatch.setattr(NVMeStore, "CHUNK_NUMEL", 1024)
     torch.manual_seed(9)
-    model = TinyLM(n_blocks=3)
-    model.blocks = nn.ModuleList(Block(WIDTH, hidden=3) for _ in range(3))
-    model.emb = nn.Embedding(4 * VOCAB, WIDTH)
-    model.head = nn.Linear(WIDTH, 4 * VOCAB, bias=False)
+    model = big_root_lm(3, vocab_scale=4)
     twin = copy.deepcopy(model)
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
