@@ -404,7 +404,9 @@ class OffloadEngine:
             return
         if isinstance(self.store, NVMeStore) and not self.store.prefetched(fp):
             skipped: set = set()
-            self._deferred.append((fp, self._iter_updates([fp], 1.0, False, skipped), skipped))
+            # (the learning rate of this backward, whatever set_lr() does before it ends)
+            update = self._iter_updates([fp], 1.0, False, skipped, self.lr)
+            self._deferred.append((fp, update, skipped))
             self._early[fp] = False  # until its last chunk is updated (see _pump)
             self._pump()
             return
@@ -492,14 +494,15 @@ class OffloadEngine:
         set skipped for inf/nan gradients. State read ahead (:meth:`NVMeStore.prefetch`) is
         written back asynchronously; the step drains it."""
         skipped: set = set()
-        for _ in self._iter_updates(fps, coef, known_finite, skipped):
+        for _ in self._iter_updates(fps, coef, known_finite, skipped, self.lr):
             pass
         return skipped
 
     def _iter_updates(self, fps: List[FlatParam], coef: float, known_finite: bool,
-                      skipped: set) -> Iterator[None]:
-        """:meth:`_update_states` as a generator that yields after each chunk; flat parameters
-        skipped for inf/nan gradients are added to ``skipped``."""
+                      skipped: set, lr: float) -> Iterator[None]:
+        """:meth:`_update_states` as a generator that yields after each chunk, at learning rate
+        ``lr`` throughout; flat parameters skipped for inf/nan gradients are added to
+        ``skipped``."""
         try:
             # the store yields each flat parameter's state whole, or (NVMe) in chunks
             for fp, lo, hi, master, m, v in self.store.iter_states(fps):
@@ -512,7 +515,7 @@ class OffloadEngine:
                         self._targets[fp] = self._update_target(fp)
                 if fp in skipped:
                     continue
-                ok = self._update(fp, lo, hi, master, m, v, coef,
+                ok = self._update(fp, lo, hi, master, m, v, coef, lr,
                                   check_overflow=whole and not known_finite)
                 if not ok:
                     skipped.add(fp)
@@ -537,7 +540,7 @@ class OffloadEngine:
             return fp.sharded
         return self._staging[:fp.shard_numel]
 
-    def _update(self, fp: FlatParam, lo: int, hi: int, master, m, v, coef: float,
+    def _update(self, fp: FlatParam, lo: int, hi: int, master, m, v, coef: float, lr: float,
                 check_overflow: bool) -> bool:
         """Adam/AdamW on elements [lo, hi) of ``fp``'s shard; returns False on overflow (the
         kernel then changed nothing)."""
@@ -548,7 +551,7 @@ class OffloadEngine:
         if master.device.type == "cpu":
             out = self._targets[fp]
             out = None if out is None else out[lo:hi]
-            overflow = adam_step_(master, grad, m, v, step=step, lr=self.lr, betas=cfg.betas,
+            overflow = adam_step_(master, grad, m, v, step=step, lr=lr, betas=cfg.betas,
                                   eps=cfg.eps, weight_decay=cfg.weight_decay, adamw=cfg.adamw,
                                   grad_scale=coef, out=out, check_overflow=check_overflow)
             if (not overflow and out is not None and fp.home is None
@@ -557,7 +560,7 @@ class OffloadEngine:
                 # before another update (interleaved with this one in backward) writes to it
                 fp.sharded[lo:hi].copy_(out)
         else:
-            overflow = _torch_adam_(master, grad, m, v, step, self.lr, cfg.betas, cfg.eps,
+            overflow = _torch_adam_(master, grad, m, v, step, lr, cfg.betas, cfg.eps,
                                     cfg.weight_decay, cfg.adamw, coef)
             if not overflow and master.data_ptr() != fp.sharded.data_ptr():
                 fp.sharded[lo:hi].copy_(master)
@@ -573,7 +576,9 @@ class OffloadEngine:
             fp.home.commit(fp, target) if ok else fp.home.discard(fp)
 
     def set_lr(self, lr: float) -> None:
-        """Set the learning rate used by the next :meth:`step` (for schedules). lr > 0."""
+        """Set the learning rate of the next update (for schedules): the next :meth:`step`, or
+        with ``step_in_backward`` the next backward (an update still streaming after a
+        backward keeps that backward's rate). lr > 0; raises ValueError otherwise."""
         if not isinstance(lr, (int, float)) or not lr > 0:
             raise ValueError(f"lr={lr!r} is not valid; it must be a number > 0")
         self.lr = float(lr)

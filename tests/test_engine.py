@@ -1112,6 +1112,27 @@ def test_step_in_backward_interleaved_updates_through_one_staging_buffer(tmp_pat
             assert torch.equal(a(x), b(x))
 
 
+def test_step_in_backward_streamed_update_keeps_the_lr_of_its_backward(tmp_path, monkeypatch):
+    """An update still streaming when backward returns uses the learning rate of that backward
+    to its last chunk, like every other update made in backward: set_lr() between backward and
+    step changes the next backward's, as set_lr() after a plain step does."""
+    from offload_zero.memory.tiers import NVMeStore
+    monkeypatch.setattr(NVMeStore, "CHUNK_NUMEL", 1024)
+    torch.manual_seed(10)
+    a, b = _twins(big_root_lm(3, vocab_scale=4), tmp_path, offload="nvme")
+    with a, b:
+        for i, (x, y) in enumerate(batches(3)):
+            a.backward(lm_loss(a(x), y))
+            a.step()
+            a.set_lr(1e-2 / (i + 2))
+            b.backward(lm_loss(b(x), y))
+            assert b._deferred  # the embeddings' update is still under way
+            b.set_lr(1e-2 / (i + 2))
+            b.step()
+        sa, sb = a.full_state_dict(), b.full_state_dict()
+        assert all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
 def test_step_in_backward_with_a_frozen_root_parameter_and_bf16_shards_on_nvme(tmp_path):
     """A root with frozen parameters has one buffer for its shards on NVMe; with
     step_in_backward its two trainable flat parameters are updated one after the other in the
