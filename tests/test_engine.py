@@ -1133,6 +1133,31 @@ def test_step_in_backward_streamed_update_keeps_the_lr_of_its_backward(tmp_path,
         assert all(torch.equal(sa[k], sb[k]) for k in sa)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_step_in_backward_forward_between_backward_and_step_with_kept_root_shards(dtype,
+                                                                                  tmp_path):
+    """The root's updated shards stay in buffers of their own for the next forward; a forward
+    between backward and step reads them while their write-back may still be in flight. The
+    wait must not take a second buffer (one leaked per such forward: the next backward found
+    the root's pool empty). Same weights as the plain step."""
+    a, b = _twins(big_root_lm(3, vocab_scale=4), tmp_path, offload="nvme", offload_param="nvme",
+                  stage=3, dtype=dtype)
+    with a, b:
+        assert "param_shards_root" in b.pools
+        for x, y in batches(4):
+            a.backward(lm_loss(a(x), y))
+            a.step()
+            b.backward(lm_loss(b(x), y))
+            with torch.no_grad():
+                b.eval()
+                b(x)
+                b.train()
+            b.step()
+            assert b.pools["param_shards_root"].in_use <= len(b.root.flat_params)
+        sa, sb = a.full_state_dict(), b.full_state_dict()
+        assert all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
 def test_step_in_backward_with_a_frozen_root_parameter_and_bf16_shards_on_nvme(tmp_path):
     """A root with frozen parameters has one buffer for its shards on NVMe; with
     step_in_backward its two trainable flat parameters are updated one after the other in the

@@ -523,6 +523,8 @@ class NVMeParamHome:
         if fp in self._reads or self._from_store(fp):
             return
         self._wait_writes_of(fp)
+        if fp in self._reads:  # the write just retired kept its buffer: that is the read
+            return
         if self.master_source is not None and fp in self._in_master:
             self.master_source.wait_writes(fp)
         buf = self._acquire(fp)
