@@ -402,15 +402,33 @@ class OffloadEngine:
         self.grads.on_full_grad(fp)
         if fp in self._early or not self.grads.has_grad[fp]:
             return
+        known_finite = False
+        if self.world_size > 1:  # the same decision on every rank (see step)
+            if self._nonfinite_on_any_rank([fp]):
+                self._early[fp] = False  # skipped
+                return
+            known_finite = True
         if isinstance(self.store, NVMeStore) and not self.store.prefetched(fp):
             skipped: set = set()
             # (the learning rate of this backward, whatever set_lr() does before it ends)
-            update = self._iter_updates([fp], 1.0, False, skipped, self.lr)
+            update = self._iter_updates([fp], 1.0, known_finite, skipped, self.lr)
             self._deferred.append((fp, update, skipped))
             self._early[fp] = False  # until its last chunk is updated (see _pump)
             self._pump()
             return
-        self._early[fp] = fp not in self._update_states([fp], 1.0, known_finite=False)
+        self._early[fp] = fp not in self._update_states([fp], 1.0, known_finite)
+
+    def _nonfinite_on_any_rank(self, fps: List[FlatParam]) -> set:
+        """The flat parameters of ``fps`` whose gradient holds an inf or nan on any rank: one
+        all-reduce of a flag per flat parameter (4 bytes each), so that every rank skips the
+        same ones (each rank sees only its own gradient shard). Collective: every rank calls
+        it with the same ``fps`` in the same order."""
+        if not fps:
+            return set()
+        flags = torch.tensor([0.0 if _all_finite(self.grads.buf[fp]) else 1.0 for fp in fps],
+                             dtype=torch.float32, device=self.device)
+        flags = self.comm.all_reduce_sum(flags).tolist()
+        return {fp for fp, f in zip(fps, flags) if f > 0}
 
     def _pump(self, all_of_them: bool = False) -> None:
         """Advance the oldest deferred update by one chunk (every deferred update to its end
@@ -443,7 +461,8 @@ class OffloadEngine:
         (or NVMe, streamed through host buffers), torch ops for master weights on an accelerator.
         New compute-dtype parameters are written back to the device shards (and all-gathered
         into the full parameters at stages 1 and 2). If a gradient holds inf/nan the update is
-        skipped for that flat parameter (``skipped_steps`` counts such steps).
+        skipped for that flat parameter, on every rank whichever rank's shard holds it
+        (``skipped_steps`` counts such steps).
         """
         self._check_open()
         cfg = self.config
@@ -468,8 +487,14 @@ class OffloadEngine:
         self._known_finite = known_finite
         # (with step_in_backward most flat parameters were updated in backward already)
         with_grad = [fp for fp in self.trainable if self.grads.has_grad[fp] and fp not in self._early]
+        bad: set = set()
+        if not known_finite and self.world_size > 1:
+            # every rank skips the same flat parameters, whichever rank's shard holds the inf/nan
+            bad = self._nonfinite_on_any_rank(with_grad)
+            with_grad = [fp for fp in with_grad if fp not in bad]
+            known_finite = True
         try:
-            skipped = self._update_states(with_grad, coef, known_finite)
+            skipped = bad | self._update_states(with_grad, coef, known_finite)
         finally:
             # every write-back done before the next forward reads parameters (an fp32 shard on
             # NVMe is read from its master's bytes): updates made in backward included
