@@ -358,7 +358,11 @@ class OffloadEngine:
     def backward(self, loss: torch.Tensor) -> None:
         """Backpropagate ``loss`` (a scalar tensor); gradients land in this rank's shards.
 
-        Calling it several times before :meth:`step` accumulates gradients.
+        Calling it several times before :meth:`step` accumulates gradients. If an error ends
+        backward early, the units are freed as at its end and the error is raised; the gradients
+        then hold what that backward finished: :meth:`zero_grad` drops them (to skip the batch),
+        :meth:`step` applies them. With ``step_in_backward`` the updates it made stay and the
+        step ends there, as :meth:`step` would end it.
         Raises ValueError if ``loss`` is not a scalar tensor that requires grad.
         """
         self._check_open()
@@ -369,7 +373,25 @@ class OffloadEngine:
                                "gradients cannot accumulate over several backward calls: call "
                                "step() after each backward, or use step_in_backward=False")
         self._backward_pending = True
-        loss.backward()
+        try:
+            loss.backward()
+        except BaseException:
+            self.scheduler.end_backward()  # the end-of-backward callback does not run on error
+            if self.config.step_in_backward:
+                self.step()
+            raise
+
+    def zero_grad(self) -> None:
+        """Drop the gradients accumulated since the last :meth:`step` (to skip a batch, say
+        after an error in backward); the next backward starts afresh. With
+        ``step_in_backward`` the weights already changed in backward: this ends the step
+        as :meth:`step` does."""
+        self._check_open()
+        if self.config.step_in_backward:
+            self.step()
+            return
+        self.grads.zero()
+        self._backward_pending = False
 
     # -- step_in_backward ----------------------------------------------------------------------
     def _params_from_state(self) -> bool:

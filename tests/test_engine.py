@@ -1158,6 +1158,63 @@ def test_step_in_backward_forward_between_backward_and_step_with_kept_root_shard
         assert all(torch.equal(sa[k], sb[k]) for k in sa)
 
 
+class _FailInBackward(torch.autograd.Function):
+    """Identity whose backward raises when ``fail`` is set."""
+
+    @staticmethod
+    def forward(ctx, x, fail):
+        ctx.fail = fail
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        if ctx.fail:
+            raise ArithmeticError("failed in backward")
+        return g, None
+
+
+@pytest.mark.parametrize("offload,sib", [("cpu", False), ("nvme", False), ("nvme", True)])
+def test_an_error_in_backward_then_zero_grad_skips_the_batch(offload, sib, tmp_path):
+    """An error raised inside backward frees the units as the end of backward would (later
+    forwards still free each unit after it runs) and the next backward works. Plain step:
+    zero_grad() drops the failed batch's partial gradients, so training continues exactly as
+    if that batch had never been seen. step_in_backward: the step ends with the error."""
+    torch.manual_seed(11)
+    a, b = _twins(TinyLM(n_blocks=4), tmp_path, sib_a=sib, sib_b=sib, offload=offload, stage=3)
+    fail = {"on": False}
+    block = b.module.blocks[2]
+    inner = block.forward
+    block.forward = lambda x: _FailInBackward.apply(inner(x), fail["on"])
+    data = batches(4)
+    with a, b:
+        for i, (x, y) in enumerate(data):
+            if i != 1:
+                a.backward(lm_loss(a(x), y))
+                a.step()
+            fail["on"] = i == 1
+            try:
+                b.backward(lm_loss(b(x), y))
+            except ArithmeticError:
+                assert i == 1
+                b.zero_grad()
+            else:
+                b.step()
+            fail["on"] = False
+            live = []
+            h = b.module.blocks[3].register_forward_hook(
+                lambda *_: live.append(b.scheduler.live_units()))
+            with torch.no_grad():
+                b.eval()
+                b(x)
+                b.train()
+            h.remove()
+            assert live and live[0] <= 3  # still freed block by block (2 blocks + root)
+        if not sib:
+            sa, sb = a.full_state_dict(), b.full_state_dict()
+            assert all(torch.equal(sa[k], sb[k]) for k in sa)
+            assert a.skipped_steps == b.skipped_steps == 0
+
+
 def test_step_in_backward_with_a_frozen_root_parameter_and_bf16_shards_on_nvme(tmp_path):
     """A root with frozen parameters has one buffer for its shards on NVMe; with
     step_in_backward its two trainable flat parameters are updated one after the other in the

@@ -272,6 +272,12 @@ class UnitScheduler:
         self.reshard(unit)
 
     def _end_of_backward(self) -> None:
+        self.end_backward()
+
+    def end_backward(self) -> None:
+        """Close a backward: forget what it was waiting for and, at stage 3, reshard every
+        unit. Runs from a callback at the end of each backward; the engine also calls it when
+        an error ends a backward early (the callback does not run then)."""
         self._in_backward = False
         self._pending.clear()
         self._inputs_pending.clear()
