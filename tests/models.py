@@ -96,3 +96,23 @@ def big_root_lm(n_blocks=3, vocab_scale=1):
         model.emb = nn.Embedding(vocab_scale * VOCAB, WIDTH)
         model.head = nn.Linear(WIDTH, vocab_scale * VOCAB, bias=False)
     return model
+
+
+class BackwardFault(torch.autograd.Function):
+    """Identity in forward; in backward, per ``fault``: None passes the gradient on, ``"nan"``
+    makes its first element nan, ``"raise"`` raises ArithmeticError (an error inside backward).
+    Use as ``BackwardFault.apply(x, fault)``."""
+
+    @staticmethod
+    def forward(ctx, x, fault):
+        ctx.fault = fault
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        if ctx.fault == "raise":
+            raise ArithmeticError("failed in backward")
+        if ctx.fault == "nan":
+            g = g.clone()
+            g.view(-1)[0] = float("nan")
+        return g, None

@@ -9,7 +9,8 @@ import torch
 import torch.nn as nn
 
 from dist_harness import run_ranks
-from models import TinyLM, WideNet, batches, big_root_lm, lm_loss, unique_storage_bytes
+from models import (BackwardFault, TinyLM, WideNet, batches, big_root_lm, lm_loss,
+                    unique_storage_bytes)
 
 STEPS = 5
 CASES_WS2 = [(s, o) for s in (1, 2, 3) for o in ("none", "cpu", "nvme")]
@@ -370,22 +371,6 @@ def test_process_group_selects_the_data_parallel_group():
     assert all(d <= 1e-6 for d in diffs), diffs
 
 
-class _NanAt(torch.autograd.Function):
-    """Identity on a weight whose backward makes one gradient element nan when ``on``."""
-
-    @staticmethod
-    def forward(ctx, w, on):
-        ctx.on = on
-        return w.view_as(w)
-
-    @staticmethod
-    def backward(ctx, g):
-        g = g.clone()
-        if ctx.on:
-            g.view(-1)[0] = float("nan")
-        return g, None
-
-
 def _one_rank_nan_rank(rank, world_size, stage, offload, sib):
     import torch.nn.functional as F
     from offload_zero import OffloadEngine
@@ -393,8 +378,9 @@ def _one_rank_nan_rank(rank, world_size, stage, offload, sib):
     model = TinyLM(n_blocks=3)
     ln = model.blocks[0].ln
     bad = {"on": False}
-    ln.forward = lambda x: F.layer_norm(x, ln.normalized_shape, _NanAt.apply(ln.weight, bad["on"]),
-                                        ln.bias, ln.eps)
+    ln.forward = lambda x: F.layer_norm(
+        x, ln.normalized_shape, BackwardFault.apply(ln.weight, "nan" if bad["on"] else None),
+        ln.bias, ln.eps)
     states = []
     with tempfile.TemporaryDirectory() as d, OffloadEngine(
             model, stage=stage, offload=offload, path=d, lr=1e-2, step_in_backward=sib) as eng:

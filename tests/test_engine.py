@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from models import TinyLM, batches, big_root_lm, lm_loss, max_param_diff
+from models import BackwardFault, TinyLM, batches, big_root_lm, lm_loss, max_param_diff
 from offload_zero import OffloadEngine
 
 OFFLOADS = ["none", "cpu", "nvme"]
@@ -1158,21 +1158,6 @@ def test_step_in_backward_forward_between_backward_and_step_with_kept_root_shard
         assert all(torch.equal(sa[k], sb[k]) for k in sa)
 
 
-class _FailInBackward(torch.autograd.Function):
-    """Identity whose backward raises when ``fail`` is set."""
-
-    @staticmethod
-    def forward(ctx, x, fail):
-        ctx.fail = fail
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        if ctx.fail:
-            raise ArithmeticError("failed in backward")
-        return g, None
-
-
 @pytest.mark.parametrize("offload,sib", [("cpu", False), ("nvme", False), ("nvme", True)])
 def test_an_error_in_backward_then_zero_grad_skips_the_batch(offload, sib, tmp_path):
     """An error raised inside backward frees the units as the end of backward would (later
@@ -1184,7 +1169,7 @@ def test_an_error_in_backward_then_zero_grad_skips_the_batch(offload, sib, tmp_p
     fail = {"on": False}
     block = b.module.blocks[2]
     inner = block.forward
-    block.forward = lambda x: _FailInBackward.apply(inner(x), fail["on"])
+    block.forward = lambda x: BackwardFault.apply(inner(x), "raise" if fail["on"] else None)
     data = batches(4)
     with a, b:
         for i, (x, y) in enumerate(data):
