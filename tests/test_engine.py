@@ -417,6 +417,12 @@ def test_closed_engine_refuses_work():
     eng.close()  # idempotent
     with pytest.raises(RuntimeError, match="closed"):
         eng(batches(1)[0][0])
+    eng = OffloadEngine(TinyLM(), stage=3, offload_param="cpu")
+    x, y = batches(1)[0]
+    loss = lm_loss(eng(x), y)
+    eng.close()
+    with pytest.raises(RuntimeError, match="closed before this backward"):
+        loss.backward()  # a graph from before close()
 
 
 def test_bf16_compute_trains_and_keeps_fp32_master(tmp_path):

@@ -237,6 +237,10 @@ class UnitScheduler:
 
     def _make_pre_backward(self, unit: Unit):
         def hook(grad):
+            if not self._handles:  # hooks removed: the engine is closed
+                raise RuntimeError("the OffloadEngine that ran this forward was closed before "
+                                   "this backward; its parameters are gone: run backward "
+                                   "before close()")
             if not self._in_backward:
                 self._in_backward = True
                 torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
