@@ -559,6 +559,8 @@ class OffloadEngine:
                         skipped.add(fp)  # chunked: check before the first chunk is written
                     else:
                         self._step_count[fp] += 1
+                        if fp.home is not None:
+                            fp.home.drop_read(fp)  # a read from before the update is stale
                         self._targets[fp] = self._update_target(fp)
                 if fp in skipped:
                     continue

@@ -1206,6 +1206,52 @@ def test_an_error_in_backward_then_zero_grad_skips_the_batch(offload, sib, tmp_p
             assert a.skipped_steps == b.skipped_steps == 0
 
 
+@pytest.mark.parametrize("offload", ["cpu", "nvme"])
+def test_zero_grad_drops_a_stage_1_gradient_held_for_the_step(offload, tmp_path):
+    """Stage 1 keeps each full gradient from backward to the step (where it is reduced);
+    zero_grad() must drop it, or the next step adds the dropped batch back."""
+    torch.manual_seed(12)
+    a, b = _twins(TinyLM(n_blocks=2), tmp_path, sib_b=False, offload=offload, stage=1)
+    (x0, y0), (x1, y1) = batches(2)
+    with a, b:
+        b.backward(lm_loss(b(x0), y0))
+        b.zero_grad()
+        for eng in (a, b):
+            eng.backward(lm_loss(eng(x1), y1))
+            eng.step()
+        sa, sb = a.full_state_dict(), b.full_state_dict()
+        assert all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_step_after_an_error_in_backward_serves_no_stale_parameter_read(dtype, tmp_path):
+    """Backward reads the next unit's shard ahead; an error can leave that read unused. A
+    step() that then updates the unit (it has gradients from an earlier backward) must not let
+    the next forward take the read from before the update: the engine's forward equals a
+    fresh engine's built from its full_state_dict()."""
+    torch.manual_seed(13)
+    kw = dict(stage=3, offload="nvme", offload_param="nvme", dtype=dtype, prefetch=1)
+    (tmp_path / "b").mkdir()
+    (tmp_path / "c").mkdir()
+    with OffloadEngine(TinyLM(n_blocks=4), path=str(tmp_path / "b"), **kw) as b:
+        fail = {"on": False}
+        block = b.module.blocks[2]
+        inner = block.forward
+        block.forward = lambda x: BackwardFault.apply(inner(x), "raise" if fail["on"] else None)
+        data = batches(3)
+        b.backward(lm_loss(b(data[0][0]), data[0][1]))
+        fail["on"] = True
+        with pytest.raises(ArithmeticError):
+            b.backward(lm_loss(b(data[1][0]), data[1][1]))
+        fail["on"] = False
+        b.step()  # applies the first backward's gradients (and what the second finished)
+        fresh = TinyLM(n_blocks=4)
+        fresh.load_state_dict(b.full_state_dict())
+        with OffloadEngine(fresh, path=str(tmp_path / "c"), **kw) as c, torch.no_grad():
+            b.eval(), c.eval()
+            assert torch.equal(b(data[2][0]), c(data[2][0]))
+
+
 def test_step_in_backward_with_a_frozen_root_parameter_and_bf16_shards_on_nvme(tmp_path):
     """A root with frozen parameters has one buffer for its shards on NVMe; with
     step_in_backward its two trainable flat parameters are updated one after the other in the

@@ -417,6 +417,9 @@ class HostParamHome:
     def done_with(self, fp) -> None:
         """The gather no longer needs the host copy (it stays: it is the shard's home)."""
 
+    def drop_read(self, fp) -> None:
+        """Nothing read ahead to forget: the shard is resident (see NVMeParamHome)."""
+
     def update_target(self, fp) -> torch.Tensor:
         """Host tensor the optimizer writes ``fp``'s new compute-dtype shard into."""
         return fp.sharded
@@ -539,6 +542,12 @@ class NVMeParamHome:
         buf, handle = self._reads[fp]
         handle.wait()
         return buf[:fp.shard_numel]
+
+    def drop_read(self, fp) -> None:
+        """Forget a read of ``fp``'s shard that no gather used (its update is about to change
+        the shard, so it would be stale: a read started for a backward that an error cut
+        short)."""
+        self.done_with(fp)
 
     def done_with(self, fp) -> None:
         """Return ``fp``'s read buffer to the pool (nothing to return for a shard gathered

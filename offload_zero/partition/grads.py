@@ -141,9 +141,12 @@ class GradientShards:
                 b = self.buf.pop(fp)
                 self._acct.sub(self.tier, StateKind.GRADS, b.numel() * b.element_size())
             self.has_grad[fp] = False
-            if self._in_place:
+            if self._in_place or fp in self._full_grad_held:
+                # (stage 1 holds the full gradient from backward to step; with offload it is
+                # reduced only in the step, so a zero_grad() before it must drop it here)
                 fp.full.grad = None
-                self.buf.pop(fp, None)
+                if self._in_place:
+                    self.buf.pop(fp, None)
                 self._free_full(fp)
 
     def release(self) -> None:
