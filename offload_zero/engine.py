@@ -27,8 +27,7 @@ from offload_zero.memory.tiers import (DeviceStore, HostParamHome, HostStore, NV
 from offload_zero.partition.flat_param import FlatParam, build_entries, shard_numel_for
 from offload_zero.partition.grads import GradientShards
 from offload_zero.partition.schedule import UnitScheduler
-from offload_zero.partition.units import (Unit, find_unit_modules, group_parameters,
-                                          split_by_gradient_order)
+from offload_zero.partition.units import Unit, plan_flat_params
 
 log = logging.getLogger("offload_zero")
 
@@ -225,23 +224,13 @@ class OffloadEngine:
 
     def _plan_units(self, model: nn.Module):
         """Units and, per unit, its trainable and frozen parameter groups (nothing built yet)."""
-        block_mods = find_unit_modules(model, self.config.unit_classes)
-        groups, users = group_parameters(model, [n for n, _ in block_mods])
+        cfg = self.config
+        block_mods, planned, users = plan_flat_params(model, cfg.unit_classes,
+                                                      cfg.step_in_backward)
         blocks = [Unit(i, n, m, is_root=False) for i, (n, m) in enumerate(block_mods)]
         root = Unit(len(blocks), "", model, is_root=True)
-        names = [n for n, _ in block_mods]
-        planned = []
-        for unit, group in zip(blocks + [root], groups):
-            for trainable in (True, False):
-                members = [(p, refs) for p, refs in group if p.requires_grad == trainable]
-                if not members:
-                    continue
-                parts = [members]
-                if unit.is_root and trainable and self.config.step_in_backward:
-                    # the LM head's gradient is final at the start of backward, the
-                    # embeddings' at its end: two flat parameters, updated when each is ready
-                    parts = split_by_gradient_order(model, members, names)
-                planned.extend((unit, trainable, part) for part in parts)
+        units = blocks + [root]
+        planned = [(units[i], trainable, members) for i, trainable, members in planned]
         return blocks, root, planned, users
 
     def _build_units(self, blocks, root, planned, users):
@@ -385,7 +374,7 @@ class OffloadEngine:
         """Drop the gradients accumulated since the last :meth:`step` (to skip a batch, say
         after an error in backward); the next backward starts afresh. With
         ``step_in_backward`` the weights already changed in backward: this ends the step
-        as :meth:`step` does."""
+        as :meth:`step` does. Raises RuntimeError if the engine is closed."""
         self._check_open()
         if self.config.step_in_backward:
             self.step()
@@ -424,21 +413,15 @@ class OffloadEngine:
         self.grads.on_full_grad(fp)
         if fp in self._early or not self.grads.has_grad[fp]:
             return
-        known_finite = False
-        if self.world_size > 1:  # the same decision on every rank (see step)
-            if self._nonfinite_on_any_rank([fp]):
-                self._early[fp] = False  # skipped
-                return
-            known_finite = True
         if isinstance(self.store, NVMeStore) and not self.store.prefetched(fp):
             skipped: set = set()
             # (the learning rate of this backward, whatever set_lr() does before it ends)
-            update = self._iter_updates([fp], 1.0, known_finite, skipped, self.lr)
+            update = self._iter_updates([fp], 1.0, False, skipped, self.lr)
             self._deferred.append((fp, update, skipped))
             self._early[fp] = False  # until its last chunk is updated (see _pump)
             self._pump()
             return
-        self._early[fp] = fp not in self._update_states([fp], 1.0, known_finite)
+        self._early[fp] = fp not in self._update_states([fp], 1.0, known_finite=False)
 
     def _nonfinite_on_any_rank(self, fps: List[FlatParam]) -> set:
         """The flat parameters of ``fps`` whose gradient holds an inf or nan on any rank: one
@@ -506,17 +489,10 @@ class OffloadEngine:
                 return
             coef = min(1.0, cfg.max_grad_norm / (norm + 1e-6))
             known_finite = True  # the kernel can skip its own inf/nan pass over the gradients
-        self._known_finite = known_finite
         # (with step_in_backward most flat parameters were updated in backward already)
         with_grad = [fp for fp in self.trainable if self.grads.has_grad[fp] and fp not in self._early]
-        bad: set = set()
-        if not known_finite and self.world_size > 1:
-            # every rank skips the same flat parameters, whichever rank's shard holds the inf/nan
-            bad = self._nonfinite_on_any_rank(with_grad)
-            with_grad = [fp for fp in with_grad if fp not in bad]
-            known_finite = True
         try:
-            skipped = bad | self._update_states(with_grad, coef, known_finite)
+            skipped = self._update_states(with_grad, coef, known_finite)
         finally:
             # every write-back done before the next forward reads parameters (an fp32 shard on
             # NVMe is read from its master's bytes): updates made in backward included
@@ -549,7 +525,13 @@ class OffloadEngine:
                       skipped: set, lr: float) -> Iterator[None]:
         """:meth:`_update_states` as a generator that yields after each chunk, at learning rate
         ``lr`` throughout; flat parameters skipped for inf/nan gradients are added to
-        ``skipped``."""
+        ``skipped``. With several ranks, collective (see :meth:`_nonfinite_on_any_rank`)."""
+        if not known_finite and self.world_size > 1:
+            # every rank skips the same flat parameters, whichever rank's shard holds the inf/nan
+            bad = self._nonfinite_on_any_rank(fps)
+            skipped |= bad
+            fps = [fp for fp in fps if fp not in bad]
+            known_finite = True
         try:
             # the store yields each flat parameter's state whole, or (NVMe) in chunks
             for fp, lo, hi, master, m, v in self.store.iter_states(fps):
@@ -560,7 +542,9 @@ class OffloadEngine:
                     else:
                         self._step_count[fp] += 1
                         if fp.home is not None:
-                            fp.home.drop_read(fp)  # a read from before the update is stale
+                            # a read of the shard left unused (a backward cut short by an
+                            # error) is stale once the update writes: drop it
+                            fp.home.done_with(fp)
                         self._targets[fp] = self._update_target(fp)
                 if fp in skipped:
                     continue

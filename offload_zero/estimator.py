@@ -264,20 +264,10 @@ def model_layout(model: nn.Module, unit_classes: Sequence[type] = (),
     A parameter shared by several modules (tied embeddings) is counted once. Works on models on
     the ``meta`` device (nothing is allocated). Units: elements.
     """
-    from offload_zero.partition.units import (find_unit_modules, group_parameters,
-                                              split_by_gradient_order)
-    names = [n for n, _ in find_unit_modules(model, tuple(unit_classes))]
-    groups, _ = group_parameters(model, names)
-    specs = []
-    for index, group in enumerate(groups):
-        unit = -1 if index == len(names) else index
-        for trainable in (True, False):
-            members = [(p, refs) for p, refs in group if p.requires_grad == trainable]
-            parts = [members] if members else []
-            if members and unit == -1 and trainable and step_in_backward:
-                parts = split_by_gradient_order(model, members, names)
-            for part in parts:
-                specs.append(FlatSpec(sum(p.numel() for p, _ in part), unit, trainable))
+    from offload_zero.partition.units import plan_flat_params
+    block_mods, planned, _ = plan_flat_params(model, tuple(unit_classes), step_in_backward)
+    specs = [FlatSpec(sum(p.numel() for p, _ in members), -1 if i == len(block_mods) else i,
+                      trainable) for i, trainable, members in planned]
     if not specs:
         raise ValueError(f"model {type(model).__name__} has no parameters")
     return specs

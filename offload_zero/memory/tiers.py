@@ -237,13 +237,15 @@ class NVMeStore:
         return True
 
     def prefetched(self, fp) -> bool:
-        """Whether ``fp``'s whole state is being read ahead (see :meth:`prefetch`)."""
+        """Whether ``fp``'s whole state is being read ahead, or was read and awaits its
+        update (see :meth:`prefetch`)."""
         return fp in self._whole_reads
 
     def master_view(self, fp) -> Optional[torch.Tensor]:
-        """``fp``'s fp32 master weights from its read-ahead buffer (waiting for that part of
-        the read only), or None when its state is not being read ahead. The view is valid
-        until the update that consumes the read-ahead (:meth:`iter_states`)."""
+        """``fp``'s fp32 master weights from its read-ahead buffer, shape (shard_numel,), a
+        view (waiting for that part of the read only), or None when its state is not being
+        read ahead. The view is valid until the update that consumes the read-ahead
+        (:meth:`iter_states`). Raises SwapIOError if the read failed (file and offset named)."""
         if fp not in self._whole_reads:
             return None
         buf, handles = self._whole_reads[fp]
@@ -252,7 +254,8 @@ class NVMeStore:
 
     def wait_writes(self, fp) -> None:
         """Wait for every write of ``fp``'s state still in flight (before its bytes are read
-        by another reader: an fp32 parameter shard is read from the master's bytes)."""
+        by another reader: an fp32 parameter shard is read from the master's bytes).
+        Raises SwapIOError if one failed (file and offset named)."""
         for i in reversed(range(len(self._whole_writes))):
             if self._whole_writes[i][0] is fp:
                 self._retire_whole_write(i)
@@ -417,9 +420,6 @@ class HostParamHome:
     def done_with(self, fp) -> None:
         """The gather no longer needs the host copy (it stays: it is the shard's home)."""
 
-    def drop_read(self, fp) -> None:
-        """Nothing read ahead to forget: the shard is resident (see NVMeParamHome)."""
-
     def update_target(self, fp) -> torch.Tensor:
         """Host tensor the optimizer writes ``fp``'s new compute-dtype shard into."""
         return fp.sharded
@@ -543,15 +543,10 @@ class NVMeParamHome:
         handle.wait()
         return buf[:fp.shard_numel]
 
-    def drop_read(self, fp) -> None:
-        """Forget a read of ``fp``'s shard that no gather used (its update is about to change
-        the shard, so it would be stale: a read started for a backward that an error cut
-        short)."""
-        self.done_with(fp)
-
     def done_with(self, fp) -> None:
-        """Return ``fp``'s read buffer to the pool (nothing to return for a shard gathered
-        from the store's read-ahead)."""
+        """Return ``fp``'s read buffer to the pool (a gather used it, or an update is about to
+        make it stale); nothing to do without one (a shard gathered from the store's
+        read-ahead)."""
         if fp not in self._reads:
             return
         buf, handle = self._reads.pop(fp)

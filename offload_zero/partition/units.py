@@ -146,3 +146,32 @@ def split_by_gradient_order(model: nn.Module, members: List[Tuple[nn.Parameter, 
     early = [(p, refs) for p, refs in members if after_blocks(refs)]
     late = [(p, refs) for p, refs in members if not after_blocks(refs)]
     return [early, late] if early and late else [members]
+
+
+def plan_flat_params(model: nn.Module, unit_classes: Sequence[type] = (),
+                     step_in_backward: bool = False):
+    """The flat parameters ``model`` is cut into, before anything is built (the engine builds
+    them; the estimator counts them).
+
+    Returns ``(block_modules, planned, users)``: ``block_modules`` from
+    :func:`find_unit_modules`; ``planned`` lists ``(unit index, trainable, members)`` in
+    construction order, one entry per unit and ``requires_grad`` value (the root unit's index
+    is ``len(block_modules)``; with ``step_in_backward`` its trainable members are split by
+    :func:`split_by_gradient_order`); ``users`` as from :func:`group_parameters`.
+    """
+    block_mods = find_unit_modules(model, unit_classes)
+    names = [n for n, _ in block_mods]
+    groups, users = group_parameters(model, names)
+    planned = []
+    for index, group in enumerate(groups):
+        for trainable in (True, False):
+            members = [(p, refs) for p, refs in group if p.requires_grad == trainable]
+            if not members:
+                continue
+            parts = [members]
+            if index == len(names) and trainable and step_in_backward:
+                # the LM head's gradient is final at the start of backward, the embeddings'
+                # at its end: two flat parameters, updated when each is ready
+                parts = split_by_gradient_order(model, members, names)
+            planned.extend((index, trainable, part) for part in parts)
+    return block_mods, planned, users
