@@ -895,6 +895,45 @@ def test_views_of_a_gathered_unit_keep_their_values_after_close():
     assert torch.equal(held[0].float(), expected)
 
 
+@pytest.mark.parametrize("offload,offload_param", [("cpu", "cpu"), ("nvme", "nvme"), ("cpu", "none")])
+def test_units_left_gathered_by_an_error_in_forward_are_freed_by_the_next_forward(
+        offload, offload_param, tmp_path, caplog):
+    """An error inside a block's forward leaves that block (and the one prefetched after it)
+    gathered. Catching it and training on, as a loop that skips a failed batch does, never
+    holds more units than a clean run nor grows the gather pool: the next forward frees what
+    the failed one left. The weights then
+    match plain AdamW that never saw the failed batch."""
+    torch.manual_seed(4)
+    model = TinyLM(n_blocks=4)
+    fail = [False]
+
+    def boom(mod, args):
+        if fail[0]:
+            raise KeyError("injected")
+
+    model.blocks[2].register_forward_pre_hook(boom)
+
+    engines = []
+
+    def before_step(i, model, ref):
+        if i in (1, 2):  # a failed forward before steps 1 and 2, then the batch is trained
+            fail[0] = True
+            with pytest.raises(KeyError, match="injected"):
+                engines[0](batches(1)[0][0])
+            fail[0] = False
+
+    with caplog.at_level("WARNING", logger="offload_zero.memory.pool"):
+        eng, ref = _train_both(model, {"stage": 3, "offload_param": offload_param}, tmp_path,
+                               offload, steps=4, before_step=before_step,
+                               on_engine=engines.append)
+    with eng:
+        assert max_param_diff(eng.full_state_dict(), ref) <= 1e-6
+        pool = eng.memory_report()["pools"].get("gather", {"grown": 0})  # none: no param tier
+        assert pool["grown"] == 0, pool
+        assert eng.scheduler.live_peak <= 3  # root, a block and the one prefetched
+    assert not [r for r in caplog.records if "adding one slot" in r.getMessage()]
+
+
 def test_blocks_with_frozen_weights_are_freed_during_backward(tmp_path):
     """Frozen weights (the LayerNorm that runs first, and a Linear) are still used by backward
     after the block's trainable gradients are accumulated; the block is freed once its inputs'

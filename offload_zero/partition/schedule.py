@@ -10,6 +10,7 @@ backward, unit k: the first gradient reaching k's outputs unshards k (+ deps) an
                   unit with frozen weights waits also for its inputs' gradients: until then
                   backward may still use those weights).
 end of backward:  a callback queued on the autograd engine reshards whatever is still gathered.
+next forward:     frees blocks an error left gathered (an error skips the post-forward hooks).
 The root unit (everything outside the blocks) is gathered from the start of a training forward
 to the end of its backward (an evaluation forward frees it at its end). Each of its flat
 parameters gets fresh views when the first module using it runs: autograd runs ready nodes
@@ -156,6 +157,13 @@ class UnitScheduler:
     def _root_pre_forward(self, module, args):
         if self._on_forward is not None:
             self._on_forward()
+        if not self._in_backward:
+            # An error inside a forward skips the post-forward hooks: the blocks it had
+            # gathered (and prefetched) are still gathered. Free them before this forward
+            # needs their pool slots. (The root stays: a forward then another forward, then
+            # backward on both, uses the root's views from the first.)
+            for u in self.blocks:
+                self.reshard(u)
         if torch.is_grad_enabled() and module.training:
             self._recording = []
         self._fresh_views.clear()
