@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import os
+import warnings
 from typing import Optional, Tuple
 
 import torch
@@ -48,7 +49,9 @@ class EngineConfig:
             compute-dtype parameter shards (stage 3 only); NVMe shards are read ahead of use
             into a fixed pool of host buffers. Default: from ``offload``.
         path: folder for NVMe swap files (required for ``offload="nvme"``; must exist and be
-            writable). Each rank uses its own sub-folder ``rank<r>``. Default ``None``.
+            writable). Each rank uses its own sub-folder ``rank<r>``. Given when nothing goes to
+            NVMe (and ``offload`` is not ``"auto"``), it is unused: a UserWarning says so.
+            Default ``None``.
         stage: ZeRO stage, 1 (optimizer state partitioned), 2 (+ gradients) or 3 (+ parameters).
             Default 3.
         lr: learning rate, > 0. Default 1e-3.
@@ -180,11 +183,16 @@ class EngineConfig:
                 raise ValueError(f"unit_classes entry {cls!r} is not a torch.nn.Module subclass")
         object.__setattr__(self, "device", _resolve_device(self.device))
         # name the setting that asked for NVMe: offload="nvme" alone, or the finer keywords
-        asks = ["offload='nvme'"] if self.offload == "nvme" else [
-            f"{k}='nvme'" for k, v in (("offload_optimizer", self.offload_optimizer),
-                                       ("offload_param", self.offload_param)) if v == "nvme"]
+        nvme = [f"{k}='nvme'" for k, v in (("offload_optimizer", self.offload_optimizer),
+                                           ("offload_param", self.offload_param)) if v == "nvme"]
+        asks = ["offload='nvme'"] if nvme and self.offload == "nvme" else nvme
         if asks:
             _check_swap_path(self.path, " and ".join(asks))
+        elif self.path is not None and self.offload != "auto":
+            warnings.warn(f"path={os.fspath(self.path)!r} is not used: offload={self.offload!r} "
+                          f"(optimizer state on {self.offload_optimizer!r}, parameters on "
+                          f"{self.offload_param!r}) puts nothing on NVMe; set offload='nvme' to "
+                          "use it", UserWarning, stacklevel=4)
 
     @property
     def optimizer_tier(self) -> Tier:

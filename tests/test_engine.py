@@ -392,6 +392,16 @@ def test_bad_input_raises_value_error(kwargs, match):
         OffloadEngine(TinyLM(), **kwargs)
 
 
+@pytest.mark.parametrize("kw", [{"offload": "cpu"}, {"offload": "none", "stage": 2},
+                                {"offload": "nvme", "offload_optimizer": "cpu", "offload_param": "cpu"}])
+def test_path_without_nvme_warns_that_it_is_unused(kw, tmp_path):
+    """path= given where nothing goes to NVMe is a likely mistake (the user believes the state
+    is on disk): a UserWarning names the path and the tiers, and no file is created there."""
+    with pytest.warns(UserWarning, match=r"path='.*' is not used: offload=.*puts nothing on NVMe"):
+        OffloadEngine(TinyLM(), path=str(tmp_path), **kw).close()
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_read_only_path_raises_value_error(tmp_path):
     ro = tmp_path / "ro"
     ro.mkdir()
@@ -977,10 +987,12 @@ def _twins(model, tmp_path, sib_a=False, sib_b=True, **kw):
     with ``step_in_backward=sib_a`` (the reference), ``b`` with ``sib_b``."""
     kw = {"lr": 1e-2, "weight_decay": 0.1, **kw}
     twin = copy.deepcopy(model)
-    (tmp_path / "a").mkdir()
-    (tmp_path / "b").mkdir()
-    return (OffloadEngine(model, path=str(tmp_path / "a"), step_in_backward=sib_a, **kw),
-            OffloadEngine(twin, path=str(tmp_path / "b"), step_in_backward=sib_b, **kw))
+    nvme = "nvme" in (kw.get("offload"), kw.get("offload_optimizer"), kw.get("offload_param"))
+    for name in "ab":
+        (tmp_path / name).mkdir()
+    a, b = ((str(tmp_path / name) if nvme else None) for name in "ab")
+    return (OffloadEngine(model, path=a, step_in_backward=sib_a, **kw),
+            OffloadEngine(twin, path=b, step_in_backward=sib_b, **kw))
 
 
 @pytest.mark.parametrize("offload,offload_param,stage,dtype", [
