@@ -31,6 +31,7 @@ __all__ = [
     "HFTokenizer",
     "stdlib_files",
     "find_text_files",
+    "read_text_file",
     "TokenWindows",
 ]
 
@@ -136,21 +137,58 @@ class HFTokenizer:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
 
+def _decode_text(data: bytes, final: bool = True) -> str:
+    """Decode ``data`` as UTF-8 text, strictly.
+
+    With ``final=False`` a multi-byte character cut at the end of ``data`` (a file's head read
+    so far) is not an error and is left out of the result. Raises ``ValueError`` saying
+    ``"a NUL byte at byte offset N"`` or ``"invalid UTF-8 at byte offset N"`` for the first
+    offending byte: text files hold neither.
+    """
+    try:
+        text = codecs.getincrementaldecoder("utf-8")().decode(data, final=final)
+    except UnicodeDecodeError as exc:
+        nul = data.find(b"\0", 0, exc.start)
+        if nul >= 0:
+            raise ValueError(f"a NUL byte at byte offset {nul}") from None
+        raise ValueError(f"invalid UTF-8 at byte offset {exc.start}") from None
+    nul = data.find(b"\0")
+    if nul >= 0:
+        raise ValueError(f"a NUL byte at byte offset {nul}")
+    return text
+
+
+def _sniff_text(path: Path) -> None:
+    """Check that the first ``_SNIFF_BYTES`` of ``path`` are text (see :func:`_decode_text`).
+
+    Raises ``ValueError`` with the reason (no path) if they are not, ``OSError`` if the file
+    cannot be read.
+    """
+    with open(path, "rb") as f:
+        head = f.read(_SNIFF_BYTES)
+    _decode_text(head, final=len(head) < _SNIFF_BYTES)
+
+
 def _is_text_file(path: Path) -> bool:
     """True if the first few KiB of ``path`` contain no NUL byte and are valid UTF-8."""
     try:
-        with open(path, "rb") as f:
-            head = f.read(_SNIFF_BYTES)
-    except OSError:
-        return False
-    if b"\0" in head:
-        return False
-    try:
-        # A multi-byte character cut at the sniff boundary is not an error; at EOF it is.
-        codecs.getincrementaldecoder("utf-8")().decode(head, final=len(head) < _SNIFF_BYTES)
-    except UnicodeDecodeError:
+        _sniff_text(path)
+    except (OSError, ValueError):
         return False
     return True
+
+
+def read_text_file(path: os.PathLike) -> str:
+    """The whole of ``path`` decoded as UTF-8, strictly (never replacement characters).
+
+    Raises ``ValueError`` naming the file and the byte offset of its first NUL byte or invalid
+    UTF-8 byte if it is not a UTF-8 text file, and ``OSError`` if it cannot be read.
+    """
+    try:
+        return _decode_text(Path(path).read_bytes())
+    except ValueError as exc:
+        raise ValueError(f"corpus file {str(path)!r} is not a UTF-8 text file: {exc}; "
+                         f"only UTF-8 text can be trained on") from None
 
 
 def _walk(root: Path, suffixes: Optional[Tuple[str, ...]]) -> Iterator[Path]:
@@ -182,10 +220,15 @@ def stdlib_files() -> List[Path]:
 def find_text_files(paths: Sequence[os.PathLike]) -> List[Path]:
     """Expand ``--data`` arguments to a list of text files.
 
-    A file argument is kept as given (in argument order). A directory is walked recursively
-    and its files are sorted by path, keeping files that look like UTF-8 text (no NUL byte, valid UTF-8 in the
-    first 8 KiB); hidden entries and ``__pycache__``/``site-packages``/test folders are
-    skipped. Raises ``ValueError`` if a path does not exist or nothing usable is found.
+    A file argument is kept as given (in argument order) if its first 8 KiB are UTF-8 text
+    (no NUL byte, valid UTF-8; the rest is checked when it is read, see
+    :func:`read_text_file`). A directory is walked recursively and its files are sorted by
+    path, keeping the ones that look like UTF-8 text by the same test and skipping the others;
+    hidden entries and ``__pycache__``/``site-packages``/test folders are skipped.
+
+    Raises ``ValueError`` if a path does not exist, nothing usable is found, or a file argument
+    cannot be read or is not UTF-8 text (naming the file and the byte offset of its first NUL
+    or invalid UTF-8 byte).
     """
     out: List[Path] = []
     for raw in paths:
@@ -196,6 +239,14 @@ def find_text_files(paths: Sequence[os.PathLike]) -> List[Path]:
                 raise ValueError(f"--data directory {str(p)!r} contains no text files")
             out.extend(found)
         elif p.is_file():
+            try:
+                _sniff_text(p)
+            except OSError as exc:
+                raise ValueError(f"--data file {str(p)!r} cannot be read: {exc}") from None
+            except ValueError as exc:
+                raise ValueError(f"--data file {str(p)!r} is not a UTF-8 text file: {exc}; "
+                                 f"--data takes UTF-8 text files, or folders (whose other "
+                                 f"files are skipped)") from None
             out.append(p)
         else:
             raise ValueError(f"--data path {str(p)!r} does not exist")
@@ -221,7 +272,8 @@ class TokenWindows:
 
     The labels are the inputs themselves (a Hugging Face causal LM shifts them internally).
     Raises ``ValueError`` on bad arguments, or while iterating if the whole corpus holds
-    fewer than ``seq_len`` tokens.
+    fewer than ``seq_len`` tokens or a file read is not UTF-8 text (see
+    :func:`read_text_file`).
     """
 
     def __init__(self, files: Sequence[os.PathLike], tokenizer, seq_len: int, seed: int = 0,
@@ -252,7 +304,7 @@ class TokenWindows:
             order = list(range(len(self.files)))
             random.Random(f"{self.seed}/files/{epoch}").shuffle(order)
             for idx in order:
-                text = self.files[idx].read_text(encoding="utf-8", errors="replace")
+                text = read_text_file(self.files[idx])
                 self.files_read += 1
                 ids = self.tokenizer.encode(text)
                 if eos is not None:

@@ -6,8 +6,9 @@ a named preset, optionally overridden per field) with the byte tokenizer of
 tokenizer. Text comes from ``--data`` files/directories, or by default from the Python standard
 library's sources. The run ends with a summary (losses, peak bytes per tier, NVMe traffic,
 time, throughput) printed to stdout and optionally written as JSON. ``--save DIR`` keeps the
-trained weights as ``DIR/model.safetensors`` (with the Hugging Face config and tokenizer), a
-folder that ``--model DIR`` and ``transformers.AutoModelForCausalLM.from_pretrained`` load.
+trained weights as ``DIR/model.safetensors`` (with the Hugging Face config, generation config
+and tokenizer), a folder that ``--model DIR`` and
+``transformers.AutoModelForCausalLM.from_pretrained`` load.
 
 :func:`add_arguments` fills the ``train`` sub-parser; :func:`run` executes a parsed namespace
 and returns the summary. Bad user input raises ``ValueError`` (the CLI turns it into a
@@ -87,8 +88,9 @@ of --seq-len tokens per rank; under torchrun every rank gets a disjoint share of
 Shows a progress bar (loss, tokens/s) and ends with a summary on stdout: first and last loss,
 peak bytes per tier (device, host, nvme), NVMe bytes read and written, wall time and tokens/s.
 --json FILE writes the same summary as JSON. --save DIR writes the trained weights to
-DIR/model.safetensors, with the model's config.json and its tokenizer (if it has a Hugging Face
-one): a folder that --model DIR fine-tunes further and transformers' from_pretrained loads.
+DIR/model.safetensors, with the model's config.json, its generation_config.json (eos/pad ids
+and other generate() settings) and its tokenizer (if it has a Hugging Face one): a folder that
+--model DIR fine-tunes further and transformers' from_pretrained loads.
 
 Defaults: preset {DEFAULT_PRESET!r} (~3M parameters), {DEFAULTS['steps']} steps of {DEFAULTS['batch_size']} x {DEFAULTS['seq_len']} tokens, --offload {DEFAULTS['offload']},
 --stage {DEFAULTS['stage']}, fp32: about a minute on two CPU cores.
@@ -172,7 +174,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="also write the summary as JSON to FILE")
     out.add_argument("--save", metavar="DIR", default=None,
                      help=f"after training, write the full weights to DIR/{WEIGHTS_NAME} with "
-                          "config.json and the tokenizer (a folder --model DIR and "
+                          "config.json, generation_config.json and the tokenizer (a folder "
+                          "--model DIR and "
                           "transformers' from_pretrained load); DIR is created if missing")
     out.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     out.add_argument("--memory-plot", metavar="FILE.png", default=None,
@@ -597,17 +600,22 @@ def unshare_tensors(state_dict: Dict[str, torch.Tensor], tied_patterns: List[str
 
 
 def save_checkpoint(folder: str, state_dict: Dict[str, torch.Tensor], *, config: Any = None,
-                    tokenizer: Any = None, tied_patterns: List[str] = ()) -> Dict[str, Any]:
+                    tokenizer: Any = None, tied_patterns: List[str] = (),
+                    generation_config: Any = None) -> Dict[str, Any]:
     """Write a loadable checkpoint folder: ``folder/model.safetensors`` holding ``state_dict``
-    (tied duplicates dropped by :func:`unshare_tensors`), plus ``config.save_pretrained(folder)``
-    and ``tokenizer.save_pretrained(folder)`` for those given that have the method.
+    (tied duplicates dropped by :func:`unshare_tensors`), plus ``config.save_pretrained(folder)``,
+    ``generation_config.save_pretrained(folder)`` (``generation_config.json``: the eos/pad ids
+    and other settings ``generate()`` uses) and ``tokenizer.save_pretrained(folder)`` for those
+    given that have the method.
 
-    ``folder`` is created if missing. The config and tokenizer are written first and the
+    ``folder`` is created if missing. The configs and tokenizer are written first and the
     weights last, to a temporary file in ``folder`` that is flushed to disk and then renamed
     over ``model.safetensors``: a failed or interrupted save leaves any earlier
-    ``model.safetensors`` as it was and never a half-written one. Returns a JSON-ready dict
-    ``{"dir", "weights", "weights_bytes", "tensors", "dropped_tied", "files"}``. Raises
-    ``ValueError`` (naming the path) if ``state_dict`` is empty or anything cannot be written.
+    ``model.safetensors`` as it was and never a half-written one. A generation config that
+    transformers refuses to save (its ``validate`` raises ``ValueError``) is left out with a
+    warning rather than losing the weights. Returns a JSON-ready dict ``{"dir", "weights",
+    "weights_bytes", "tensors", "dropped_tied", "files"}``. Raises ``ValueError`` (naming the
+    path) if ``state_dict`` is empty or anything cannot be written.
     """
     from safetensors.torch import save_file
 
@@ -623,6 +631,8 @@ def save_checkpoint(folder: str, state_dict: Dict[str, torch.Tensor], *, config:
         if config is not None and hasattr(config, "save_pretrained"):
             config.save_pretrained(folder)
             files.append("config.json")
+        if generation_config is not None and hasattr(generation_config, "save_pretrained"):
+            files.extend(_save_generation_config(folder, generation_config))
         if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
             written = tokenizer.save_pretrained(folder)
             files.extend(sorted(os.path.basename(str(f)) for f in written or ()))
@@ -642,6 +652,18 @@ def save_checkpoint(folder: str, state_dict: Dict[str, torch.Tensor], *, config:
     files.append(WEIGHTS_NAME)
     return {"dir": folder, "weights": weights, "weights_bytes": os.path.getsize(weights),
             "tensors": len(tensors), "dropped_tied": dropped, "files": files}
+
+
+def _save_generation_config(folder: str, generation_config: Any) -> List[str]:
+    """``generation_config.save_pretrained(folder)``; returns the file name written, or none
+    (with a warning) if transformers refuses the config. ``OSError`` propagates."""
+    try:
+        generation_config.save_pretrained(folder)
+    except ValueError as exc:
+        log.warning("--save %s: generation_config.json left out (generate() falls back to "
+                    "config.json's token ids): %s", folder, " ".join(str(exc).split()))
+        return []
+    return ["generation_config.json"]
 
 
 def _tokenizer_to_save(args: argparse.Namespace, tokenizer) -> Any:
@@ -705,6 +727,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     saved = None
     if args.save and rank == 0:
         saved = save_checkpoint(args.save, state, config=getattr(model, "config", None),
+                                generation_config=getattr(model, "generation_config", None),
                                 tokenizer=_tokenizer_to_save(args, tokenizer), tied_patterns=tied)
     del state
     summary = summarize(losses, report, wall_s=wall_s, tokens=tokens_per_step * args.steps,

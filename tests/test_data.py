@@ -106,6 +106,54 @@ def test_data_errors(tmp_path):
         TokenWindows([short], ByteTokenizer(), seq_len=4, world_size=2, rank=2)
 
 
+def test_data_file_that_is_not_utf8_text_names_the_file_and_offset(tmp_path):
+    import gzip
+
+    blob = tmp_path / "model.bin"
+    blob.write_bytes(b"PK" + bytes(range(256)))
+    with pytest.raises(ValueError, match=r"'.*model\.bin' is not a UTF-8 text file: "
+                                         r"a NUL byte at byte offset 2"):
+        find_text_files([blob])
+    zipped = tmp_path / "notes.txt.gz"
+    zipped.write_bytes(gzip.compress(b"hello\n"))  # starts 1f 8b: 0x8b is no UTF-8 lead byte
+    with pytest.raises(ValueError, match=r"notes\.txt\.gz' is not a UTF-8 text file: "
+                                         r"invalid UTF-8 at byte offset 1"):
+        find_text_files([zipped])
+    latin1 = tmp_path / "latin1.txt"
+    latin1.write_bytes("caf\xe9\n".encode("latin-1"))
+    with pytest.raises(ValueError, match="latin1.txt' is not a UTF-8 text file: invalid UTF-8 "
+                                         "at byte offset 3"):
+        find_text_files([latin1])
+
+
+def test_invalid_utf8_past_the_sniffed_head_fails_when_read(tmp_path):
+    """find_text_files looks at the first 8 KiB only; the full read is strict too, rather
+    than training on replacement characters."""
+    late = tmp_path / "late.txt"
+    late.write_bytes(b"a" * 10_000 + b"\xff tail\n")
+    assert find_text_files([late]) == [late]
+    windows = TokenWindows([late], ByteTokenizer(), seq_len=16)
+    with pytest.raises(ValueError, match=r"'.*late\.txt' is not a UTF-8 text file: invalid "
+                                         r"UTF-8 at byte offset 10000"):
+        next(windows.batches(2))
+
+
+def test_non_ascii_utf8_is_text(tmp_path):
+    text = "naïve café 東京 ✓ 𝔘𝔫𝔦𝔠𝔬𝔡𝔢\n"
+    path = tmp_path / "unicode.txt"
+    path.write_text(text, encoding="utf-8")
+    # a character of 3 bytes cut by the 8 KiB sniff boundary is not an error
+    cut = tmp_path / "cut.txt"
+    cut.write_text("a" * 8191 + "東京\n", encoding="utf-8")
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    (folder / "u.txt").write_text(text, encoding="utf-8")
+    assert find_text_files([path, cut, folder]) == [path, cut, folder / "u.txt"]
+    tok = ByteTokenizer()
+    windows = TokenWindows([path], tok, seq_len=len(tok.encode(text)) + 1, shuffle_windows=1)
+    assert tok.decode(next(windows.windows()), skip_special=False) == text + "<eos>"
+
+
 # --- windows and batches ----------------------------------------------------------------------
 
 @pytest.fixture(scope="module")

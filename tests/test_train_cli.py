@@ -5,7 +5,10 @@ with tiny models, short sequences and few steps, so the file stays well under tw
 two CPU cores.
 """
 import argparse
+import errno
+import gzip
 import json
+import logging
 import math
 import os
 import shutil
@@ -165,7 +168,7 @@ def test_torchrun_two_ranks(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("summary") == 1  # rank 0 only
     assert proc.stdout.count("saved ") == 1  # rank 0 writes the weights gathered from both
-    assert sorted(os.listdir(saved)) == ["config.json", "model.safetensors"]
+    assert sorted(os.listdir(saved)) == ["config.json", "generation_config.json", "model.safetensors"]
     import safetensors.torch
     from transformers import LlamaConfig, LlamaForCausalLM
     model = LlamaForCausalLM(LlamaConfig.from_pretrained(str(saved)))
@@ -393,7 +396,7 @@ def test_save_writes_the_trained_weights(tmp_path, monkeypatch, capsys):
     summary, engine_state = _run_capturing_weights(
         monkeypatch, ["--preset", "tiny", "--steps", 2, "--save", out])
     weights = out / "model.safetensors"
-    assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]  # no temp file left
+    assert sorted(os.listdir(out)) == ["config.json", "generation_config.json", "model.safetensors"]  # no temp file left
     assert f"saved        {weights}" in capsys.readouterr().out
     assert summary["saved"]["weights"] == str(weights)
     assert summary["saved"]["tensors"] == len(engine_state)
@@ -525,3 +528,110 @@ def test_tied_weight_patterns():
         model = LlamaForCausalLM(config)
     assert "lm_head.weight" in train.tied_weight_patterns(model)
     assert train.tied_weight_patterns(torch.nn.Linear(2, 2)) == []
+
+
+# --- --save writes the generation config ------------------------------------------------------
+
+def test_save_writes_the_generation_config(tmp_path, monkeypatch):
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    source, _, _ = train.build_model(_parse("--preset", "tiny", *FAST))
+    out = tmp_path / "out"
+    summary, _ = _run_capturing_weights(monkeypatch, ["--preset", "tiny", "--steps", 2,
+                                                      "--save", out])
+    assert (out / "generation_config.json").is_file(), sorted(os.listdir(out))
+    assert "generation_config.json" in summary["saved"]["files"]
+    saved = GenerationConfig.from_pretrained(str(out))
+    assert saved.eos_token_id == source.generation_config.eos_token_id == 258
+    assert saved.pad_token_id == source.generation_config.pad_token_id == 256
+    assert saved.bos_token_id == source.generation_config.bos_token_id == 257
+    loaded = AutoModelForCausalLM.from_pretrained(str(out))
+    assert loaded.generation_config.eos_token_id == 258
+
+
+def test_save_keeps_a_checkpoints_own_generation_config(tmp_path, monkeypatch):
+    """A checkpoint whose generation settings differ from its config.json: without
+    generation_config.json, from_pretrained would rebuild them from config.json (eos 2)."""
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    ckpt = tmp_path / "ckpt"
+    _tiny_checkpoint(ckpt, vocab_size=300)  # config.json: bos 1, eos 2, no pad
+    GenerationConfig(bos_token_id=1, eos_token_id=[2, 7], pad_token_id=0,
+                     max_new_tokens=17).save_pretrained(ckpt)
+    source = AutoModelForCausalLM.from_pretrained(str(ckpt)).generation_config
+    assert source.eos_token_id == [2, 7]
+    out = tmp_path / "out"
+    _run_capturing_weights(monkeypatch, ["--model", ckpt, "--steps", 1, "--stage", 1,
+                                         "--save", out])
+    saved = GenerationConfig.from_pretrained(str(out))
+    assert saved.eos_token_id == source.eos_token_id
+    assert (saved.pad_token_id, saved.max_new_tokens) == (0, 17)
+    assert AutoModelForCausalLM.from_pretrained(str(out)).generation_config.eos_token_id == [2, 7]
+
+
+def test_save_without_or_with_a_default_generation_config(tmp_path):
+    import torch
+    from transformers import GenerationConfig
+
+    state = {"w": torch.arange(6.0).view(2, 3)}
+    none = train.save_checkpoint(str(tmp_path / "none"), state, generation_config=None)
+    assert sorted(os.listdir(tmp_path / "none")) == ["model.safetensors"]
+    assert none["files"] == ["model.safetensors"]
+    default = train.save_checkpoint(str(tmp_path / "default"), state,
+                                    generation_config=GenerationConfig())
+    assert default["files"] == ["generation_config.json", "model.safetensors"]
+    assert GenerationConfig.from_pretrained(str(tmp_path / "default")).eos_token_id is None
+
+
+def test_generation_config_write_errors(tmp_path, monkeypatch, caplog):
+    """An I/O error fails the save before the weights are written, like config.json's; a
+    generation config that transformers refuses to save is left out with a warning (the
+    trained weights are still written)."""
+    import torch
+    from transformers import GenerationConfig
+
+    state = {"w": torch.arange(6.0).view(2, 3)}
+
+    def disk_full(self, folder, *args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device", str(folder))
+
+    monkeypatch.setattr(GenerationConfig, "save_pretrained", disk_full)
+    fresh = tmp_path / "fresh"
+    with pytest.raises(ValueError, match=f"--save '{fresh}': cannot write.*No space left"):
+        train.save_checkpoint(str(fresh), state, generation_config=GenerationConfig())
+    assert os.listdir(fresh) == []
+
+    def refused(self, folder, *args, **kwargs):
+        raise ValueError("GenerationConfig is invalid: `temperature` is set but not sampling")
+
+    monkeypatch.setattr(GenerationConfig, "save_pretrained", refused)
+    with caplog.at_level(logging.WARNING, logger="offload_zero.train"):
+        saved = train.save_checkpoint(str(fresh), state, generation_config=GenerationConfig())
+    assert saved["files"] == ["model.safetensors"]
+    assert os.listdir(fresh) == ["model.safetensors"]
+    assert "generation_config.json" in caplog.text and "temperature" in caplog.text
+
+
+# --- --data must be UTF-8 text ----------------------------------------------------------------
+
+@pytest.mark.parametrize("name, content", [
+    ("weights.bin", bytes(range(256)) * 4),
+    ("corpus.txt.gz", gzip.compress(bytes(range(256)) * 4)),
+], ids=["bin", "gzip"])
+def test_binary_data_file_is_a_clean_error(tmp_path, capsys, name, content):
+    blob = tmp_path / name
+    blob.write_bytes(content)
+    assert cli.main(["train", "--preset", "tiny", "--steps", "1", "--data", str(blob),
+                     "--no-progress", *FAST]) == 2
+    err = capsys.readouterr().err
+    assert str(blob) in err and "UTF-8 text" in err and "byte offset" in err, err
+    assert len(err.strip().splitlines()) == 1, err
+
+
+def test_non_ascii_utf8_data_trains(tmp_path, capsys):
+    text = tmp_path / "unicode.txt"
+    text.write_text("naïve café 東京 — Grüße, ✓ 𝔘𝔫𝔦𝔠𝔬𝔡𝔢\n" * 20, encoding="utf-8")
+    summary = train.run(_parse("--preset", "tiny", "--steps", 2, "--data", text,
+                               "--no-progress", *FAST))
+    assert summary["corpus"] == "data" and summary["files"] == 1
+    assert len(summary["losses"]) == 2
