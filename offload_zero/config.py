@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 import os
 import warnings
 from typing import Optional, Tuple
@@ -95,6 +96,17 @@ class EngineConfig:
             step. Needs stage >= 2, no
             ``max_grad_norm`` (the norm is known only after backward) and one ``backward`` per
             ``step`` (no gradient accumulation). Default False.
+        loss_scale: ``"dynamic"``, a number > 0 (a static scale) or None: dynamic with
+            ``dtype=torch.float16``, none otherwise. The loss is multiplied by the scale before
+            backward and the gradients divided by it in the update (fused into the C++ Adam's
+            pass); a step whose gradients hold an inf/nan on any rank is skipped whole and a
+            dynamic scale halves (see :class:`offload_zero.optim.loss_scale.LossScaler`). With
+            ``step_in_backward`` only the flat parameters with an inf/nan are skipped (the
+            others were updated during backward). Default None.
+        initial_loss_scale: the first dynamic scale, > 0. Default 2**16.
+        loss_scale_window: steps without overflow before a dynamic scale doubles, >= 1.
+            Default 2000.
+        min_loss_scale: a dynamic scale never halves below this, > 0. Default 1.0.
     """
 
     offload: str = "none"
@@ -121,6 +133,10 @@ class EngineConfig:
     max_host_bytes: Optional[int] = None
     grad_dtype: torch.dtype = torch.float32
     step_in_backward: bool = False
+    loss_scale: Optional[object] = None
+    initial_loss_scale: float = 2.0 ** 16
+    loss_scale_window: int = 2000
+    min_loss_scale: float = 1.0
 
     def __post_init__(self):
         if self.offload not in OFFLOAD_CHOICES:
@@ -170,6 +186,11 @@ class EngineConfig:
             raise ValueError(f"step_in_backward=True cannot clip: max_grad_norm={self.max_grad_norm!r} "
                              "needs every gradient before the first update; set max_grad_norm=None "
                              "or step_in_backward=False")
+        if self.loss_scale is not None and self.loss_scale != "dynamic" and (
+                isinstance(self.loss_scale, bool) or not isinstance(self.loss_scale, (int, float))
+                or not math.isfinite(self.loss_scale) or self.loss_scale <= 0):
+            raise ValueError(f"loss_scale={self.loss_scale!r} is not valid; use 'dynamic', a "
+                             "finite number > 0 (a static scale) or None (dynamic with float16)")
         if self.aio_backend not in AIO_BACKENDS:
             raise ValueError(f"aio_backend={self.aio_backend!r} is not valid; choose one of {AIO_BACKENDS}")
         if self.aio_block_size is not None and (self.aio_block_size <= 0 or self.aio_block_size % 4096):
@@ -177,6 +198,7 @@ class EngineConfig:
                              f"of 4096 bytes, or None to probe the device")
         if self.aio_queue_depth is not None and self.aio_queue_depth < 1:
             raise ValueError(f"aio_queue_depth={self.aio_queue_depth!r} must be >= 1, or None to probe the device")
+        self.make_loss_scaler()  # validates initial_loss_scale, loss_scale_window, min_loss_scale
         object.__setattr__(self, "unit_classes", tuple(self.unit_classes))
         for cls in self.unit_classes:
             if not (isinstance(cls, type) and issubclass(cls, torch.nn.Module)):
@@ -193,6 +215,28 @@ class EngineConfig:
                           f"(optimizer state on {self.offload_optimizer!r}, parameters on "
                           f"{self.offload_param!r}) puts nothing on NVMe; set offload='nvme' to "
                           "use it", UserWarning, stacklevel=4)
+
+    def make_loss_scaler(self):
+        """The :class:`offload_zero.optim.loss_scale.LossScaler` that ``loss_scale`` and
+        ``dtype`` ask for, or None (no scaling). Raises ValueError for an invalid
+        ``initial_loss_scale``, ``loss_scale_window`` or ``min_loss_scale``."""
+        from offload_zero.optim.loss_scale import LossScaler
+        mode = self.loss_scale
+        if mode is None:
+            mode = "dynamic" if self.dtype == torch.float16 else None
+        if mode is None:
+            return None
+        try:
+            if mode == "dynamic":
+                return LossScaler(self.initial_loss_scale, dynamic=True,
+                                  growth_interval=self.loss_scale_window,
+                                  min_scale=self.min_loss_scale)
+            return LossScaler(float(mode), dynamic=False, min_scale=min(float(mode), 1.0),
+                              max_scale=max(float(mode), 2.0 ** 24))
+        except ValueError as exc:  # name the engine's keywords, not the scaler's
+            msg = str(exc).replace("init_scale", "initial_loss_scale").replace(
+                "growth_interval", "loss_scale_window").replace("min_scale", "min_loss_scale")
+            raise ValueError(msg) from None
 
     @property
     def optimizer_tier(self) -> Tier:

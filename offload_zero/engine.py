@@ -59,6 +59,12 @@ class OffloadEngine:
         ValueError: any invalid argument, naming the value and the valid choices; a missing or
             read-only ``path``; a model without parameters.
 
+    Attributes:
+        loss_scaler: the :class:`offload_zero.optim.loss_scale.LossScaler` (``loss_scale=``;
+            dynamic by default with ``dtype=torch.float16``), or None without loss scaling.
+        skipped_steps: steps that updated nothing (or, with ``step_in_backward``, not every flat
+            parameter) because a gradient held an inf/nan.
+
     Memory per rank (Ψ parameters, N ranks, bf16 compute): 4Ψ + 12Ψ/N at stage 1, 2Ψ + 14Ψ/N at
     stage 2, 16Ψ/N at stage 3, split over the tiers as ``offload`` says; :meth:`memory_report`
     gives the measured bytes.
@@ -103,6 +109,8 @@ class OffloadEngine:
         self._deferred: List[tuple] = []  # step_in_backward: (fp, update generator, skipped)
         self._backward_pending = False
         self.skipped_steps = 0
+        # fp16: the loss is scaled up before backward, the update scales the gradients down
+        self.loss_scaler = cfg.make_loss_scaler()
         pin = self.device.type == "cuda"
         self._host_alloc = lambda n, dt: aligned_empty(n, dt, pin=pin)
 
@@ -362,6 +370,9 @@ class OffloadEngine:
                                "gradients cannot accumulate over several backward calls: call "
                                "step() after each backward, or use step_in_backward=False")
         self._backward_pending = True
+        if self.loss_scaler is not None:
+            # in fp32: a scaled fp16 loss would overflow long before its gradients do
+            loss = loss.float() * self.loss_scaler.scale
         try:
             loss.backward()
         except BaseException:
@@ -416,12 +427,16 @@ class OffloadEngine:
         if isinstance(self.store, NVMeStore) and not self.store.prefetched(fp):
             skipped: set = set()
             # (the learning rate of this backward, whatever set_lr() does before it ends)
-            update = self._iter_updates([fp], 1.0, False, skipped, self.lr)
+            update = self._iter_updates([fp], self._unscale(), False, skipped, self.lr)
             self._deferred.append((fp, update, skipped))
             self._early[fp] = False  # until its last chunk is updated (see _pump)
             self._pump()
             return
-        self._early[fp] = fp not in self._update_states([fp], 1.0, known_finite=False)
+        self._early[fp] = fp not in self._update_states([fp], self._unscale(), known_finite=False)
+
+    def _unscale(self) -> float:
+        """The factor that undoes the loss scale in the update: 1 / S (1.0 without scaling)."""
+        return 1.0 if self.loss_scaler is None else 1.0 / self.loss_scaler.scale
 
     def _nonfinite_on_any_rank(self, fps: List[FlatParam]) -> set:
         """The flat parameters of ``fps`` whose gradient holds an inf or nan on any rank: one
@@ -467,7 +482,9 @@ class OffloadEngine:
         New compute-dtype parameters are written back to the device shards (and all-gathered
         into the full parameters at stages 1 and 2). If a gradient holds inf/nan the update is
         skipped for that flat parameter, on every rank whichever rank's shard holds it
-        (``skipped_steps`` counts such steps).
+        (``skipped_steps`` counts such steps). With a loss scale (fp16) the gradients are
+        divided by it in the same pass; an inf/nan anywhere then skips the whole step and a
+        dynamic scale halves (``loss_scaler``).
         """
         self._check_open()
         cfg = self.config
@@ -475,22 +492,26 @@ class OffloadEngine:
         self._finish_updates()
         if cfg.stage == 1:
             self.grads.reduce_all_full(self.trainable)
-        coef = 1.0
+        coef = self._unscale()  # the gradients carry the loss scale (1.0 without one)
         known_finite = False
-        if cfg.max_grad_norm is not None:
-            sq = self.comm.all_reduce_sum(self.grads.sum_of_squares().to(self.device)).item()
-            norm = math.sqrt(sq)
-            self.last_grad_norm = norm
-            if not math.isfinite(norm):  # inf/nan somewhere on some rank: skip the whole step
-                self.skipped_steps += 1
-                self.grads.zero()
-                self.comm.end_step()
-                self._backward_pending = False
-                return
-            coef = min(1.0, cfg.max_grad_norm / (norm + 1e-6))
-            known_finite = True  # the kernel can skip its own inf/nan pass over the gradients
         # (with step_in_backward most flat parameters were updated in backward already)
         with_grad = [fp for fp in self.trainable if self.grads.has_grad[fp] and fp not in self._early]
+        if cfg.max_grad_norm is not None:
+            sq = self.comm.all_reduce_sum(self.grads.sum_of_squares().to(self.device)).item()
+            norm = math.sqrt(sq) * coef
+            self.last_grad_norm = norm
+            if not math.isfinite(norm):  # inf/nan somewhere on some rank: skip the whole step
+                self._skip_step()
+                return
+            coef *= min(1.0, cfg.max_grad_norm / (norm + 1e-6))
+            known_finite = True  # the kernel can skip its own inf/nan pass over the gradients
+        elif self.loss_scaler is not None and not cfg.step_in_backward:
+            # an overflow skips the whole step (not only the flat parameters that hold it), on
+            # every rank; the updates then skip the kernel's own inf/nan pass
+            if self._nonfinite_on_any_rank(with_grad):
+                self._skip_step()
+                return
+            known_finite = True
         try:
             skipped = self._update_states(with_grad, coef, known_finite)
         finally:
@@ -502,8 +523,11 @@ class OffloadEngine:
                 self.store.drain()
                 if self.param_home is not None:
                     self.param_home.drain()
-        if skipped or not all(self._early.values()):
+        overflow = bool(skipped) or not all(self._early.values())
+        if overflow:
             self.skipped_steps += 1
+        if self.loss_scaler is not None:
+            self.loss_scaler.update(overflow)
         self._early.clear()
         self._backward_pending = False
         if cfg.stage < 3:
@@ -511,6 +535,16 @@ class OffloadEngine:
                 self.comm.all_gather_into(fp.full_values(), fp.sharded)
         self.grads.zero()
         self.comm.end_step()
+
+    def _skip_step(self) -> None:
+        """End a step that updates nothing (an inf/nan gradient on some rank): drop the
+        gradients, count it in ``skipped_steps`` and halve a dynamic loss scale."""
+        self.skipped_steps += 1
+        if self.loss_scaler is not None:
+            self.loss_scaler.update(True)
+        self.grads.zero()
+        self.comm.end_step()
+        self._backward_pending = False
 
     def _update_states(self, fps: List[FlatParam], coef: float, known_finite: bool) -> set:
         """Adam/AdamW on every flat parameter in ``fps`` (their gradients final); returns the

@@ -41,7 +41,7 @@ log = logging.getLogger("offload_zero.train")
 # File names whose presence in a checkpoint folder means it ships a tokenizer.
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json",
                     "spiece.model", "vocab.txt")
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # The file --save writes the weights to: the name transformers' from_pretrained looks for first.
 WEIGHTS_NAME = "model.safetensors"
 
@@ -154,7 +154,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--stage", type=int, choices=[1, 2, 3], default=d["stage"],
                         help="ZeRO stage (default: %(default)s)")
     engine.add_argument("--dtype", choices=sorted(_DTYPES), default=d["dtype"],
-                        help="compute dtype; master weights stay fp32 (default: %(default)s)")
+                        help="compute dtype; master weights stay fp32; fp16 scales the loss "
+                             "dynamically (default: %(default)s)")
 
     optim = parser.add_argument_group("optimization")
     optim.add_argument("--steps", type=_positive_int, default=d["steps"],
@@ -344,7 +345,7 @@ def format_summary(s: Dict[str, Any]) -> str:
         f"world size {s['world_size']}"
         + (", step in backward" if s.get("step_in_backward") else ""),
         f"  loss         first {s['first_loss']:.4f} -> last {s['last_loss']:.4f} "
-        f"(mean of {k} step(s) each)",
+        f"(mean of {k} step(s) each)" + _skipped_note(s),
         f"  peak memory  device {_fmt_bytes(peak['device'])} | host {_fmt_bytes(peak['host'])}"
         f" | nvme {_fmt_bytes(peak['nvme'])}",
         f"  nvme i/o     read {_fmt_bytes(s['nvme_read_bytes'])} | "
@@ -352,6 +353,16 @@ def format_summary(s: Dict[str, Any]) -> str:
         f"  time         {s['wall_s']:.1f} s for {s['steps']} steps "
         f"(+{s['setup_s']:.1f} s setup), {s['tokens_per_s']:,.0f} tokens/s",
     ] + _saved_lines(s.get("saved")))
+
+
+def _skipped_note(s: Dict[str, Any]) -> str:
+    """``; N step(s) skipped (inf/nan gradients)`` and the final loss scale, when there are."""
+    note = ""
+    if s.get("skipped_steps"):
+        note += f"; {s['skipped_steps']} step(s) skipped (inf/nan gradients)"
+    if s.get("loss_scale") is not None:
+        note += f"; loss scale {s['loss_scale']:g}"
+    return note
 
 
 def _saved_lines(saved: Optional[Dict[str, Any]]) -> List[str]:
@@ -719,6 +730,8 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         losses, wall_s = _train_loop(engine, batches, args, warmup, tokens_per_step,
                                      is_rank0=rank == 0, memory_trace=trace)
         report = engine.memory_report()
+        skipped = engine.skipped_steps
+        loss_scale = engine.loss_scaler.scale if engine.loss_scaler is not None else None
         if world_size > 1:
             losses, report = _reduce_across_ranks(losses, report)
         # every rank takes part in the gathers; only rank 0 gets (and writes) the weights
@@ -739,7 +752,8 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
                             dtype=args.dtype, steps=args.steps, seq_len=args.seq_len,
                             batch_size=args.batch_size, world_size=world_size, rank=rank,
                             lr=args.lr, warmup=warmup, seed=args.seed, setup_s=setup_s,
-                            step_in_backward=step_in_backward, saved=saved))
+                            step_in_backward=step_in_backward, skipped_steps=skipped,
+                            loss_scale=loss_scale, saved=saved))
     if rank == 0:
         print(format_summary(summary), flush=True)
         if args.memory_plot:

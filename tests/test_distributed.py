@@ -408,3 +408,37 @@ def test_a_nan_in_one_ranks_gradient_skips_the_same_update_on_every_rank(stage, 
     block0 = [k for k in before if k.startswith("blocks.0.")]
     assert all((before[k] == after[k]).all() for k in block0)  # that unit's update skipped
     assert any((before[k] != after[k]).any() for k in before if k not in block0)
+
+
+def _fp16_rank(rank, world_size, stage, offload):
+    from offload_zero import OffloadEngine
+    torch.manual_seed(0)
+    model = TinyLM(n_blocks=3)
+    bad = {"on": False}
+    model.blocks[1].register_forward_hook(
+        lambda mod, args, out: BackwardFault.apply(out, "nan" if bad["on"] else None))
+    scales, states = [], []
+    with tempfile.TemporaryDirectory() as d, OffloadEngine(
+            model, stage=stage, offload=offload, path=d if offload == "nvme" else None, lr=1e-2,
+            dtype=torch.float16, initial_loss_scale=2.0 ** 12, loss_scale_window=2) as eng:
+        for i, (x, y) in enumerate(batches(6, seed=1, batch=2 * world_size)):
+            bad["on"] = i == 3 and rank == 1  # an overflow in rank 1's gradient only
+            lo = rank * 2
+            eng.backward(lm_loss(eng(x[lo:lo + 2]), y[lo:lo + 2]))
+            eng.step()
+            scales.append(eng.loss_scaler.scale)
+            states.append({k: v.float().numpy() for k, v in eng.full_state_dict().items()})
+        return eng.skipped_steps, scales, states
+
+
+@pytest.mark.parametrize("stage,offload", [(1, "cpu"), (3, "nvme")])
+def test_fp16_loss_scale_moves_alike_on_every_rank(stage, offload):
+    """An overflow in one rank's gradient skips the whole step on every rank and halves every
+    rank's scale; good steps double it alike: the ranks end with the same weights and scale."""
+    (skips0, scales0, states0), (skips1, scales1, states1) = run_ranks(_fp16_rank, 2, stage, offload)
+    assert skips0 == skips1 >= 1 and scales0 == scales1
+    assert scales0[3] == scales0[2] / 2  # the step with rank 1's nan
+    assert max(scales0[4:]) > scales0[3]  # grows back after two good steps
+    for s0, s1 in zip(states0, states1):
+        assert all((s0[k] == s1[k]).all() for k in s0)
+    assert all((states0[2][k] == states0[3][k]).all() for k in states0[2])  # nothing moved

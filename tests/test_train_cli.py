@@ -635,3 +635,19 @@ def test_non_ascii_utf8_data_trains(tmp_path, capsys):
                                "--no-progress", *FAST))
     assert summary["corpus"] == "data" and summary["files"] == 1
     assert len(summary["losses"]) == 2
+
+
+# --- fp16 ----------------------------------------------------------------------------------------
+
+def test_fp16_trains_with_a_dynamic_loss_scale(capsys):
+    """--dtype fp16 scales the loss dynamically: the losses stay finite, the summary gives the
+    final scale (a power of two at most the initial 2**16) and the steps skipped on overflow."""
+    summary = train.run(_parse("--preset", "tiny", "--dtype", "fp16", "--steps", "4",
+                               "--no-progress", "--stage", "2", *FAST))
+    assert all(math.isfinite(x) for x in summary["losses"])
+    scale = summary["loss_scale"]
+    assert scale <= 2 ** 16 and math.log2(scale).is_integer()
+    assert 0 <= summary["skipped_steps"] < 4
+    assert scale == 2 ** (16 - summary["skipped_steps"])  # window 2000: it never grew back
+    out = capsys.readouterr().out
+    assert f"loss scale {scale:g}" in out and "dtype fp16" in out

@@ -122,6 +122,31 @@ def test_bf16_on_cuda_trains(tmp_path):
     assert losses[-1] < losses[0] - 0.5
 
 
+@pytest.mark.parametrize("offload", ["none", "cpu"])
+def test_fp16_on_cuda_scales_the_loss_and_trains(offload, tmp_path):
+    """fp16 on the device (torch Adam ops with offload none, the C++ Adam with cpu): a scale
+    high enough to overflow backs off step by step (skipped steps leave the weights as they
+    were), then the model trains."""
+    torch.manual_seed(0)
+    with OffloadEngine(TinyLM(), offload=offload, dtype=torch.float16, lr=1e-2, device=DEV,
+                       initial_loss_scale=2.0 ** 24) as eng:
+        x, y = batches(1)[0]
+        x, y = x.to(DEV), y.to(DEV)
+        losses = []
+        for _ in range(25):
+            before = eng.skipped_steps
+            weights = eng.full_state_dict() if eng.loss_scaler.scale > 2 ** 18 else None
+            loss = lm_loss(eng(x).float(), y)
+            losses.append(loss.item())
+            eng.backward(loss)
+            eng.step()
+            if weights is not None and eng.skipped_steps > before:
+                after = eng.full_state_dict()
+                assert all(torch.equal(weights[n], after[n]) for n in weights)
+        assert eng.skipped_steps >= 1 and eng.loss_scaler.scale < 2.0 ** 24
+    assert losses[-1] < losses[0] - 0.5
+
+
 def test_gather_pool_on_cuda_allocates_nothing_per_step(tmp_path):
     """Stage 3 with parameter shards on the host: gathered units borrow the device slots of the
     gather pool, so the CUDA allocator's live bytes after each step, and its peak within each
