@@ -6,6 +6,9 @@ tensors of shape (hi - lo,) that the caller updates in place; whatever the calle
 persisted by the store. Resident stores yield each shard whole; the NVMe store in chunks of at
 most ``chunk_numel`` elements, so its buffers do not grow with the largest unit.
 
+Every store also copies a flat parameter's whole state out (``read_all``: exports, checkpoints)
+and overwrites it (``write_all``: loading a checkpoint).
+
 - :class:`DeviceStore` (``offload="none"``): tensors on the accelerator.
 - :class:`HostStore` (``offload="cpu"``): 4096-aligned (pinned when CUDA is present) host tensors.
 - :class:`NVMeStore` (``offload="nvme"``): one file per flat parameter holding
@@ -84,6 +87,15 @@ class _TensorStore:
     def read_all(self, fp) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """CPU copies of (master, exp_avg, exp_avg_sq) for ``fp``."""
         return tuple(t.detach().to("cpu", copy=True) for t in self._state[fp])
+
+    def write_all(self, fp, master: torch.Tensor, exp_avg: torch.Tensor,
+                  exp_avg_sq: torch.Tensor) -> None:
+        """Overwrite ``fp``'s (master, exp_avg, exp_avg_sq) in place with the given fp32 tensors
+        of shape (shard_numel,), on any device (a checkpoint being loaded). Raises ValueError
+        naming ``fp`` for a wrong shape or dtype."""
+        _check_state_shapes(fp, self._state[fp][0].numel(), (master, exp_avg, exp_avg_sq))
+        for dst, src in zip(self._state[fp], (master, exp_avg, exp_avg_sq)):
+            dst.copy_(src)
 
     def close(self) -> None:
         """Release every tensor; idempotent."""
@@ -353,6 +365,24 @@ class NVMeStore:
         """This rank's fp32 master shard of ``fp``, read from its file (a CPU copy)."""
         return self.read_all(fp)[0]
 
+    def write_all(self, fp, master: torch.Tensor, exp_avg: torch.Tensor,
+                  exp_avg_sq: torch.Tensor) -> None:
+        """Write ``fp``'s (master, exp_avg, exp_avg_sq), fp32 CPU tensors of shape
+        (shard_numel,), to its file chunk by chunk through the pipeline's first buffer set, and
+        wait for every write (a checkpoint being loaded). Read-ahead of any state is dropped
+        first: it would be stale. Raises ValueError naming ``fp`` for a wrong shape or dtype,
+        SwapIOError if a write failed (file and offset named)."""
+        n = self._numel[fp]
+        _check_state_shapes(fp, n, (master, exp_avg, exp_avg_sq))
+        self.release_prefetched()
+        self.drain()
+        for lo in range(0, n, self._chunk):
+            hi = min(n, lo + self._chunk)
+            for dst, src in zip(self._views(0, hi - lo), (master, exp_avg, exp_avg_sq)):
+                dst.copy_(src[lo:hi])
+            for h in self._io(fp, lo, hi, 0, write=True):
+                h.wait()
+
     def pool_report(self) -> dict:
         """The pipeline's fixed host buffers (sized at start-up, never grown), in the format of
         :meth:`offload_zero.memory.pool.HostBufferPool.report`."""
@@ -387,6 +417,14 @@ class NVMeStore:
             self._numel.clear()
             self._acct.sub(Tier.HOST, StateKind.BUFFERS, self._buf_bytes)
             self._bufs = []
+
+
+def _check_state_shapes(fp, numel: int, tensors) -> None:
+    """Raise ValueError unless every tensor is fp32 of shape (numel,)."""
+    for what, t in zip(("master", "exp_avg", "exp_avg_sq"), tensors):
+        if t.dtype != torch.float32 or tuple(t.shape) != (numel,):
+            raise ValueError(f"{getattr(fp, 'name', fp)}: {what} must be float32 of shape "
+                             f"({numel},), got {t.dtype} of shape {tuple(t.shape)}")
 
 
 # -- where compute-dtype parameter shards live when they are not on the device ---------------------
