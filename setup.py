@@ -60,9 +60,9 @@ setup(
     description="ZeRO stage 1/2/3 training with CPU and NVMe offload for PyTorch models",
     packages=find_packages(include=["offload_zero", "offload_zero.*"]),
     python_requires=">=3.9",
-    install_requires=["torch>=2.1", "numpy", "psutil", "libaio"],
+    install_requires=["torch>=2.1", "numpy", "psutil", "libaio", "safetensors"],
     extras_require={
-        "train": ["transformers>=4.40", "tqdm", "safetensors", "matplotlib"],
+        "train": ["transformers>=4.40", "tqdm", "matplotlib"],
         "test": ["pytest"],
     },
     entry_points={"console_scripts": ["offload-zero=offload_zero.cli:main"]},

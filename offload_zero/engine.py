@@ -1,4 +1,5 @@
-"""``OffloadEngine``: the user-facing training loop — forward, backward, step, state export.
+"""``OffloadEngine``: the user-facing training loop — forward, backward, step, state export,
+checkpoints.
 
 It implements ZeRO-DP (Rajbhandari et al., 2019) stages 1-3 over the data-parallel ranks, with
 the partitioned fp32 optimizer state placed on the device, in host memory (ZeRO-Offload) or in
@@ -721,6 +722,24 @@ class OffloadEngine:
         if rank0_only and self.rank != 0:
             return {}
         return out
+
+    def save_checkpoint(self, folder) -> None:
+        """Save the training state to resume from: every rank writes its shard (fp32 master
+        weights, Adam moments and step counts, the parameter shards) to ``folder`` as
+        ``rank<r>.safetensors``, and rank 0 writes ``checkpoint.json`` (lr, skipped_steps, the
+        loss scaler's state, the layout). Atomic: a failed save leaves a previous checkpoint
+        in ``folder`` intact. Collective; call it between steps. Layout, dtypes and errors:
+        :func:`offload_zero.checkpoint.save_checkpoint`."""
+        from offload_zero.checkpoint import save_checkpoint
+        save_checkpoint(self, folder)
+
+    def load_checkpoint(self, folder) -> None:
+        """Restore the state :meth:`save_checkpoint` wrote to ``folder`` (same world size,
+        stage, dtype and model; the offload tiers may differ), including lr, skipped_steps and
+        the loss scaler. Collective; call it between steps. Raises ValueError naming the
+        mismatched field or the bad file: :func:`offload_zero.checkpoint.load_checkpoint`."""
+        from offload_zero.checkpoint import load_checkpoint
+        load_checkpoint(self, folder)
 
     # -- lifetime ------------------------------------------------------------------------------
     def _check_open(self) -> None:

@@ -1,0 +1,585 @@
+"""Resumable training checkpoints: every rank saves and loads its own shard of the training state.
+
+:func:`save_checkpoint` and :func:`load_checkpoint` are the engine's
+:meth:`~offload_zero.engine.OffloadEngine.save_checkpoint` and
+:meth:`~offload_zero.engine.OffloadEngine.load_checkpoint`. Both are collective (every rank of
+the data-parallel group calls them with the same folder) and run between steps.
+
+[Note: checkpoint layout]
+A checkpoint is a folder::
+
+    folder/
+      checkpoint.json          metadata, written last: its presence marks a complete checkpoint
+      rank00000.safetensors    rank 0's shards
+      rank00001.safetensors    rank 1's shards, ... (one file per rank)
+
+``checkpoint.json`` holds ``format``, ``format_version``, ``world_size``, ``stage``, ``dtype``
+(the compute dtype, e.g. ``"bfloat16"``), ``flat_params`` (per flat parameter, in the engine's
+order: ``name``, ``requires_grad``, ``numel``, ``shard_numel`` and ``parameters``, the
+``[names, shape]`` of each model parameter inside it), ``lr``, ``skipped_steps``,
+``loss_scaler`` (the scaler's ``state_dict()``, or null), ``optimizer`` (betas, eps,
+weight_decay, adamw: for reading only; the loading engine keeps its own) and ``files``.
+
+A rank file is a plain safetensors file (any safetensors reader opens it). For each flat
+parameter ``<fp>`` (its name, e.g. ``unit3.trainable``) it holds this rank's shard:
+
+- ``<fp>/master``, ``<fp>/exp_avg``, ``<fp>/exp_avg_sq``: float32, shape (shard_numel,), for a
+  trainable flat parameter: the fp32 master weights and Adam's two moments;
+- ``<fp>/step``: int64, shape (), its Adam step count (trainable only);
+- ``<fp>/param``: the compute dtype, shape (shard_numel,): the parameter shard, for a frozen flat
+  parameter and for every flat parameter when the compute dtype is not float32 (an fp32
+  trainable shard is its master weights, bit for bit, and is restored from them).
+
+Its safetensors metadata (strings) names the ``rank`` and ``world_size`` it was written by and
+gives a CRC-32 of each tensor's bytes (``crc32/<tensor name>``, 8 hex digits), checked on load.
+The file is written as a stream, one flat parameter at a time, so saving never holds more than
+one flat parameter's state in host memory (12 bytes per element of its shard, plus the shard):
+the state of an NVMe-offloaded model need not fit in RAM.
+
+[Note: atomic save]
+A save never changes ``folder`` until the new checkpoint is complete. Every rank writes (and
+fsyncs) its file into the sibling folder ``.<folder name>.saving``; all ranks agree that every
+write succeeded; rank 0 then writes ``checkpoint.json`` into it and swaps it with ``folder``
+(one atomic exchange of the two names where Linux's ``renameat2(RENAME_EXCHANGE)`` is
+supported, else ``folder`` -> ``.<folder name>.replaced`` and the new folder -> ``folder``), and
+removes the previous checkpoint; the ranks agree once more before returning. If any rank fails,
+every rank raises, the temporary folder is removed and ``folder`` is as it was. A process
+killed mid-save leaves ``.<folder name>.saving`` behind; the next save removes it.
+"""
+from __future__ import annotations
+
+import ctypes
+import errno
+import itertools
+import json
+import logging
+import os
+import re
+import shutil
+import struct
+import zlib
+from typing import Dict, Iterator, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger("offload_zero")
+
+FORMAT_NAME = "offload-zero-checkpoint"
+FORMAT_VERSION = 1
+META_NAME = "checkpoint.json"
+_STATE_KEYS = ("master", "exp_avg", "exp_avg_sq")
+_RANK_FILE_RE = re.compile(r"rank\d{5,}\.safetensors")
+_ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
+              torch.int64: "I64"}
+
+TensorSpec = Tuple[str, torch.dtype, Tuple[int, ...]]
+
+
+def rank_file_name(rank: int) -> str:
+    """File name of ``rank``'s shard in a checkpoint folder: ``rank00000.safetensors``."""
+    return f"rank{rank:05d}.safetensors"
+
+
+# -- public entry points --------------------------------------------------------------------------
+
+def save_checkpoint(engine, folder) -> None:
+    """Save ``engine``'s training state into ``folder``, atomically (see [Note: atomic save]).
+
+    Collective: every rank calls it with the same ``folder``, on a file system all ranks see.
+    Layout: [Note: checkpoint layout]. ``folder`` is created if missing; a previous checkpoint
+    there is replaced only once the new one is complete.
+
+    Raises:
+        RuntimeError: gradients of a ``backward()`` are waiting for ``step()``, or the engine
+            is closed; on every rank, if another rank failed to write its file.
+        ValueError: ``folder`` exists and is not a checkpoint folder (a file, or a folder
+            holding other files: it is never replaced); the loss scaler's state is not
+            JSON-serialisable.
+        OSError: this rank could not write (e.g. ENOSPC); ``folder`` is unchanged.
+    """
+    _prepare(engine, "save_checkpoint")
+    final, tmp, old = _paths(folder)
+    _check_replaceable(final)
+    meta_text = json.dumps(_metadata(engine), indent=1)
+    is_root = engine.rank == 0
+    error = None
+    if is_root:
+        try:
+            _fresh_folder(tmp)
+        except Exception as exc:  # every rank must hear of it: they wait for this one
+            error = exc
+    _agree(engine, error, f"save_checkpoint({final!r}): creating {tmp!r}")
+    try:
+        _write_rank_file(engine, os.path.join(tmp, rank_file_name(engine.rank)))
+    except Exception as exc:
+        error = exc
+    _agree(engine, error, f"save_checkpoint({final!r})",
+           on_failure=(lambda: shutil.rmtree(tmp, ignore_errors=True)) if is_root else None)
+    if is_root:
+        try:
+            _write_text(os.path.join(tmp, META_NAME), meta_text)
+            _fsync_folder(tmp)
+            _swap_in(tmp, final, old)
+        except Exception as exc:
+            error = exc
+            shutil.rmtree(tmp, ignore_errors=True)
+    _agree(engine, error, f"save_checkpoint({final!r})")
+
+
+def load_checkpoint(engine, folder) -> None:
+    """Load a checkpoint written by :func:`save_checkpoint` into ``engine``.
+
+    Collective. Restores every flat parameter's fp32 master weights, Adam moments and step
+    count, the compute-dtype parameter shards (the saved ones, bit for bit; at stages 1 and 2
+    all-gathered into the full parameters), ``engine.lr``, ``engine.skipped_steps`` and the
+    loss scaler's state. The tiers may differ from the saving engine's (saved with
+    ``offload="nvme"``, loaded with ``offload="cpu"``, say); the layout may not.
+
+    Every rank first checks its whole file (structure, dtypes, shapes, CRC-32 of every tensor)
+    and the ranks agree before anything in the engine changes, so a bad checkpoint leaves the
+    engine as it was; each file is therefore read twice. An I/O error after that point (a
+    failing NVMe write) leaves the engine partly loaded.
+
+    Raises:
+        ValueError: the metadata does not match this engine (``world_size``, ``stage``,
+            ``dtype``, the flat parameters' names, ``numel``, ``shard_numel``,
+            ``requires_grad``, ``parameters``, or ``loss_scaler`` present in one only): the
+            message names the field, the saved value and this engine's; ``folder`` or
+            ``checkpoint.json`` missing or unreadable; a rank file missing, truncated,
+            corrupt (checksum) or written by another rank (the message names the file; on
+            every rank).
+        RuntimeError: gradients of a ``backward()`` are waiting for ``step()``, or the engine
+            is closed.
+    """
+    _prepare(engine, "load_checkpoint")
+    final = _paths(folder)[0]
+    meta = _read_metadata(final)
+    _check_matches(meta, engine, os.path.join(final, META_NAME))
+    path = os.path.join(final, rank_file_name(engine.rank))
+    error = None
+    try:
+        _verify_rank_file(path, engine)
+    except Exception as exc:
+        error = exc
+    _agree(engine, error, f"load_checkpoint({final!r})", exc_type=ValueError)
+    try:
+        with torch.no_grad():
+            _load_rank_file(path, engine)
+        engine.set_lr(meta["lr"])
+        engine.skipped_steps = meta["skipped_steps"]
+        if meta["loss_scaler"] is not None:
+            engine.loss_scaler.load_state_dict(meta["loss_scaler"])
+    except Exception as exc:
+        error = exc
+    _agree(engine, error, f"load_checkpoint({final!r})")
+    with torch.no_grad():
+        for fp in engine.flat_params:
+            if fp.keep_unsharded:  # stages 1 and 2: every rank's new shard into the full values
+                engine.comm.all_gather_into(fp.full_values(), fp.sharded)
+
+
+# -- preconditions and agreement between ranks ----------------------------------------------------
+
+def _prepare(engine, what: str) -> None:
+    """Check that ``engine`` is open and between steps; finish updates still streaming and free
+    gathered units, so the shards hold the state of a completed step."""
+    engine._check_open()
+    if engine._backward_pending:
+        raise RuntimeError(
+            f"[rank {engine.rank}] {what} must run between steps, but gradients of a backward() "
+            "are waiting for step(): call step() (or zero_grad() to drop them) first")
+    engine._finish_updates()
+    engine.scheduler.reshard_all()
+
+
+def _agree(engine, error: Optional[BaseException], what: str, exc_type=RuntimeError,
+           on_failure=None) -> None:
+    """Collective: wait for every rank (a barrier) and raise on every rank if any failed.
+
+    A rank that failed raises its own ``error``; the others raise ``exc_type`` naming the
+    failed ranks. ``on_failure`` (cleanup) runs first wherever it is given, and every rank
+    waits for it before raising."""
+    failed = _failed_ranks(engine, error is not None)
+    if not failed:
+        return
+    if on_failure is not None:
+        on_failure()
+    _failed_ranks(engine, False)  # the cleanup is done before any rank raises
+    if error is not None:
+        raise error
+    raise exc_type(f"[rank {engine.rank}] {what} failed on rank(s) {failed} (see their errors)")
+
+
+def _failed_ranks(engine, failed: bool) -> List[int]:
+    """Collective: the ranks that report ``failed`` (a barrier too; one int32 per rank)."""
+    comm = engine.comm
+    if comm.world_size == 1:
+        return [0] if failed else []
+    flags = torch.zeros(comm.world_size, dtype=torch.int32, device=engine.device)
+    flags[comm.rank] = int(failed)
+    dist.all_reduce(flags, group=comm.group)  # not through Comm: no training traffic counted
+    return [r for r, f in enumerate(flags.tolist()) if f]
+
+
+# -- metadata -------------------------------------------------------------------------------------
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).split(".")[-1]
+
+
+def _layout(engine) -> dict:
+    """What a checkpoint must share with the engine that loads it (JSON-ready)."""
+    return {
+        "world_size": engine.world_size,
+        "stage": engine.config.stage,
+        "dtype": _dtype_name(engine.config.dtype),
+        "flat_params": [{"name": fp.name, "requires_grad": fp.requires_grad, "numel": fp.numel,
+                         "shard_numel": fp.shard_numel,
+                         "parameters": [[e.names, list(e.shape)] for e in fp.entries]}
+                        for fp in engine.flat_params],
+    }
+
+
+def _scaler(engine):
+    return getattr(engine, "loss_scaler", None)
+
+
+def _metadata(engine) -> dict:
+    cfg = engine.config
+    scaler = _scaler(engine)
+    scaler_state = None if scaler is None else dict(scaler.state_dict())
+    meta = {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, **_layout(engine),
+            "lr": engine.lr, "skipped_steps": engine.skipped_steps, "loss_scaler": scaler_state,
+            "optimizer": {"betas": list(cfg.betas), "eps": cfg.eps,
+                          "weight_decay": cfg.weight_decay, "adamw": cfg.adamw},
+            "files": [rank_file_name(r) for r in range(engine.world_size)]}
+    try:
+        json.dumps(scaler_state)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"loss_scaler.state_dict() must hold only numbers, strings, lists and "
+                         f"dicts to be saved, got {scaler_state!r}: {exc}") from None
+    return meta
+
+
+def _read_metadata(folder: str) -> dict:
+    """``folder``'s ``checkpoint.json``; ValueError if the folder or file is missing or bad."""
+    path = os.path.join(folder, META_NAME)
+    if not os.path.isdir(folder):
+        replaced = _paths(folder)[2]
+        hint = (f"; a save was interrupted between its two renames: the previous checkpoint is "
+                f"{replaced!r}" if os.path.isdir(replaced) else "")
+        raise ValueError(f"checkpoint folder {folder!r} does not exist{hint}")
+    try:
+        with open(path, encoding="utf-8") as f:
+            meta = json.load(f)
+    except FileNotFoundError:
+        raise ValueError(f"{path!r} is missing: {folder!r} is not a complete offload-zero "
+                         "checkpoint") from None
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{path!r} cannot be read: {exc}") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME:
+        raise ValueError(f"{path!r} is not offload-zero checkpoint metadata")
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise ValueError(f"{path!r}: format_version is {meta.get('format_version')!r} in the "
+                         f"checkpoint but this offload-zero reads version {FORMAT_VERSION}")
+    lr, skipped = meta.get("lr"), meta.get("skipped_steps")
+    if (not isinstance(lr, (int, float)) or isinstance(lr, bool) or not lr > 0
+            or not isinstance(skipped, int) or skipped < 0
+            or not isinstance(meta.get("loss_scaler"), (dict, type(None)))):
+        raise ValueError(f"{path!r}: lr={lr!r}, skipped_steps={skipped!r} or loss_scaler="
+                         f"{meta.get('loss_scaler')!r} is not valid")
+    return meta
+
+
+def _mismatch(path: str, field: str, saved, mine) -> ValueError:
+    return ValueError(f"{path!r}: {field} is {saved!r} in the checkpoint but {mine!r} in this "
+                      "engine")
+
+
+def _check_matches(meta: dict, engine, path: str) -> None:
+    """Raise ValueError naming the first field of ``meta`` that does not fit ``engine``."""
+    mine = _layout(engine)
+    for field in ("world_size", "stage", "dtype"):
+        if meta.get(field) != mine[field]:
+            raise _mismatch(path, field, meta.get(field), mine[field])
+    saved_fps, my_fps = meta.get("flat_params") or [], mine["flat_params"]
+    saved_names = [f.get("name") for f in saved_fps]
+    my_names = [f["name"] for f in my_fps]
+    if saved_names != my_names:
+        i = next(i for i, (a, b) in enumerate(itertools.zip_longest(saved_names, my_names))
+                 if a != b)
+        pick = lambda names: names[i] if i < len(names) else None  # noqa: E731
+        raise _mismatch(path, f"flat parameter names ({len(saved_names)} in the checkpoint, "
+                        f"{len(my_names)} here) at index {i}", pick(saved_names), pick(my_names))
+    for saved, ours in zip(saved_fps, my_fps):
+        for key in ("requires_grad", "numel", "shard_numel"):
+            if saved.get(key) != ours[key]:
+                raise _mismatch(path, f"flat parameter {ours['name']!r} {key}", saved.get(key),
+                                ours[key])
+        entries = saved.get("parameters") or []
+        for i, ours_entry in enumerate(ours["parameters"]):
+            saved_entry = entries[i] if i < len(entries) else None
+            if saved_entry != ours_entry:
+                raise _mismatch(path, f"flat parameter {ours['name']!r} parameters[{i}] "
+                                "([names, shape])", saved_entry, ours_entry)
+        if len(entries) > len(ours["parameters"]):
+            raise _mismatch(path, f"flat parameter {ours['name']!r} parameters count",
+                            len(entries), len(ours["parameters"]))
+    has_saved, has_mine = meta.get("loss_scaler") is not None, _scaler(engine) is not None
+    if has_saved != has_mine:
+        state = {True: "present", False: "absent"}
+        raise _mismatch(path, "loss_scaler", state[has_saved], state[has_mine])
+
+
+# -- rank files -----------------------------------------------------------------------------------
+
+def _saves_param(fp) -> bool:
+    """Whether a rank file holds ``<fp>/param`` (see [Note: checkpoint layout])."""
+    return not fp.requires_grad or fp.dtype != torch.float32
+
+
+def _tensor_specs(engine) -> List[TensorSpec]:
+    """(name, dtype, shape) of every tensor in a rank file of ``engine``, in file order."""
+    specs: List[TensorSpec] = []
+    for fp in engine.flat_params:
+        n = fp.shard_numel
+        if fp.requires_grad:
+            specs += [(f"{fp.name}/{key}", torch.float32, (n,)) for key in _STATE_KEYS]
+            specs.append((f"{fp.name}/step", torch.int64, ()))
+        if _saves_param(fp):
+            specs.append((f"{fp.name}/param", fp.dtype, (n,)))
+    return specs
+
+
+def _rank_tensors(engine) -> Iterator[Tuple[str, torch.Tensor]]:
+    """This rank's tensors as CPU copies in :func:`_tensor_specs` order, one flat parameter at a
+    time (NVMe state is read from its files)."""
+    for fp in engine.flat_params:
+        if fp.requires_grad:
+            for key, t in zip(_STATE_KEYS, engine.store.read_all(fp)):
+                yield f"{fp.name}/{key}", t
+            yield f"{fp.name}/step", torch.tensor(engine._step_count[fp], dtype=torch.int64)
+        if _saves_param(fp):
+            if fp.home is not None:
+                shard = fp.home.read(fp)
+            else:
+                shard = fp.sharded.detach().to("cpu", copy=True)
+            yield f"{fp.name}/param", shard
+
+
+def _raw_bytes(t: torch.Tensor):
+    """``t``'s bytes as a numpy uint8 array (no copy for a contiguous CPU tensor)."""
+    return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+
+
+def _header(specs: List[TensorSpec], metadata: Dict[str, str], crcs: Dict[str, int]) -> bytes:
+    """A safetensors header: 8-byte little-endian length, then JSON padded to 8 bytes."""
+    meta = dict(metadata)
+    meta.update({f"crc32/{name}": f"{crcs[name]:08x}" for name, _, _ in specs})
+    header: Dict[str, object] = {"__metadata__": meta}
+    offset = 0
+    for name, dtype, shape in specs:
+        nbytes = torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
+        header[name] = {"dtype": _ST_DTYPES[dtype], "shape": list(shape),
+                        "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def _write_rank_file(engine, path: str) -> None:
+    """Stream this rank's tensors into a new safetensors file at ``path`` and fsync it.
+
+    The header goes first with placeholder checksums of the same width; once every tensor is
+    written and its CRC-32 known, the header is written again in place."""
+    specs = _tensor_specs(engine)
+    metadata = {"format": "pt", "offload_zero": f"{FORMAT_NAME} v{FORMAT_VERSION}",
+                "rank": str(engine.rank), "world_size": str(engine.world_size)}
+    crcs = {name: 0 for name, _, _ in specs}
+    header = _header(specs, metadata, crcs)
+    with open(path, "xb") as f:
+        f.write(header)
+        for spec, item in itertools.zip_longest(specs, _rank_tensors(engine)):
+            name, dtype, shape = spec if spec is not None else (None, None, None)
+            if item is None or item[0] != name or item[1].dtype != dtype \
+                    or tuple(item[1].shape) != tuple(shape):
+                raise RuntimeError(f"[rank {engine.rank}] internal error: rank file tensor "
+                                   f"{spec} does not match {item and (item[0], item[1].dtype)}")
+            data = _raw_bytes(item[1])
+            crcs[name] = zlib.crc32(data)
+            f.write(data)
+        final_header = _header(specs, metadata, crcs)
+        if len(final_header) != len(header):
+            raise RuntimeError(f"[rank {engine.rank}] internal error: {path} header changed size")
+        f.seek(0)
+        f.write(final_header)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _verify_rank_file(path: str, engine) -> None:
+    """Check that ``path`` is this rank's complete, intact file for ``engine``: readable,
+    written by this rank at this world size, exactly the expected tensors with their dtypes
+    and shapes, every CRC-32 right. Raises ValueError naming the file."""
+    from safetensors import safe_open
+    if not os.path.isfile(path):
+        raise ValueError(f"checkpoint file {path!r} is missing")
+    specs = _tensor_specs(engine)
+    try:
+        with safe_open(path, framework="pt") as f:
+            meta = f.metadata() or {}
+            if (meta.get("rank"), meta.get("world_size")) != (str(engine.rank),
+                                                              str(engine.world_size)):
+                raise ValueError(f"checkpoint file {path!r} was written by rank "
+                                 f"{meta.get('rank')} of {meta.get('world_size')}, not rank "
+                                 f"{engine.rank} of {engine.world_size}")
+            expected = {name for name, _, _ in specs}
+            keys = set(f.keys())
+            if keys != expected:
+                raise ValueError(f"checkpoint file {path!r}: tensors missing "
+                                 f"{sorted(expected - keys)[:5]}, unexpected "
+                                 f"{sorted(keys - expected)[:5]}")
+            for name, dtype, shape in specs:
+                t = f.get_tensor(name)
+                if t.dtype != dtype or tuple(t.shape) != tuple(shape):
+                    raise ValueError(f"checkpoint file {path!r}: {name} is {t.dtype} of shape "
+                                     f"{tuple(t.shape)}, expected {dtype} of shape {shape}")
+                crc = f"{zlib.crc32(_raw_bytes(t)):08x}"
+                if meta.get(f"crc32/{name}") != crc:
+                    raise ValueError(f"checkpoint file {path!r} is corrupt: {name} has CRC-32 "
+                                     f"{crc}, the file records {meta.get(f'crc32/{name}')}")
+    except ValueError:
+        raise
+    except Exception as exc:  # safetensors' own errors: truncated, bad header
+        raise ValueError(f"checkpoint file {path!r} cannot be read (truncated or corrupt): "
+                         f"{exc}") from None
+
+
+def _load_rank_file(path: str, engine) -> None:
+    """Write the state in ``path`` (verified) into the engine's store and parameter shards."""
+    from safetensors import safe_open
+    with safe_open(path, framework="pt") as f:
+        for fp in engine.flat_params:
+            master = None
+            if fp.requires_grad:
+                master, m, v = (f.get_tensor(f"{fp.name}/{key}") for key in _STATE_KEYS)
+                engine.store.write_all(fp, master, m, v)
+                engine._step_count[fp] = int(f.get_tensor(f"{fp.name}/step"))
+            values = f.get_tensor(f"{fp.name}/param") if _saves_param(fp) else master
+            _write_param_shard(fp, values)
+    if engine.param_home is not None:
+        engine.param_home.drain()
+
+
+def _write_param_shard(fp, values: torch.Tensor) -> None:
+    """Make ``values`` (shape (shard_numel,), compute dtype) ``fp``'s parameter shard, the way
+    an update writes it: into the shard itself, or through its home (host memory, or a pool
+    buffer written back to its NVMe file; nothing when the shard is its master's bytes, which
+    the store just wrote)."""
+    if fp.home is None:
+        fp.sharded.copy_(values)
+        return
+    fp.home.done_with(fp)  # a read of the old shard (kept or read ahead) is stale now
+    target = fp.home.update_target(fp)
+    if target is not None:
+        target.copy_(values)
+    fp.home.commit(fp, target)
+
+
+# -- files and folders ----------------------------------------------------------------------------
+
+def _paths(folder) -> Tuple[str, str, str]:
+    """(checkpoint folder, its temporary sibling, the name a replaced one moves to)."""
+    final = os.path.abspath(os.fspath(folder))
+    parent, base = os.path.split(final)
+    if not base:
+        raise ValueError(f"checkpoint folder {folder!r} has no name")
+    return final, os.path.join(parent, f".{base}.saving"), os.path.join(parent, f".{base}.replaced")
+
+
+def _check_replaceable(final: str) -> None:
+    """Raise ValueError unless ``final`` is absent, an empty folder, or a checkpoint folder
+    holding only checkpoint files (a save replaces it as a whole)."""
+    if not os.path.lexists(final):
+        return
+    if not os.path.isdir(final):
+        raise ValueError(f"checkpoint folder {final!r} exists and is not a folder")
+    entries = os.listdir(final)
+    others = sorted(e for e in entries if e != META_NAME and not _RANK_FILE_RE.fullmatch(e))
+    if entries and (others or META_NAME not in entries):
+        raise ValueError(f"{final!r} exists and is not an offload-zero checkpoint (it holds "
+                         f"{(others or sorted(entries))[:5]}); a save replaces the whole folder, "
+                         "so choose a new or empty one")
+
+
+def _fresh_folder(path: str) -> None:
+    if os.path.lexists(path):  # left by a save that was killed: never a complete checkpoint
+        shutil.rmtree(path)
+    os.makedirs(path)
+
+
+def _write_text(path: str, text: str) -> None:
+    with open(path, "x", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_folder(path: str) -> None:
+    """Make the folder's entries (created, renamed files) durable; a no-op where folders cannot
+    be fsynced."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    except OSError as exc:
+        if exc.errno not in (errno.EINVAL, errno.EBADF, errno.ENOTSUP):
+            raise
+    finally:
+        os.close(fd)
+
+
+def _swap_in(tmp: str, final: str, replaced: str) -> None:
+    """Put the complete folder ``tmp`` at ``final`` and remove what was there."""
+    parent = os.path.dirname(final)
+    if not os.path.lexists(final):
+        os.rename(tmp, final)
+    elif _exchange(tmp, final):
+        shutil.rmtree(tmp, ignore_errors=True)  # the previous checkpoint now
+    else:
+        if os.path.lexists(replaced):
+            shutil.rmtree(replaced)
+        os.rename(final, replaced)
+        try:
+            os.rename(tmp, final)
+        except BaseException:
+            os.rename(replaced, final)
+            raise
+        shutil.rmtree(replaced, ignore_errors=True)
+    _fsync_folder(parent)
+    for leftover in (tmp, replaced):
+        if os.path.lexists(leftover):
+            log.warning("could not remove %s (the previous checkpoint); the new one is in %s",
+                        leftover, final)
+
+
+def _exchange(a: str, b: str) -> bool:
+    """Swap the paths ``a`` and ``b`` atomically (Linux ``renameat2(RENAME_EXCHANGE)``).
+
+    Returns False where the C library or the file system does not support it; raises OSError
+    (errno, path) if the call itself fails."""
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p,
+                          ctypes.c_uint]
+    renameat2.restype = ctypes.c_int
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP):
+        return False
+    raise OSError(err, f"renameat2({a!r}, {b!r}, RENAME_EXCHANGE): {os.strerror(err)}", a)
