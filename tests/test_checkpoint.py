@@ -1,0 +1,415 @@
+"""Training checkpoints: an exact resume on every tier and stage, on one and two ranks; a failed
+save keeps the previous checkpoint; a damaged or mismatched checkpoint is refused by name and
+leaves the engine as it was."""
+import errno
+import json
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.nn as nn
+
+from dist_harness import run_ranks
+from models import Block, TinyLM, batches, lm_loss
+from offload_zero import OffloadEngine
+from offload_zero import checkpoint as ckpt
+from offload_zero.memory.tiers import NVMeStore
+
+F32, BF16 = torch.float32, torch.bfloat16
+pytestmark = pytest.mark.usefixtures("torch_single_thread")
+
+
+def _model(seed, n_blocks=3):
+    """TinyLM with a frozen tensor beside trainable ones (block 1's LayerNorm weight), its
+    values drawn from ``seed`` so that two seeds differ everywhere, frozen values included."""
+    torch.manual_seed(seed)
+    model = TinyLM(n_blocks=n_blocks)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.3)
+    model.blocks[1].ln.weight.requires_grad_(False)
+    return model
+
+
+def _engine(model, offload, swap_dir, **kw):
+    path = None
+    if offload == "nvme":
+        os.makedirs(swap_dir, exist_ok=True)
+        path = str(swap_dir)
+    return OffloadEngine(model, offload=offload, path=path, **kw)
+
+
+def _train(eng, data, rank=None, per_rank=2):
+    for x, y in data:
+        if rank is not None:
+            lo, hi = rank * per_rank, (rank + 1) * per_rank
+            x, y = x[lo:hi], y[lo:hi]
+        eng.backward(lm_loss(eng(x), y))
+        eng.step()
+
+
+def _snapshot(eng):
+    """Everything a resume must restore: the exported weights, every flat parameter's shard,
+    master weights, moments and step count, lr and skipped_steps."""
+    state = {}
+    for fp in eng.flat_params:
+        shard = fp.home.read(fp) if fp.home is not None else fp.sharded.detach().cpu().clone()
+        state[f"{fp.name}/param"] = shard
+        if fp.requires_grad:
+            for key, t in zip(("master", "exp_avg", "exp_avg_sq"), eng.store.read_all(fp)):
+                state[f"{fp.name}/{key}"] = t
+            state[f"{fp.name}/step"] = eng._step_count[fp]
+    return {"weights": eng.full_state_dict(), "state": state, "lr": eng.lr,
+            "skipped_steps": eng.skipped_steps}
+
+
+def _bits(t):
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def _differences(got, want):
+    """Names of the entries that are not identical bit for bit (empty when all are)."""
+    bad = [k for k in ("lr", "skipped_steps") if got[k] != want[k]]
+    for part in ("weights", "state"):
+        g, w = got[part], want[part]
+        if g.keys() != w.keys():
+            bad.append(f"{part} keys")
+            continue
+        for k in w:
+            if isinstance(w[k], torch.Tensor):
+                same = (g[k].dtype == w[k].dtype and g[k].shape == w[k].shape
+                        and torch.equal(_bits(g[k]), _bits(w[k])))
+            else:
+                same = g[k] == w[k]
+            if not same:
+                bad.append(f"{part}[{k}]")
+    return bad
+
+
+def _assert_identical(got, want):
+    assert not _differences(got, want)
+
+
+# -- exact resume on one rank ---------------------------------------------------------------------
+
+RESUME_CASES = (
+    [(o, s, F32, {}) for o in ("none", "cpu", "nvme") for s in (1, 2, 3)]
+    + [("cpu", 3, F32, {"offload_param": "cpu"}),  # parameter shards in host memory
+       ("cpu", 3, BF16, {"offload_param": "cpu"}),
+       ("nvme", 3, BF16, {}),
+       ("nvme", 3, F32, {"step_in_backward": True})])
+
+
+@pytest.mark.parametrize("offload,stage,dtype,extra", RESUME_CASES,
+                         ids=lambda v: str(v).replace("torch.", "") if not isinstance(v, dict)
+                         else "-".join(f"{k}={x}" for k, x in v.items()) or "default")
+def test_resume_is_exact(offload, stage, dtype, extra, tmp_path, monkeypatch):
+    """Train A 3 steps, save, 2 more; B (another init, another lr) loads and trains the same 2
+    steps: weights, shards, masters, moments, step counts and lr equal A's bit for bit, right
+    after the load and at the end."""
+    monkeypatch.setattr(NVMeStore, "CHUNK_NUMEL", 1024)  # NVMe state streams in several chunks
+    data = batches(5)
+    kw = dict(stage=stage, dtype=dtype, lr=1e-2, weight_decay=0.1, **extra)
+    folder = tmp_path / "ckpt"
+    with _engine(_model(0), offload, tmp_path / "swap_a", **kw) as a:
+        _train(a, data[:3])
+        a.set_lr(5e-3)  # B is built with lr=1e-2: the load must restore this one
+        a.save_checkpoint(folder)
+        at_save = _snapshot(a)
+        _train(a, data[3:])
+        at_end = _snapshot(a)
+    assert sorted(os.listdir(folder)) == ["checkpoint.json", "rank00000.safetensors"]
+    with _engine(_model(1), offload, tmp_path / "swap_b", **kw) as b:
+        assert _differences(_snapshot(b), at_save)  # a different start: the load must change it
+        b.load_checkpoint(folder)
+        _assert_identical(_snapshot(b), at_save)
+        _train(b, data[3:])
+        _assert_identical(_snapshot(b), at_end)
+
+
+def test_resume_on_another_tier(tmp_path):
+    """Saved from NVMe, loaded into host memory: the tiers may differ, the numbers do not."""
+    data = batches(4)
+    kw = dict(stage=3, dtype=BF16, lr=1e-2)
+    with _engine(_model(0), "nvme", tmp_path / "swap", **kw) as a:
+        _train(a, data[:2])
+        a.save_checkpoint(tmp_path / "ckpt")
+        _train(a, data[2:])
+        expected = _snapshot(a)["weights"]
+    with _engine(_model(1), "cpu", None, offload_param="cpu", **kw) as b:
+        b.load_checkpoint(tmp_path / "ckpt")
+        _train(b, data[2:])
+        got = b.full_state_dict()
+    assert all(torch.equal(got[k], expected[k]) for k in expected)
+
+
+class _Scaler:
+    """Stands in for a loss scaler: state_dict / load_state_dict of a few numbers."""
+
+    def __init__(self, scale=2.0 ** 16, good_steps=0):
+        self.scale, self.good_steps = scale, good_steps
+
+    def state_dict(self):
+        return {"scale": self.scale, "good_steps": self.good_steps}
+
+    def load_state_dict(self, state):
+        self.scale, self.good_steps = state["scale"], state["good_steps"]
+
+
+def test_loss_scaler_and_counters_are_restored(tmp_path):
+    with OffloadEngine(_model(0), offload="cpu") as a:
+        _train(a, batches(1))
+        a.loss_scaler = _Scaler(1024.0, 7)
+        a.skipped_steps = 3
+        a.save_checkpoint(tmp_path / "ckpt")
+    meta = json.loads((tmp_path / "ckpt" / "checkpoint.json").read_text())
+    assert meta["loss_scaler"] == {"scale": 1024.0, "good_steps": 7}
+    with OffloadEngine(_model(1), offload="cpu") as b:
+        b.loss_scaler = _Scaler()
+        b.load_checkpoint(tmp_path / "ckpt")
+        assert b.loss_scaler.state_dict() == {"scale": 1024.0, "good_steps": 7}
+        assert b.skipped_steps == 3
+    with OffloadEngine(_model(1), offload="cpu") as c:
+        c.loss_scaler = None
+        with pytest.raises(ValueError, match="loss_scaler is 'present' in the checkpoint but "
+                                             "'absent' in this engine"):
+            c.load_checkpoint(tmp_path / "ckpt")
+
+
+# -- atomic save ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("fail_at", ["read_all", "metadata", "exchange"])
+def test_failed_save_keeps_the_previous_checkpoint(fail_at, tmp_path, monkeypatch):
+    """A save that fails half-way through this rank's file (the disk is full), while writing
+    the metadata, or while swapping the folders leaves the first checkpoint loadable, and no
+    temporary folder behind."""
+    data = batches(3)
+    folder = tmp_path / "ckpt"
+    with OffloadEngine(_model(0), offload="cpu", stage=3) as a:
+        _train(a, data[:1])
+        a.save_checkpoint(folder)
+        first = _snapshot(a)
+        _train(a, data[1:])
+        if fail_at == "read_all":
+            read_all, calls = a.store.read_all, []
+
+            def failing(fp):
+                calls.append(fp)
+                if len(calls) > 2:  # two flat parameters are in the file already
+                    raise OSError(errno.ENOSPC, "No space left on device")
+                return read_all(fp)
+            monkeypatch.setattr(a.store, "read_all", failing)
+        else:
+            def failing(*args):
+                raise OSError(errno.EIO, "Input/output error")
+            monkeypatch.setattr(ckpt, {"metadata": "_write_text", "exchange": "_exchange"}[fail_at],
+                                failing)
+        with pytest.raises(OSError):
+            a.save_checkpoint(folder)
+        assert sorted(os.listdir(tmp_path)) == ["ckpt"]  # no .ckpt.saving left
+        monkeypatch.undo()
+        latest = _snapshot(a)
+    with OffloadEngine(_model(1), offload="cpu", stage=3) as b:
+        b.load_checkpoint(folder)
+        _assert_identical(_snapshot(b), first)
+        assert _differences(first, latest)  # the failed save would have changed the folder
+
+
+def test_save_replaces_a_checkpoint_without_rename_exchange(tmp_path, monkeypatch):
+    """Where folders cannot be exchanged atomically, two renames replace the checkpoint."""
+    monkeypatch.setattr(ckpt, "_exchange", lambda a, b: False)
+    with OffloadEngine(_model(0), offload="cpu") as a:
+        a.save_checkpoint(tmp_path / "ckpt")
+        _train(a, batches(1))
+        a.save_checkpoint(tmp_path / "ckpt")
+        expected = _snapshot(a)
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]
+    with OffloadEngine(_model(1), offload="cpu") as b:
+        b.load_checkpoint(tmp_path / "ckpt")
+        _assert_identical(_snapshot(b), expected)
+
+
+def test_save_never_replaces_a_folder_of_other_files(tmp_path):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "notes.txt").write_text("keep me")
+    with OffloadEngine(_model(0), offload="cpu") as a:
+        with pytest.raises(ValueError, match="is not an offload-zero checkpoint.*notes.txt"):
+            a.save_checkpoint(tmp_path / "out")
+    assert os.listdir(tmp_path / "out") == ["notes.txt"]
+
+
+# -- damaged and mismatched checkpoints -----------------------------------------------------------
+
+def _damage(folder, how):
+    rank_file = folder / "rank00000.safetensors"
+    if how == "missing rank file":
+        rank_file.unlink()
+    elif how == "truncated":
+        os.truncate(rank_file, rank_file.stat().st_size - 100)
+    elif how == "flipped byte":  # in the data, far from the header
+        raw = bytearray(rank_file.read_bytes())
+        raw[-5000] ^= 0x10
+        rank_file.write_bytes(bytes(raw))
+    elif how == "missing metadata":
+        (folder / "checkpoint.json").unlink()
+
+
+@pytest.mark.parametrize("how,names", [("missing rank file", "rank00000.safetensors"),
+                                       ("truncated", "rank00000.safetensors"),
+                                       ("flipped byte", "rank00000.safetensors.*is corrupt"),
+                                       ("missing metadata", "checkpoint.json")])
+def test_damaged_checkpoint_is_refused_and_changes_nothing(how, names, tmp_path):
+    with OffloadEngine(_model(0), offload="cpu", stage=2) as a:
+        _train(a, batches(1))
+        a.save_checkpoint(tmp_path / "ckpt")
+    _damage(tmp_path / "ckpt", how)
+    with OffloadEngine(_model(1), offload="cpu", stage=2) as b:
+        before = _snapshot(b)
+        with pytest.raises(ValueError, match=names):
+            b.load_checkpoint(tmp_path / "ckpt")
+        _assert_identical(_snapshot(b), before)
+
+
+class _TwoShapes(nn.Module):
+    """A bias-free Linear whose weight is (rows, cols): (6, 4) and (4, 6) have the same numel."""
+
+    def __init__(self, rows, cols):
+        super().__init__()
+        self.lin = nn.Linear(cols, rows, bias=False)
+
+
+def _wider_block_model():
+    model = _model(0)
+    model.blocks[0] = Block(hidden=41)
+    return model
+
+
+MISMATCHES = [
+    ("stage", lambda: (_model(0), {"stage": 2}), r"stage is 3 in the checkpoint but 2"),
+    ("dtype", lambda: (_model(0), {"dtype": BF16}),
+     r"dtype is 'float32' in the checkpoint but 'bfloat16'"),
+    ("depth", lambda: (_model(0, n_blocks=4), {}), r"flat parameter names"),
+    ("width", lambda: (_wider_block_model(), {}),
+     r"flat parameter 'unit0.trainable' numel is 1885 in the checkpoint but 2081"),
+]
+
+
+@pytest.mark.parametrize("what,make,message", MISMATCHES, ids=[m[0] for m in MISMATCHES])
+def test_mismatched_engine_is_refused_by_field(what, make, message, tmp_path):
+    with OffloadEngine(_model(0), offload="cpu", stage=3) as a:
+        _train(a, batches(1))
+        a.save_checkpoint(tmp_path / "ckpt")
+    model, kw = make()
+    with OffloadEngine(model, offload="cpu", **{"stage": 3, **kw}) as b:
+        with pytest.raises(ValueError, match=message):
+            b.load_checkpoint(tmp_path / "ckpt")
+
+
+def test_same_numel_other_shape_is_refused(tmp_path):
+    with OffloadEngine(_TwoShapes(6, 4), offload="cpu") as a:
+        a.save_checkpoint(tmp_path / "ckpt")
+    with OffloadEngine(_TwoShapes(4, 6), offload="cpu") as b:
+        with pytest.raises(ValueError, match=r"parameters\[0\].*\[6, 4\].*\[4, 6\]"):
+            b.load_checkpoint(tmp_path / "ckpt")
+
+
+@pytest.mark.parametrize("step_in_backward", [False, True])
+def test_save_or_load_between_backward_and_step_raises(step_in_backward, tmp_path):
+    with OffloadEngine(_model(0), offload="cpu", stage=3, step_in_backward=step_in_backward) as a:
+        (x, y), = batches(1)
+        a.save_checkpoint(tmp_path / "ckpt")
+        a.backward(lm_loss(a(x), y))
+        for method in (a.save_checkpoint, a.load_checkpoint):
+            with pytest.raises(RuntimeError, match=r"call step\(\) \(or zero_grad\(\)"):
+                method(tmp_path / "ckpt")
+        a.step()
+        a.save_checkpoint(tmp_path / "ckpt")  # fine once the step is done
+        a.load_checkpoint(tmp_path / "ckpt")
+
+
+# -- two ranks ------------------------------------------------------------------------------------
+
+DIST_CASES = [(1, "cpu", F32), (2, "none", F32), (3, "nvme", F32), (3, "cpu", BF16)]
+
+
+def _two_rank_job(rank, world_size, root):
+    """Per case: exact resume on both ranks; then a save that fails on rank 1 only."""
+    NVMeStore.CHUNK_NUMEL = 1024
+    data = batches(5, seed=1, batch=2 * world_size)
+    out = {}
+    for stage, offload, dtype in DIST_CASES:
+        folder = os.path.join(root, f"ckpt-{stage}-{offload}-{dtype}".replace("torch.", ""))
+        kw = dict(stage=stage, dtype=dtype, lr=1e-2, weight_decay=0.1)
+        with tempfile.TemporaryDirectory() as swap, \
+                _engine(_model(0), offload, os.path.join(swap, "a"), **kw) as a:
+            _train(a, data[:3], rank)
+            a.save_checkpoint(folder)
+            at_save = _snapshot(a)
+            _train(a, data[3:], rank)
+            at_end = _snapshot(a)
+        with tempfile.TemporaryDirectory() as swap, \
+                _engine(_model(1), offload, os.path.join(swap, "b"), **kw) as b:
+            b.load_checkpoint(folder)
+            after_load = _differences(_snapshot(b), at_save)
+            _train(b, data[3:], rank)
+            out[(stage, offload, str(dtype))] = (after_load, _differences(_snapshot(b), at_end))
+
+    folder = os.path.join(root, "ckpt-failing")
+    with OffloadEngine(_model(0), offload="cpu", stage=3) as a:
+        _train(a, data[:1], rank)
+        a.save_checkpoint(folder)
+        first = _snapshot(a)
+        _train(a, data[1:2], rank)
+        if rank == 1:
+            def failing(fp):
+                raise OSError(errno.ENOSPC, "No space left on device")
+            a.store.read_all = failing
+        try:
+            a.save_checkpoint(folder)
+            error = None
+        except (OSError, RuntimeError) as exc:
+            error = f"{type(exc).__name__}: {exc}"
+        if rank == 1:
+            del a.store.read_all
+        leftovers = sorted(os.listdir(root))
+        a.load_checkpoint(folder)
+        out["failing"] = (error, leftovers, _differences(_snapshot(a), first))
+    return out
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("two_ranks"))
+    return root, run_ranks(_two_rank_job, 2, root)
+
+
+@pytest.mark.parametrize("case", DIST_CASES,
+                         ids=lambda c: f"stage{c[0]}-{c[1]}-{str(c[2]).replace('torch.', '')}")
+def test_two_ranks_resume_exactly(two_ranks, case):
+    root, results = two_ranks
+    stage, offload, dtype = case
+    folder = os.path.join(root, f"ckpt-{stage}-{offload}-{dtype}".replace("torch.", ""))
+    assert sorted(os.listdir(folder)) == ["checkpoint.json", "rank00000.safetensors",
+                                          "rank00001.safetensors"]
+    for rank_result in results:
+        after_load, after_training = rank_result[(stage, offload, str(dtype))]
+        assert after_load == [] and after_training == []
+
+
+def test_two_ranks_failed_save_raises_everywhere_and_keeps_the_checkpoint(two_ranks):
+    root, results = two_ranks
+    errors = [r["failing"][0] for r in results]
+    assert errors[1].startswith("OSError") and "No space left" in errors[1]
+    assert errors[0].startswith("RuntimeError") and "failed on rank(s) [1]" in errors[0]
+    for _, leftovers, differences in (r["failing"] for r in results):
+        assert not any(name.startswith(".") for name in leftovers)
+        assert differences == []  # the folder still held the first checkpoint
+
+
+def test_loading_on_another_world_size_names_it(two_ranks):
+    root, _ = two_ranks
+    with OffloadEngine(_model(0), offload="cpu", stage=3) as eng:
+        with pytest.raises(ValueError,
+                           match="world_size is 2 in the checkpoint but 1 in this engine"):
+            eng.load_checkpoint(os.path.join(root, "ckpt-3-nvme-float32"))
