@@ -144,37 +144,35 @@ def test_resume_on_another_tier(tmp_path):
     assert all(torch.equal(got[k], expected[k]) for k in expected)
 
 
-class _Scaler:
-    """Stands in for a loss scaler: state_dict / load_state_dict of a few numbers."""
-
-    def __init__(self, scale=2.0 ** 16, good_steps=0):
-        self.scale, self.good_steps = scale, good_steps
-
-    def state_dict(self):
-        return {"scale": self.scale, "good_steps": self.good_steps}
-
-    def load_state_dict(self, state):
-        self.scale, self.good_steps = state["scale"], state["good_steps"]
-
-
-def test_loss_scaler_and_counters_are_restored(tmp_path):
-    with OffloadEngine(_model(0), offload="cpu") as a:
-        _train(a, batches(1))
-        a.loss_scaler = _Scaler(1024.0, 7)
-        a.skipped_steps = 3
+def test_fp16_loss_scale_and_counters_are_restored(tmp_path):
+    """fp16 with a dynamic loss scale that overflowed (skipped steps) and grew back: B resumes
+    with A's scale, its count of good steps and skipped_steps, and the next steps match A's
+    bit for bit, scale included. A checkpoint without a scaler does not load into an engine
+    with one."""
+    data = batches(7)
+    kw = dict(dtype=torch.float16, lr=1e-2, initial_loss_scale=2.0 ** 20, loss_scale_window=2)
+    with OffloadEngine(_model(0), offload="cpu", **kw) as a:
+        _train(a, data[:5])
+        assert a.skipped_steps >= 1
         a.save_checkpoint(tmp_path / "ckpt")
+        at_save = (_snapshot(a), a.loss_scaler.state_dict())
+        _train(a, data[5:])
+        at_end = (_snapshot(a), a.loss_scaler.state_dict())
     meta = json.loads((tmp_path / "ckpt" / "checkpoint.json").read_text())
-    assert meta["loss_scaler"] == {"scale": 1024.0, "good_steps": 7}
-    with OffloadEngine(_model(1), offload="cpu") as b:
-        b.loss_scaler = _Scaler()
+    assert meta["loss_scaler"] == at_save[1]
+    with OffloadEngine(_model(1), offload="cpu", **{**kw, "initial_loss_scale": 2.0 ** 16}) as b:
         b.load_checkpoint(tmp_path / "ckpt")
-        assert b.loss_scaler.state_dict() == {"scale": 1024.0, "good_steps": 7}
-        assert b.skipped_steps == 3
-    with OffloadEngine(_model(1), offload="cpu") as c:
-        c.loss_scaler = None
-        with pytest.raises(ValueError, match="loss_scaler is 'present' in the checkpoint but "
-                                             "'absent' in this engine"):
-            c.load_checkpoint(tmp_path / "ckpt")
+        _assert_identical(_snapshot(b), at_save[0])
+        assert b.loss_scaler.state_dict() == at_save[1]
+        _train(b, data[5:])
+        _assert_identical(_snapshot(b), at_end[0])
+        assert b.loss_scaler.state_dict() == at_end[1]
+    with OffloadEngine(_model(0), offload="cpu") as c:
+        c.save_checkpoint(tmp_path / "plain")
+    with OffloadEngine(_model(1), offload="cpu", loss_scale=128.0) as d:
+        with pytest.raises(ValueError, match="loss_scaler is 'absent' in the checkpoint but "
+                                             "'present' in this engine"):
+            d.load_checkpoint(tmp_path / "plain")
 
 
 # -- atomic save ----------------------------------------------------------------------------------
