@@ -23,7 +23,8 @@ def main():
     torch.manual_seed(0)
     model = TinyLM()
     with tempfile.TemporaryDirectory() as swap:
-        with OffloadEngine(model, stage=stage, offload=offload, path=swap, lr=1e-2, timeout_s=60) as eng:
+        with OffloadEngine(model, stage=stage, offload=offload, lr=1e-2, timeout_s=60,
+                           path=swap if offload == "nvme" else None) as eng:
             n = eng.world_size
             for x, y in batches(3, seed=1, batch=2 * n):
                 lo = 2 * eng.rank
