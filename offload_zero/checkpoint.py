@@ -18,7 +18,8 @@ A checkpoint is a folder::
 order: ``name``, ``requires_grad``, ``numel``, ``shard_numel`` and ``parameters``, the
 ``[names, shape]`` of each model parameter inside it), ``lr``, ``skipped_steps``,
 ``loss_scaler`` (the scaler's ``state_dict()``, or null), ``optimizer`` (betas, eps,
-weight_decay, adamw: for reading only; the loading engine keeps its own) and ``files``.
+weight_decay, adamw: for reading only; the loading engine keeps its own), ``files`` and
+``client_state`` (the caller's own JSON-ready dict, e.g. its step counter and data position).
 
 A rank file is a plain safetensors file (any safetensors reader opens it). For each flat
 parameter ``<fp>`` (its name, e.g. ``unit3.trainable``) it holds this rank's shard:
@@ -83,25 +84,27 @@ def rank_file_name(rank: int) -> str:
 
 # -- public entry points --------------------------------------------------------------------------
 
-def save_checkpoint(engine, folder) -> None:
+def save_checkpoint(engine, folder, client_state: Optional[dict] = None) -> None:
     """Save ``engine``'s training state into ``folder``, atomically (see [Note: atomic save]).
 
     Collective: every rank calls it with the same ``folder``, on a file system all ranks see.
     Layout: [Note: checkpoint layout]. ``folder`` is created if missing; a previous checkpoint
-    there is replaced only once the new one is complete.
+    there is replaced only once the new one is complete. ``client_state``: a dict of the
+    caller's own (JSON-serialisable: numbers, strings, lists, dicts), kept in
+    ``checkpoint.json`` and returned by :func:`load_checkpoint`; rank 0's is the one kept.
 
     Raises:
         RuntimeError: gradients of a ``backward()`` are waiting for ``step()``, or the engine
             is closed; on every rank, if another rank failed to write its file.
         ValueError: ``folder`` exists and is not a checkpoint folder (a file, or a folder
-            holding other files: it is never replaced); the loss scaler's state is not
-            JSON-serialisable.
+            holding other files: it is never replaced); the loss scaler's state or
+            ``client_state`` is not JSON-serialisable (or ``client_state`` not a dict).
         OSError: this rank could not write (e.g. ENOSPC); ``folder`` is unchanged.
     """
     _prepare(engine, "save_checkpoint")
     final, tmp, old = _paths(folder)
     _check_replaceable(final)
-    meta_text = json.dumps(_metadata(engine), indent=1)
+    meta_text = json.dumps(_metadata(engine, client_state), indent=1)
     is_root = engine.rank == 0
     error = None
     if is_root:
@@ -127,8 +130,9 @@ def save_checkpoint(engine, folder) -> None:
     _agree(engine, error, f"save_checkpoint({final!r})")
 
 
-def load_checkpoint(engine, folder) -> None:
-    """Load a checkpoint written by :func:`save_checkpoint` into ``engine``.
+def load_checkpoint(engine, folder) -> dict:
+    """Load a checkpoint written by :func:`save_checkpoint` into ``engine``; returns the
+    ``client_state`` saved with it (``{}`` if none).
 
     Collective. Restores every flat parameter's fp32 master weights, Adam moments and step
     count, the compute-dtype parameter shards (the saved ones, bit for bit; at stages 1 and 2
@@ -177,6 +181,7 @@ def load_checkpoint(engine, folder) -> None:
         for fp in engine.flat_params:
             if fp.keep_unsharded:  # stages 1 and 2: every rank's new shard into the full values
                 engine.comm.all_gather_into(fp.full_values(), fp.sharded)
+    return meta.get("client_state") or {}
 
 
 # -- preconditions and agreement between ranks ----------------------------------------------------
@@ -245,15 +250,23 @@ def _scaler(engine):
     return getattr(engine, "loss_scaler", None)
 
 
-def _metadata(engine) -> dict:
+def _metadata(engine, client_state: Optional[dict] = None) -> dict:
     cfg = engine.config
+    if client_state is not None and not isinstance(client_state, dict):
+        raise ValueError(f"client_state must be a dict (or None), got {type(client_state).__name__}")
+    try:
+        json.dumps(client_state)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"client_state must hold only numbers, strings, lists and dicts to "
+                         f"be saved: {exc}") from None
     scaler = _scaler(engine)
     scaler_state = None if scaler is None else dict(scaler.state_dict())
     meta = {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, **_layout(engine),
             "lr": engine.lr, "skipped_steps": engine.skipped_steps, "loss_scaler": scaler_state,
             "optimizer": {"betas": list(cfg.betas), "eps": cfg.eps,
                           "weight_decay": cfg.weight_decay, "adamw": cfg.adamw},
-            "files": [rank_file_name(r) for r in range(engine.world_size)]}
+            "files": [rank_file_name(r) for r in range(engine.world_size)],
+            "client_state": client_state or {}}
     try:
         json.dumps(scaler_state)
     except (TypeError, ValueError) as exc:

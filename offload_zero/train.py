@@ -178,6 +178,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                           "config.json, generation_config.json and the tokenizer (a folder "
                           "--model DIR and "
                           "transformers' from_pretrained load); DIR is created if missing")
+    out.add_argument("--checkpoint", metavar="DIR", default=None,
+                     help="save the training state (weights, optimizer state, step) to DIR at "
+                          "the end, and every --checkpoint-every steps; --resume DIR continues "
+                          "from it")
+    out.add_argument("--checkpoint-every", type=_nonnegative_int, default=0, metavar="N",
+                     help="with --checkpoint: also save every N steps (default: only at the end)")
+    out.add_argument("--resume", metavar="DIR", default=None,
+                     help="continue the run saved by --checkpoint DIR: same model, --seed, "
+                          "--batch-size, --seq-len and world size; it trains from the saved "
+                          "step up to --steps, on the batches it had not seen")
     out.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     out.add_argument("--memory-plot", metavar="FILE.png", default=None,
                      help="draw bytes per tier (device, host, NVMe) over the steps to this PNG")
@@ -351,8 +361,10 @@ def format_summary(s: Dict[str, Any]) -> str:
         f"  nvme i/o     read {_fmt_bytes(s['nvme_read_bytes'])} | "
         f"written {_fmt_bytes(s['nvme_written_bytes'])}",
         f"  time         {s['wall_s']:.1f} s for {s['steps']} steps "
-        f"(+{s['setup_s']:.1f} s setup), {s['tokens_per_s']:,.0f} tokens/s",
-    ] + _saved_lines(s.get("saved")))
+        + (f"after step {s['resumed_from']} (resumed) " if s.get("resumed_from") is not None else "")
+        + f"(+{s['setup_s']:.1f} s setup), {s['tokens_per_s']:,.0f} tokens/s",
+    ] + ([f"  checkpoint   {s['checkpoint']} (training state; --resume continues it)"]
+         if s.get("checkpoint") else []) + _saved_lines(s.get("saved")))
 
 
 def _skipped_note(s: Dict[str, Any]) -> str:
@@ -376,9 +388,12 @@ def _saved_lines(saved: Optional[Dict[str, Any]]) -> List[str]:
 
 
 def _train_loop(engine, batches, args, warmup: int, tokens_per_step: int,
-                is_rank0: bool, memory_trace: Optional[List[Dict[str, int]]] = None
-                ) -> Tuple[List[float], float]:
-    """Run ``args.steps`` steps; return ``(per-step losses, wall seconds)``.
+                is_rank0: bool, memory_trace: Optional[List[Dict[str, int]]] = None,
+                start_step: int = 0) -> Tuple[List[float], float]:
+    """Run steps ``start_step`` .. ``args.steps - 1`` (``batches`` already past the first
+    ``start_step`` batches); return ``(per-step losses, wall seconds)``. With
+    ``--checkpoint`` the training state is saved every ``--checkpoint-every`` steps and after
+    the last one (see :func:`save_training_state`).
 
     With ``memory_trace`` a list, appends after each step ``{tier: current_bytes,
     tier + "_peak": peak_bytes so far}`` for tiers device, host, nvme.
@@ -390,11 +405,11 @@ def _train_loop(engine, batches, args, warmup: int, tokens_per_step: int,
 
     device = getattr(engine, "device", None)
     losses: List[float] = []
-    bar = tqdm(total=args.steps, unit="step", disable=not is_rank0 or args.no_progress,
-               dynamic_ncols=True)
+    bar = tqdm(total=args.steps, initial=start_step, unit="step",
+               disable=not is_rank0 or args.no_progress, dynamic_ncols=True)
     start = time.perf_counter()
     try:
-        for step in range(args.steps):
+        for step in range(start_step, args.steps):
             lr = lr_at(step, args.steps, args.lr, warmup)
             engine.set_lr(lr)
             input_ids, labels = next(batches)  # (B, T) int64 each
@@ -414,8 +429,11 @@ def _train_loop(engine, batches, args, warmup: int, tokens_per_step: int,
                     sample[tier] = rep[tier]["current_bytes"]
                     sample[tier + "_peak"] = rep[tier]["peak_bytes"]
                 memory_trace.append(sample)
+            every = args.checkpoint_every
+            if args.checkpoint and (step + 1 == args.steps or (every and (step + 1) % every == 0)):
+                save_training_state(engine, args, step + 1)
             elapsed = time.perf_counter() - start
-            tok_s = tokens_per_step * (step + 1) / elapsed
+            tok_s = tokens_per_step * (step + 1 - start_step) / elapsed
             bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tok_s:,.0f}", refresh=False)
             bar.update(1)
             if is_rank0 and args.log_every and ((step + 1) % args.log_every == 0
@@ -425,6 +443,13 @@ def _train_loop(engine, batches, args, warmup: int, tokens_per_step: int,
     finally:
         bar.close()
     return losses, time.perf_counter() - start
+
+
+def save_training_state(engine, args: argparse.Namespace, step: int) -> None:
+    """``engine.save_checkpoint(--checkpoint)`` with the run's step and what the data order
+    depends on (``--seed``, ``--batch-size``, ``--seq-len``), for ``--resume``. Collective.
+    Atomic: a failed save (a full disk) raises and leaves the previous one."""
+    engine.save_checkpoint(args.checkpoint, client_state={"step": step, **_run_identity(args)})
 
 
 def plot_memory(trace: List[Dict[str, int]], path: str, title: str = "") -> None:
@@ -514,7 +539,9 @@ def check_args(args: argparse.Namespace) -> None:
     Raises ``ValueError`` (naming the flag and its value) if ``--warmup`` is more than
     ``--steps``; ``--path`` is given without ``--offload nvme``/``auto``, is not a folder or has
     no parent folder; the folder of ``--json`` / ``--memory-plot`` is missing or not
-    writable; or ``--save`` is not a folder or cannot be created (see :func:`check_save_dir`).
+    writable; ``--save`` is not a folder or cannot be created (see :func:`check_save_dir`);
+    ``--checkpoint-every`` comes without ``--checkpoint``, or ``--checkpoint`` is a file; or
+    ``--resume`` does not hold a checkpoint this run can continue (see :func:`resumed_step`).
     """
     if args.warmup is not None and args.warmup > args.steps:
         raise ValueError(f"--warmup {args.warmup} is more than --steps {args.steps}; "
@@ -534,6 +561,48 @@ def check_args(args: argparse.Namespace) -> None:
                 raise ValueError(f"{flag} {out!r}: folder {folder!r} does not exist or is not writable")
     if args.save is not None:
         check_save_dir(args.save)
+    if args.checkpoint_every and args.checkpoint is None:
+        raise ValueError(f"--checkpoint-every {args.checkpoint_every} needs --checkpoint DIR")
+    if args.checkpoint is not None and os.path.exists(args.checkpoint) and not os.path.isdir(args.checkpoint):
+        raise ValueError(f"--checkpoint {args.checkpoint!r} exists and is not a folder")
+    if args.resume is not None:
+        resumed_step(args)  # the folder holds a checkpoint of this run, before --steps
+
+
+def _run_identity(args: argparse.Namespace) -> Dict[str, Any]:
+    """What a resumed run must share with the saved one for its batches to continue where the
+    saved run stopped (the data order depends on all of them)."""
+    return {"seed": args.seed, "batch_size": args.batch_size, "seq_len": args.seq_len}
+
+
+def resumed_step(args: argparse.Namespace) -> int:
+    """The step ``--resume DIR`` continues from: the steps the saved run had done.
+
+    Raises ``ValueError`` naming the folder if it holds no checkpoint written by ``--checkpoint``
+    (``DIR/checkpoint.json`` with the run's step), if the saved run's ``--seed``,
+    ``--batch-size`` or ``--seq-len`` differ from this one's (naming the flag and both values),
+    or if it already did ``--steps`` steps or more."""
+    from offload_zero.checkpoint import META_NAME
+    meta_path = os.path.join(args.resume, META_NAME)
+    try:
+        with open(meta_path, encoding="utf-8") as f:
+            saved = json.load(f).get("client_state") or {}
+    except (OSError, ValueError, AttributeError) as exc:
+        raise ValueError(f"--resume {args.resume!r}: no readable checkpoint there "
+                         f"({meta_path!r}: {exc})") from None
+    if not isinstance(saved.get("step"), int):
+        raise ValueError(f"--resume {args.resume!r}: {meta_path!r} was not written by "
+                         "offload-zero train --checkpoint (it holds no step)")
+    for key, value in _run_identity(args).items():
+        if saved.get(key) != value:
+            flag = "--" + key.replace("_", "-")
+            raise ValueError(f"--resume {args.resume!r}: the saved run used {flag} "
+                             f"{saved.get(key)!r}, this one {value!r}; give {flag} "
+                             f"{saved.get(key)!r} to continue it")
+    if saved["step"] >= args.steps:
+        raise ValueError(f"--resume {args.resume!r}: the saved run already did {saved['step']} "
+                         f"steps; give --steps more than {saved['step']} to train further")
+    return saved["step"]
 
 
 def check_save_dir(folder: str) -> None:
@@ -704,6 +773,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     setup_start = time.perf_counter()
     step_in_backward = _step_in_backward(args)
     check_args(args)  # fail now, not after the whole run
+    start_step = resumed_step(args) if args.resume else 0
     files = data_lib.find_text_files(args.data) if args.data else data_lib.stdlib_files()
     model, tokenizer, description = build_model(args)
     params = sum(p.numel() for p in model.parameters())
@@ -723,12 +793,17 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         batches = data_lib.TokenWindows(files, tokenizer, args.seq_len, seed=args.seed,
                                         world_size=world_size, rank=rank
                                         ).batches(args.batch_size)
+        if args.resume:
+            engine.load_checkpoint(args.resume)
+            for _ in range(start_step):  # the batches the saved run trained on
+                next(batches)
         engine.train()
         tokens_per_step = args.batch_size * args.seq_len * world_size
         setup_s = time.perf_counter() - setup_start
         trace: Optional[List[Dict[str, int]]] = [] if args.memory_plot else None
         losses, wall_s = _train_loop(engine, batches, args, warmup, tokens_per_step,
-                                     is_rank0=rank == 0, memory_trace=trace)
+                                     is_rank0=rank == 0, memory_trace=trace,
+                                     start_step=start_step)
         report = engine.memory_report()
         skipped = engine.skipped_steps
         loss_scale = engine.loss_scaler.scale if engine.loss_scaler is not None else None
@@ -743,13 +818,15 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
                                 generation_config=getattr(model, "generation_config", None),
                                 tokenizer=_tokenizer_to_save(args, tokenizer), tied_patterns=tied)
     del state
-    summary = summarize(losses, report, wall_s=wall_s, tokens=tokens_per_step * args.steps,
+    summary = summarize(losses, report, wall_s=wall_s, tokens=tokens_per_step * (args.steps - start_step),
                         extra=dict(
                             model=description, params=params,
                             tokenizer=_tokenizer_name(tokenizer),
                             corpus="data" if args.data else "stdlib",
                             files=len(files), offload=offload_shown, stage=args.stage,
-                            dtype=args.dtype, steps=args.steps, seq_len=args.seq_len,
+                            dtype=args.dtype, steps=args.steps - start_step,
+                            resumed_from=start_step if args.resume else None,
+                            checkpoint=args.checkpoint, seq_len=args.seq_len,
                             batch_size=args.batch_size, world_size=world_size, rank=rank,
                             lr=args.lr, warmup=warmup, seed=args.seed, setup_s=setup_s,
                             step_in_backward=step_in_backward, skipped_steps=skipped,

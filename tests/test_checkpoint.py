@@ -411,3 +411,22 @@ def test_loading_on_another_world_size_names_it(two_ranks):
         with pytest.raises(ValueError,
                            match="world_size is 2 in the checkpoint but 1 in this engine"):
             eng.load_checkpoint(os.path.join(root, "ckpt-3-nvme-float32"))
+
+
+def test_client_state_travels_with_the_checkpoint(tmp_path):
+    """The caller's own dict (a step counter, a data position) is saved in checkpoint.json and
+    returned by load_checkpoint; a checkpoint saved without one returns {}; a value JSON cannot
+    hold is refused before anything is written."""
+    state = {"step": 3, "data": {"epoch": 0, "files": ["a.txt"]}, "note": "warmup"}
+    with OffloadEngine(_model(0), offload="cpu") as a:
+        _train(a, batches(1))
+        a.save_checkpoint(tmp_path / "ckpt", client_state=state)
+        a.save_checkpoint(tmp_path / "plain")
+        with pytest.raises(ValueError, match="client_state must hold only numbers"):
+            a.save_checkpoint(tmp_path / "bad", client_state={"t": torch.zeros(1)})
+        with pytest.raises(ValueError, match="client_state must be a dict"):
+            a.save_checkpoint(tmp_path / "bad", client_state=[1, 2])
+    assert not (tmp_path / "bad").exists()
+    with OffloadEngine(_model(1), offload="cpu") as b:
+        assert b.load_checkpoint(tmp_path / "ckpt") == state
+        assert b.load_checkpoint(tmp_path / "plain") == {}

@@ -651,3 +651,65 @@ def test_fp16_trains_with_a_dynamic_loss_scale(capsys):
     assert scale == 2 ** (16 - summary["skipped_steps"])  # window 2000: it never grew back
     out = capsys.readouterr().out
     assert f"loss scale {scale:g}" in out and "dtype fp16" in out
+
+
+# --- --checkpoint / --resume -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("offload", ["cpu", "nvme"])
+def test_resume_continues_the_run_bit_for_bit(offload, tmp_path, monkeypatch):
+    """A run checkpointed every 3 steps dies in step 5; --resume from its checkpoint (step 3)
+    trains steps 4-8 on the batches the dead run had not seen, with the same learning rates:
+    its final weights equal an uninterrupted 8-step run's, bit for bit."""
+    import torch
+    from offload_zero import OffloadEngine
+
+    common = ["--preset", "tiny", "--steps", 8, "--offload", offload, "--lr", "3e-3"]
+    _, whole = _run_capturing_weights(monkeypatch, [*common, "--save", tmp_path / "w"])
+    whole = {k: v.clone() for k, v in whole.items()}
+
+    ckpt = tmp_path / "ckpt"
+    original_step, calls = OffloadEngine.step, []
+
+    def dies_in_step_5(self):
+        calls.append(1)
+        if len(calls) == 5:
+            raise KeyboardInterrupt
+        original_step(self)
+
+    monkeypatch.setattr(OffloadEngine, "step", dies_in_step_5)
+    with pytest.raises(KeyboardInterrupt):
+        train.run(_parse(*common, "--checkpoint", ckpt, "--checkpoint-every", 3,
+                         "--no-progress", *FAST))
+    monkeypatch.setattr(OffloadEngine, "step", original_step)
+    meta = json.loads((ckpt / "checkpoint.json").read_text())
+    assert meta["client_state"]["step"] == 3
+
+    summary, resumed = _run_capturing_weights(
+        monkeypatch, [*common, "--resume", ckpt, "--checkpoint", ckpt, "--save", tmp_path / "r"])
+    assert summary["resumed_from"] == 3 and summary["steps"] == 5 and len(summary["losses"]) == 5
+    assert resumed.keys() == whole.keys()
+    assert all(torch.equal(resumed[k], whole[k]) for k in whole)
+    assert json.loads((ckpt / "checkpoint.json").read_text())["client_state"]["step"] == 8
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--checkpoint-every", "2"], "--checkpoint-every 2 needs --checkpoint DIR"),
+    (["--resume", "{missing}"], "no readable checkpoint there"),
+    (["--resume", "{ckpt}", "--seed", "1"], "the saved run used --seed 0, this one 1"),
+    (["--resume", "{ckpt}", "--seq-len", "32"], "the saved run used --seq-len 64, this one 32"),
+    (["--resume", "{ckpt}", "--steps", "2"], "already did 2 steps; give --steps more than 2"),
+    (["--checkpoint", "{file}"], "exists and is not a folder"),
+])
+def test_bad_checkpoint_flags_fail_before_training(flags, message, tmp_path, capsys):
+    ckpt = tmp_path / "ckpt"
+    assert cli.main(["train", "--preset", "tiny", "--steps", "2", "--checkpoint", str(ckpt),
+                     "--no-progress", *FAST]) == 0
+    (tmp_path / "a_file").write_text("x")
+    capsys.readouterr()
+    subs = {"{missing}": str(tmp_path / "nope"), "{ckpt}": str(ckpt),
+            "{file}": str(tmp_path / "a_file")}
+    flags = [subs.get(f, f) for f in flags]
+    steps = [] if "--steps" in flags else ["--steps", "4"]
+    assert cli.main(["train", "--preset", "tiny", *FAST, *steps, *flags, "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and "step 1" not in err
