@@ -49,6 +49,7 @@ killed mid-save leaves ``.<folder name>.saving`` behind; the next save removes i
 """
 from __future__ import annotations
 
+import copy
 import ctypes
 import errno
 import itertools
@@ -343,6 +344,20 @@ def _check_matches(meta: dict, engine, path: str) -> None:
     if has_saved != has_mine:
         state = {True: "present", False: "absent"}
         raise _mismatch(path, "loss_scaler", state[has_saved], state[has_mine])
+    if has_saved:  # a bad scaler state must fail here, before the engine changes
+        try:
+            copy.deepcopy(_scaler(engine)).load_state_dict(meta["loss_scaler"])
+        except (ValueError, TypeError, KeyError) as exc:
+            raise ValueError(f"{path!r}: loss_scaler: {exc}") from None
+    saved_opt = meta.get("optimizer") or {}
+    cfg = engine.config
+    mine_opt = {"betas": list(cfg.betas), "eps": cfg.eps, "weight_decay": cfg.weight_decay,
+                "adamw": cfg.adamw}
+    changed = [f"{k} {saved_opt[k]!r} -> {v!r}" for k, v in mine_opt.items()
+               if k in saved_opt and saved_opt[k] != v]
+    if changed:
+        log.warning("%s: the optimizer settings differ from the saved run's (%s); this engine's "
+                    "are used", path, ", ".join(changed))
 
 
 # -- rank files -----------------------------------------------------------------------------------
@@ -504,8 +519,10 @@ def _write_param_shard(fp, values: torch.Tensor) -> None:
 # -- files and folders ----------------------------------------------------------------------------
 
 def _paths(folder) -> Tuple[str, str, str]:
-    """(checkpoint folder, its temporary sibling, the name a replaced one moves to)."""
-    final = os.path.abspath(os.fspath(folder))
+    """(checkpoint folder, its temporary sibling, the name a replaced one moves to). A symbolic
+    link (``latest -> step1000``) stands for its target: that folder is replaced, the link
+    stays."""
+    final = os.path.realpath(os.fspath(folder))
     parent, base = os.path.split(final)
     if not base:
         raise ValueError(f"checkpoint folder {folder!r} has no name")

@@ -430,3 +430,45 @@ def test_client_state_travels_with_the_checkpoint(tmp_path):
     with OffloadEngine(_model(1), offload="cpu") as b:
         assert b.load_checkpoint(tmp_path / "ckpt") == state
         assert b.load_checkpoint(tmp_path / "plain") == {}
+
+
+def test_a_bad_loss_scaler_state_is_refused_before_anything_changes(tmp_path):
+    """checkpoint.json's scaler state is checked with the rest, before the load changes
+    anything: a scale of 0 (or of another kind of scaler) leaves weights, lr and counters as
+    they were."""
+    kw = dict(dtype=torch.float16, lr=1e-2)
+    with OffloadEngine(_model(0), offload="cpu", **kw) as a:
+        _train(a, batches(2))
+        a.save_checkpoint(tmp_path / "ckpt")
+    meta_path = tmp_path / "ckpt" / "checkpoint.json"
+    meta = json.loads(meta_path.read_text())
+    for bad, match in [({"scale": 0.0}, "loss_scaler: loss scaler state has scale=0.0"),
+                       ({"good_steps": -3}, "good_steps=-3"),
+                       ({"dynamic": False}, "state is of a static loss scale")]:
+        meta_path.write_text(json.dumps({**meta, "loss_scaler": {**meta["loss_scaler"], **bad}}))
+        with OffloadEngine(_model(1), offload="cpu", **{**kw, "lr": 0.5}) as b:
+            before = _snapshot(b)
+            with pytest.raises(ValueError, match=match):
+                b.load_checkpoint(tmp_path / "ckpt")
+            _assert_identical(_snapshot(b), before)
+            assert b.lr == 0.5 and b.loss_scaler.scale == 2.0 ** 16
+
+
+def test_save_through_a_symlink_replaces_its_target(tmp_path):
+    """``latest -> step1``: saving to ``latest`` replaces ``step1`` and keeps the link, and
+    later saves through it keep working."""
+    target = tmp_path / "step1"
+    link = tmp_path / "latest"
+    with OffloadEngine(_model(0), offload="cpu", lr=1e-2) as a:
+        _train(a, batches(1))
+        a.save_checkpoint(target)
+        link.symlink_to(target)
+        for _ in range(2):
+            _train(a, batches(1))
+            a.save_checkpoint(link)
+        want = _snapshot(a)
+    assert link.is_symlink() and os.path.realpath(link) == str(target)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step1"]
+    with OffloadEngine(_model(1), offload="cpu") as b:
+        b.load_checkpoint(link)
+        _assert_identical(_snapshot(b), want)

@@ -201,12 +201,24 @@ def test_scaler_schedule_and_state_round_trip():
     assert path == [4, 2, 2, 2, 4, 4, 2, 2, 4, 4, 8, 8, 16]
     t = LossScaler()
     t.load_state_dict(s.state_dict())
-    assert t.state_dict() == s.state_dict() == {"scale": 16.0, "good_steps": 0, "overflows": 4}
+    assert t.state_dict() == s.state_dict() == {"scale": 16.0, "good_steps": 0, "overflows": 4,
+                                                "dynamic": True}
     static = LossScaler(64.0, dynamic=False)
     for overflow in (True, False, False):
         static.update(overflow)
     assert static.scale == 64.0 and static.overflows == 1
-    with pytest.raises(ValueError, match=r"scale=nan"):
-        t.load_state_dict({"scale": float("nan"), "good_steps": 0, "overflows": 0})
+    good = {"scale": 4.0, "good_steps": 1, "overflows": 0}
+    for bad, match in [({"scale": float("nan")}, r"scale=nan; it must be a finite number in"),
+                       ({"scale": 0.5}, r"scale=0.5; it must be a finite number in \[min_scale=1"),
+                       ({"scale": 2.0 ** 30}, r"max_scale=1.67772e\+07"),
+                       ({"good_steps": -1}, r"good_steps=-1; it must be an int >= 0"),
+                       ({"overflows": 1.5}, r"overflows=1.5; it must be an int >= 0"),
+                       ({"dynamic": False}, r"state is of a static loss scale but this scaler "
+                                            r"is dynamic")]:
+        with pytest.raises(ValueError, match=match):
+            t.load_state_dict({**good, **bad})
+        assert t.state_dict()["scale"] == 16.0  # unchanged
+    static.load_state_dict({"scale": 8.0, "good_steps": 0, "overflows": 2, "dynamic": False})
+    assert static.scale == 64.0 and static.overflows == 2  # a static scale is a setting
     with pytest.raises(ValueError, match=r"lacks \['overflows'\]"):
         t.load_state_dict({"scale": 1.0, "good_steps": 0})

@@ -10,8 +10,11 @@ does not overflow. These are the defaults and semantics of ``torch.amp.GradScale
 """
 from __future__ import annotations
 
+import logging
 import math
 from typing import Dict
+
+log = logging.getLogger("offload_zero")
 
 __all__ = ["LossScaler"]
 
@@ -73,20 +76,40 @@ class LossScaler:
 
     def state_dict(self) -> Dict[str, float]:
         """The scaler's state as plain numbers (for a training checkpoint)."""
-        return {"scale": self.scale, "good_steps": self._good_steps, "overflows": self.overflows}
+        return {"scale": self.scale, "good_steps": self._good_steps, "overflows": self.overflows,
+                "dynamic": self.dynamic}
 
     def load_state_dict(self, state: Dict[str, float]) -> None:
-        """Restore :meth:`state_dict`. Raises ValueError if a key is missing or the scale is not
-        a finite number > 0."""
+        """Restore :meth:`state_dict`; nothing changes unless all of it is valid. A static
+        scaler keeps its own scale (a setting, not state; a different saved one is logged).
+
+        Raises:
+            ValueError: a key is missing; the scale is not a finite number in
+                [min_scale, max_scale]; good_steps or overflows is not an int >= 0; the state
+                is of a dynamic scaler and this one is static, or the reverse (naming both).
+        """
         missing = sorted({"scale", "good_steps", "overflows"} - set(state))
         if missing:
             raise ValueError(f"loss scaler state lacks {missing}; it has {sorted(state)}")
-        scale = float(state["scale"])
-        if not math.isfinite(scale) or scale <= 0:
-            raise ValueError(f"loss scaler state has scale={state['scale']!r}; it must be a finite number > 0")
-        self.scale = scale
-        self._good_steps = int(state["good_steps"])
-        self.overflows = int(state["overflows"])
+        scale = state["scale"]
+        if (isinstance(scale, bool) or not isinstance(scale, (int, float))
+                or not math.isfinite(scale) or not self.min_scale <= scale <= self.max_scale):
+            raise ValueError(f"loss scaler state has scale={scale!r}; it must be a finite number "
+                             f"in [min_scale={self.min_scale:g}, max_scale={self.max_scale:g}]")
+        for key in ("good_steps", "overflows"):
+            value = state[key]
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"loss scaler state has {key}={value!r}; it must be an int >= 0")
+        kind = {True: "dynamic", False: "static"}
+        if "dynamic" in state and bool(state["dynamic"]) != self.dynamic:
+            raise ValueError(f"the state is of a {kind[bool(state['dynamic'])]} loss scale but "
+                             f"this scaler is {kind[self.dynamic]}")
+        if self.dynamic:
+            self.scale = float(scale)
+        elif float(scale) != self.scale:
+            log.warning("static loss scale: keeping %g (the loaded state had %g)", self.scale, scale)
+        self._good_steps = state["good_steps"]
+        self.overflows = state["overflows"]
 
     def __repr__(self) -> str:
         kind = "dynamic" if self.dynamic else "static"
