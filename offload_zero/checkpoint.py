@@ -279,6 +279,9 @@ def _metadata(engine, client_state: Optional[dict] = None) -> dict:
 def _read_metadata(folder: str) -> dict:
     """``folder``'s ``checkpoint.json``; ValueError if the folder or file is missing or bad."""
     path = os.path.join(folder, META_NAME)
+    if os.path.exists(folder) and not os.path.isdir(folder):
+        raise ValueError(f"checkpoint folder {folder!r} is not a folder (a checkpoint is a "
+                         f"folder holding {META_NAME} and one file per rank)")
     if not os.path.isdir(folder):
         replaced = _paths(folder)[2]
         hint = (f"; a save was interrupted between its two renames: the previous checkpoint is "

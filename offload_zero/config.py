@@ -198,7 +198,16 @@ class EngineConfig:
                              f"of 4096 bytes, or None to probe the device")
         if self.aio_queue_depth is not None and self.aio_queue_depth < 1:
             raise ValueError(f"aio_queue_depth={self.aio_queue_depth!r} must be >= 1, or None to probe the device")
-        self.make_loss_scaler()  # validates initial_loss_scale, loss_scale_window, min_loss_scale
+        scaler = self.make_loss_scaler()  # validates initial_loss_scale, loss_scale_window, ...
+        if scaler is None or not scaler.dynamic:
+            knobs = [f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self)
+                     if f.name in ("initial_loss_scale", "loss_scale_window", "min_loss_scale")
+                     and getattr(self, f.name) != f.default]
+            if knobs:
+                why = ("loss scaling is off (it is on by default only with dtype=torch.float16, "
+                       "or with loss_scale='dynamic')" if scaler is None else
+                       f"the loss scale is static (loss_scale={self.loss_scale!r})")
+                warnings.warn(f"{', '.join(knobs)} not used: {why}", UserWarning, stacklevel=4)
         object.__setattr__(self, "unit_classes", tuple(self.unit_classes))
         for cls in self.unit_classes:
             if not (isinstance(cls, type) and issubclass(cls, torch.nn.Module)):
@@ -211,10 +220,12 @@ class EngineConfig:
         if asks:
             _check_swap_path(self.path, " and ".join(asks))
         elif self.path is not None and self.offload != "auto":
+            fix = ("set offload_optimizer or offload_param to 'nvme'" if self.offload == "nvme"
+                   else "set offload='nvme'")
             warnings.warn(f"path={os.fspath(self.path)!r} is not used: offload={self.offload!r} "
                           f"(optimizer state on {self.offload_optimizer!r}, parameters on "
-                          f"{self.offload_param!r}) puts nothing on NVMe; set offload='nvme' to "
-                          "use it", UserWarning, stacklevel=4)
+                          f"{self.offload_param!r}) puts nothing on NVMe; {fix} to use it",
+                          UserWarning, stacklevel=4)
 
     def make_loss_scaler(self):
         """The :class:`offload_zero.optim.loss_scale.LossScaler` that ``loss_scale`` and

@@ -399,7 +399,8 @@ def _train_loop(engine, batches, args, warmup: int, tokens_per_step: int,
     tier + "_peak": peak_bytes so far}`` for tiers device, host, nvme.
 
     On rank 0 shows the progress bar (unless ``--no-progress``) and writes a log line to
-    stderr every ``--log-every`` steps.
+    stderr every ``--log-every`` steps, with rank 0's own loss (marked ``(rank 0)`` when there
+    are several ranks: the summary gives the mean over ranks).
     """
     from tqdm import tqdm
 
@@ -407,6 +408,8 @@ def _train_loop(engine, batches, args, warmup: int, tokens_per_step: int,
     losses: List[float] = []
     bar = tqdm(total=args.steps, initial=start_step, unit="step",
                disable=not is_rank0 or args.no_progress, dynamic_ncols=True)
+    # several ranks: the progress shows rank 0's own loss (the summary, the mean over ranks)
+    whose = " (rank 0)" if getattr(engine, "world_size", 1) > 1 else ""
     start = time.perf_counter()
     try:
         for step in range(start_step, args.steps):
@@ -438,7 +441,7 @@ def _train_loop(engine, batches, args, warmup: int, tokens_per_step: int,
             bar.update(1)
             if is_rank0 and args.log_every and ((step + 1) % args.log_every == 0
                                                 or step + 1 == args.steps):
-                tqdm.write(f"step {step + 1}/{args.steps}  loss {loss:.4f}  lr {lr:.2e}  "
+                tqdm.write(f"step {step + 1}/{args.steps}  loss {loss:.4f}{whose}  lr {lr:.2e}  "
                            f"{tok_s:,.0f} tokens/s", file=sys.stderr)
     finally:
         bar.close()

@@ -472,3 +472,10 @@ def test_save_through_a_symlink_replaces_its_target(tmp_path):
     with OffloadEngine(_model(1), offload="cpu") as b:
         b.load_checkpoint(link)
         _assert_identical(_snapshot(b), want)
+
+
+def test_loading_a_file_says_it_is_not_a_folder(tmp_path):
+    (tmp_path / "f").write_text("x")
+    with OffloadEngine(_model(0), offload="cpu") as eng:
+        with pytest.raises(ValueError, match=r"'.*/f' is not a folder \(a checkpoint is a folder"):
+            eng.load_checkpoint(tmp_path / "f")

@@ -3,6 +3,7 @@ from tensor storages, NVMe files, memory accounting, awkward model structures, b
 import copy
 import gc
 import os
+import re
 import stat
 import subprocess
 
@@ -397,7 +398,10 @@ def test_bad_input_raises_value_error(kwargs, match):
 def test_path_without_nvme_warns_that_it_is_unused(kw, tmp_path):
     """path= given where nothing goes to NVMe is a likely mistake (the user believes the state
     is on disk): a UserWarning names the path and the tiers, and no file is created there."""
-    with pytest.warns(UserWarning, match=r"path='.*' is not used: offload=.*puts nothing on NVMe"):
+    fix = "set offload_optimizer or offload_param to 'nvme'" if kw["offload"] == "nvme" else (
+        "set offload='nvme'")
+    with pytest.warns(UserWarning, match=r"path='.*' is not used: offload=.*puts nothing on NVMe; "
+                                         + re.escape(fix)):
         OffloadEngine(TinyLM(), path=str(tmp_path), **kw).close()
     assert list(tmp_path.iterdir()) == []
 

@@ -222,3 +222,24 @@ def test_scaler_schedule_and_state_round_trip():
     assert static.scale == 64.0 and static.overflows == 2  # a static scale is a setting
     with pytest.raises(ValueError, match=r"lacks \['overflows'\]"):
         t.load_state_dict({"scale": 1.0, "good_steps": 0})
+
+
+@pytest.mark.parametrize("kw,match", [
+    ({"dtype": torch.bfloat16, "initial_loss_scale": 1024.0, "loss_scale_window": 5},
+     r"initial_loss_scale=1024.0, loss_scale_window=5 not used: loss scaling is off"),
+    ({"dtype": torch.float16, "loss_scale": 128.0, "min_loss_scale": 4.0},
+     r"min_loss_scale=4.0 not used: the loss scale is static \(loss_scale=128.0\)"),
+])
+def test_loss_scale_knobs_without_a_dynamic_scale_warn(kw, match):
+    with pytest.warns(UserWarning, match=match):
+        OffloadEngine(TinyLM(n_blocks=1), **kw).close()
+
+
+def test_overflow_at_the_minimum_scale_warns(caplog):
+    """Halving cannot go on below min_scale: an overflow there says that scaling cannot help."""
+    s = LossScaler(4.0, min_scale=2.0)
+    with caplog.at_level("WARNING", logger="offload_zero"):
+        s.update(True)
+        assert s.scale == 2.0 and not caplog.records
+        s.update(True)
+    assert s.scale == 2.0 and "loss scale at its minimum 2" in caplog.records[0].getMessage()

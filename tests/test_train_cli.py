@@ -163,11 +163,12 @@ def test_torchrun_two_ranks(tmp_path):
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
          "-m", "offload_zero.cli", "train", "--preset", "tiny", "--steps", "4", "--offload",
          "nvme", "--path", str(swap), "--json", str(out), "--no-progress", "--save", str(saved),
-         *FAST],
+         *FAST, "--log-every", "2"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("summary") == 1  # rank 0 only
     assert proc.stdout.count("saved ") == 1  # rank 0 writes the weights gathered from both
+    assert proc.stderr.count("(rank 0)") == 2  # the log lines say whose loss they show
     assert sorted(os.listdir(saved)) == ["config.json", "generation_config.json", "model.safetensors"]
     import safetensors.torch
     from transformers import LlamaConfig, LlamaForCausalLM

@@ -61,11 +61,16 @@ class LossScaler:
 
     def update(self, overflow: bool) -> None:
         """Record one step: ``overflow`` (an inf/nan gradient on any rank: the step was skipped)
-        halves a dynamic S, down to ``min_scale``; the ``growth_interval``-th good step in a row
-        doubles it, up to ``max_scale``. Every rank must pass the same ``overflow``."""
+        halves a dynamic S, down to ``min_scale`` (an overflow there logs a warning: scaling
+        cannot help); the ``growth_interval``-th good step in a row doubles it, up to
+        ``max_scale``. Every rank must pass the same ``overflow``."""
         if overflow:
             self.overflows += 1
             self._good_steps = 0
+            if self.dynamic and self.scale <= self.min_scale:
+                log.warning("loss scale at its minimum %g and the gradients still overflow: the "
+                            "step is skipped again (an inf/nan in the loss or the model itself? "
+                            "a lower learning rate, or bf16?)", self.scale)
             if self.dynamic:
                 self.scale = max(self.min_scale, self.scale * 0.5)
             return
