@@ -196,15 +196,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--step-in-backward", action=argparse.BooleanOptionalAction, default=None,
                         help="update each unit as soon as its gradient is final in backward, "
                              "hiding NVMe optimizer I/O behind backward (this loop runs one "
-                             "backward per step and does not clip; default: on at stages 2-3)")
+                             "backward per step and does not clip; default: on at stages 2-3, "
+                             "off with --dtype fp16, whose overflowed steps are then skipped "
+                             "whole)")
 
 
 def _step_in_backward(args) -> bool:
-    """``--step-in-backward``: on by default at stages 2-3; asked for at stage 1 is an error
-    (gradients are reduced only in step() there)."""
+    """``--step-in-backward``: on by default at stages 2-3 except with ``--dtype fp16`` (an
+    overflow there would skip only the units whose gradients overflowed, not the whole step);
+    asked for at stage 1 is an error (gradients are reduced only in step() there)."""
     if args.step_in_backward and args.stage < 2:
         raise ValueError(f"--step-in-backward needs --stage 2 or 3, got --stage {args.stage}")
-    return args.stage >= 2 if args.step_in_backward is None else args.step_in_backward
+    if args.step_in_backward is None:
+        return args.stage >= 2 and args.dtype != "fp16"
+    return args.step_in_backward
 
 
 def lr_at(step: int, steps: int, peak_lr: float, warmup: int) -> float:

@@ -652,6 +652,7 @@ def test_fp16_trains_with_a_dynamic_loss_scale(capsys):
     assert scale == 2 ** (16 - summary["skipped_steps"])  # window 2000: it never grew back
     out = capsys.readouterr().out
     assert f"loss scale {scale:g}" in out and "dtype fp16" in out
+    assert not summary["step_in_backward"]  # off by default with fp16: overflows skip whole steps
 
 
 # --- --checkpoint / --resume -----------------------------------------------------------------------
