@@ -360,7 +360,8 @@ class OffloadEngine:
         backward early, the units are freed as at its end and the error is raised; the gradients
         then hold what that backward finished: :meth:`zero_grad` drops them (to skip the batch),
         :meth:`step` applies them. With ``step_in_backward`` the updates it made stay and the
-        step ends there, as :meth:`step` would end it.
+        step ends there, as :meth:`step` would end it. With a loss scale (fp16) the loss is
+        multiplied by ``loss_scaler.scale`` in fp32 first; the update divides it out.
         Raises ValueError if ``loss`` is not a scalar tensor that requires grad.
         """
         self._check_open()

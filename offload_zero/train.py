@@ -454,10 +454,12 @@ def _train_loop(engine, batches, args, warmup: int, tokens_per_step: int,
 
 
 def save_training_state(engine, args: argparse.Namespace, step: int) -> None:
-    """``engine.save_checkpoint(--checkpoint)`` with the run's step and what the data order
-    depends on (``--seed``, ``--batch-size``, ``--seq-len``), for ``--resume``. Collective.
+    """``engine.save_checkpoint(--checkpoint)`` with the run's step, its ``--steps`` (the
+    learning-rate schedule depends on it) and what the data order depends on (``--seed``,
+    ``--batch-size``, ``--seq-len``), for ``--resume``. Collective.
     Atomic: a failed save (a full disk) raises and leaves the previous one."""
-    engine.save_checkpoint(args.checkpoint, client_state={"step": step, **_run_identity(args)})
+    engine.save_checkpoint(args.checkpoint, client_state={"step": step, "steps": args.steps,
+                                                          **_run_identity(args)})
 
 
 def plot_memory(trace: List[Dict[str, int]], path: str, title: str = "") -> None:
@@ -589,7 +591,8 @@ def resumed_step(args: argparse.Namespace) -> int:
     Raises ``ValueError`` naming the folder if it holds no checkpoint written by ``--checkpoint``
     (``DIR/checkpoint.json`` with the run's step), if the saved run's ``--seed``,
     ``--batch-size`` or ``--seq-len`` differ from this one's (naming the flag and both values),
-    or if it already did ``--steps`` steps or more."""
+    or if it already did ``--steps`` steps or more. Another ``--steps`` than the saved run's is
+    allowed (to train longer) with a warning: the learning-rate schedule changes with it."""
     from offload_zero.checkpoint import META_NAME
     meta_path = os.path.join(args.resume, META_NAME)
     try:
@@ -610,6 +613,10 @@ def resumed_step(args: argparse.Namespace) -> int:
     if saved["step"] >= args.steps:
         raise ValueError(f"--resume {args.resume!r}: the saved run already did {saved['step']} "
                          f"steps; give --steps more than {saved['step']} to train further")
+    if saved.get("steps") not in (None, args.steps):
+        log.warning("--resume %s: the saved run was for --steps %s, this one for %s: the "
+                    "learning rate follows the schedule of %s steps from step %s on",
+                    args.resume, saved["steps"], args.steps, args.steps, saved["step"] + 1)
     return saved["step"]
 
 

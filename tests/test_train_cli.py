@@ -694,6 +694,17 @@ def test_resume_continues_the_run_bit_for_bit(offload, tmp_path, monkeypatch):
     assert json.loads((ckpt / "checkpoint.json").read_text())["client_state"]["step"] == 8
 
 
+def test_resume_for_more_steps_warns_that_the_schedule_changes(tmp_path, caplog):
+    ckpt = tmp_path / "ckpt"
+    train.run(_parse("--preset", "tiny", "--steps", 2, "--checkpoint", ckpt, "--no-progress", *FAST))
+    with caplog.at_level("WARNING", logger="offload_zero.train"):
+        summary = train.run(_parse("--preset", "tiny", "--steps", 4, "--resume", ckpt,
+                                   "--no-progress", *FAST))
+    assert summary["resumed_from"] == 2 and len(summary["losses"]) == 2
+    assert any("the saved run was for --steps 2, this one for 4" in r.getMessage()
+               for r in caplog.records)
+
+
 @pytest.mark.parametrize("flags,message", [
     (["--checkpoint-every", "2"], "--checkpoint-every 2 needs --checkpoint DIR"),
     (["--resume", "{missing}"], "no readable checkpoint there"),
