@@ -18,8 +18,10 @@ A checkpoint is a folder::
 order: ``name``, ``requires_grad``, ``numel``, ``shard_numel`` and ``parameters``, the
 ``[names, shape]`` of each model parameter inside it), ``lr``, ``skipped_steps``,
 ``loss_scaler`` (the scaler's ``state_dict()``, or null), ``optimizer`` (betas, eps,
-weight_decay, adamw: for reading only; the loading engine keeps its own), ``files`` and
-``client_state`` (the caller's own JSON-ready dict, e.g. its step counter and data position).
+weight_decay, adamw: for reading only; the loading engine keeps its own), ``files``,
+``client_state`` (the caller's own JSON-ready dict, e.g. its step counter and data position)
+and ``save_id`` (16 hex digits, random per save; every rank file's metadata holds the same, so
+files of two saves are never loaded together).
 
 A rank file is a plain safetensors file (any safetensors reader opens it). For each flat
 parameter ``<fp>`` (its name, e.g. ``unit3.trainable``) it holds this rank's shard:
@@ -32,7 +34,7 @@ parameter ``<fp>`` (its name, e.g. ``unit3.trainable``) it holds this rank's sha
   trainable shard is its master weights, bit for bit, and is restored from them).
 
 Its safetensors metadata (strings) names the ``rank`` and ``world_size`` it was written by and
-gives a CRC-32 of each tensor's bytes (``crc32/<tensor name>``, 8 hex digits), checked on load.
+the ``save_id``, and gives a CRC-32 of each tensor's bytes (``crc32/<tensor name>``, 8 hex digits), checked on load.
 The file is written as a stream, one flat parameter at a time, so saving never holds more than
 one flat parameter's state in host memory (12 bytes per element of its shard, plus the shard):
 the state of an NVMe-offloaded model need not fit in RAM.
@@ -57,6 +59,7 @@ import json
 import logging
 import os
 import re
+import secrets
 import shutil
 import struct
 import zlib
@@ -105,7 +108,7 @@ def save_checkpoint(engine, folder, client_state: Optional[dict] = None) -> None
     _prepare(engine, "save_checkpoint")
     final, tmp, old = _paths(folder)
     _check_replaceable(final)
-    meta_text = json.dumps(_metadata(engine, client_state), indent=1)
+    meta = _metadata(engine, client_state)
     is_root = engine.rank == 0
     error = None
     if is_root:
@@ -114,8 +117,11 @@ def save_checkpoint(engine, folder, client_state: Optional[dict] = None) -> None
         except Exception as exc:  # every rank must hear of it: they wait for this one
             error = exc
     _agree(engine, error, f"save_checkpoint({final!r}): creating {tmp!r}")
+    # one id for this save, in checkpoint.json and every rank file: files of two saves never mix
+    meta["save_id"] = save_id = _shared_save_id(engine)
+    meta_text = json.dumps(meta, indent=1)
     try:
-        _write_rank_file(engine, os.path.join(tmp, rank_file_name(engine.rank)))
+        _write_rank_file(engine, os.path.join(tmp, rank_file_name(engine.rank)), save_id)
     except Exception as exc:
         error = exc
     _agree(engine, error, f"save_checkpoint({final!r})",
@@ -164,7 +170,7 @@ def load_checkpoint(engine, folder) -> dict:
     path = os.path.join(final, rank_file_name(engine.rank))
     error = None
     try:
-        _verify_rank_file(path, engine)
+        _verify_rank_file(path, engine, meta.get("save_id"))
     except Exception as exc:
         error = exc
     _agree(engine, error, f"load_checkpoint({final!r})", exc_type=ValueError)
@@ -215,6 +221,16 @@ def _agree(engine, error: Optional[BaseException], what: str, exc_type=RuntimeEr
     if error is not None:
         raise error
     raise exc_type(f"[rank {engine.rank}] {what} failed on rank(s) {failed} (see their errors)")
+
+
+def _shared_save_id(engine) -> str:
+    """Collective: rank 0's random 62-bit id for this save, as 16 hex digits, on every rank."""
+    value = secrets.randbits(62) if engine.rank == 0 else 0
+    if engine.comm.world_size > 1:
+        t = torch.tensor([value], dtype=torch.int64, device=engine.device)
+        dist.all_reduce(t, group=engine.comm.group)  # a sum: only rank 0 adds anything
+        value = int(t.item())
+    return f"{value:016x}"
 
 
 def _failed_ranks(engine, failed: bool) -> List[int]:
@@ -420,14 +436,16 @@ def _header(specs: List[TensorSpec], metadata: Dict[str, str], crcs: Dict[str, i
     return struct.pack("<Q", len(raw)) + raw
 
 
-def _write_rank_file(engine, path: str) -> None:
-    """Stream this rank's tensors into a new safetensors file at ``path`` and fsync it.
+def _write_rank_file(engine, path: str, save_id: str = "") -> None:
+    """Stream this rank's tensors into a new safetensors file at ``path`` and fsync it; its
+    metadata records ``save_id`` (the id checkpoint.json also holds).
 
     The header goes first with placeholder checksums of the same width; once every tensor is
     written and its CRC-32 known, the header is written again in place."""
     specs = _tensor_specs(engine)
     metadata = {"format": "pt", "offload_zero": f"{FORMAT_NAME} v{FORMAT_VERSION}",
-                "rank": str(engine.rank), "world_size": str(engine.world_size)}
+                "rank": str(engine.rank), "world_size": str(engine.world_size),
+                "save_id": save_id}
     crcs = {name: 0 for name, _, _ in specs}
     header = _header(specs, metadata, crcs)
     with open(path, "xb") as f:
@@ -450,10 +468,11 @@ def _write_rank_file(engine, path: str) -> None:
         os.fsync(f.fileno())
 
 
-def _verify_rank_file(path: str, engine) -> None:
+def _verify_rank_file(path: str, engine, save_id: Optional[str] = None) -> None:
     """Check that ``path`` is this rank's complete, intact file for ``engine``: readable,
-    written by this rank at this world size, exactly the expected tensors with their dtypes
-    and shapes, every CRC-32 right. Raises ValueError naming the file."""
+    written by this rank at this world size in the save ``save_id`` (checkpoint.json's; not
+    checked when None), exactly the expected tensors with their dtypes and shapes, every
+    CRC-32 right. Raises ValueError naming the file."""
     from safetensors import safe_open
     if not os.path.isfile(path):
         raise ValueError(f"checkpoint file {path!r} is missing")
@@ -466,6 +485,11 @@ def _verify_rank_file(path: str, engine) -> None:
                 raise ValueError(f"checkpoint file {path!r} was written by rank "
                                  f"{meta.get('rank')} of {meta.get('world_size')}, not rank "
                                  f"{engine.rank} of {engine.world_size}")
+            if save_id is not None and meta.get("save_id") != save_id:
+                raise ValueError(f"checkpoint file {path!r} belongs to another save than its "
+                                 f"{META_NAME} (save_id {meta.get('save_id')!r} there, "
+                                 f"{save_id!r} in {META_NAME}): files of two checkpoints were "
+                                 "mixed")
             expected = {name for name, _, _ in specs}
             keys = set(f.keys())
             if keys != expected:

@@ -4,6 +4,7 @@ leaves the engine as it was."""
 import errno
 import json
 import os
+import shutil
 import tempfile
 
 import pytest
@@ -479,3 +480,22 @@ def test_loading_a_file_says_it_is_not_a_folder(tmp_path):
     with OffloadEngine(_model(0), offload="cpu") as eng:
         with pytest.raises(ValueError, match=r"'.*/f' is not a folder \(a checkpoint is a folder"):
             eng.load_checkpoint(tmp_path / "f")
+
+
+def test_files_of_two_saves_are_not_loaded_together(tmp_path):
+    """checkpoint.json of one save beside the rank file of another (copied by hand) is refused:
+    both carry the save's id."""
+    with OffloadEngine(_model(0), offload="cpu", lr=1e-2) as a:
+        _train(a, batches(1))
+        a.save_checkpoint(tmp_path / "one")
+        _train(a, batches(1))
+        a.save_checkpoint(tmp_path / "two")
+    ids = {json.loads((tmp_path / n / "checkpoint.json").read_text())["save_id"] for n in ("one", "two")}
+    assert len(ids) == 2 and all(len(i) == 16 for i in ids)
+    shutil.copy(tmp_path / "two" / "rank00000.safetensors", tmp_path / "one")
+    with OffloadEngine(_model(1), offload="cpu") as b:
+        before = _snapshot(b)
+        with pytest.raises(ValueError, match=r"rank00000.safetensors' belongs to another save"):
+            b.load_checkpoint(tmp_path / "one")
+        _assert_identical(_snapshot(b), before)
+        b.load_checkpoint(tmp_path / "two")
