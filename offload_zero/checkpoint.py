@@ -191,6 +191,28 @@ def load_checkpoint(engine, folder) -> dict:
     return meta.get("client_state") or {}
 
 
+def read_metadata(folder) -> dict:
+    """The ``checkpoint.json`` of the checkpoint in ``folder`` (a symbolic link stands for its
+    target), as a dict (see [Note: checkpoint layout]); reads no rank file. Raises ValueError
+    naming the path if ``folder`` is missing or not a folder (with a hint when a save was
+    interrupted between its renames), or holds no complete checkpoint metadata."""
+    return _read_metadata(_paths(folder)[0])
+
+
+def check_destination(folder) -> None:
+    """Check, writing nothing, that :func:`save_checkpoint` could save into ``folder``: it is
+    absent, empty or a checkpoint folder, and its parent exists (or can be created) and is
+    writable. Raises ValueError naming the path otherwise."""
+    final = _paths(folder)[0]
+    _check_replaceable(final)
+    ancestor = os.path.dirname(final)
+    while not os.path.lexists(ancestor):
+        ancestor = os.path.dirname(ancestor)
+    if not os.path.isdir(ancestor) or not os.access(ancestor, os.W_OK | os.X_OK):
+        raise ValueError(f"checkpoint folder {final!r} cannot be created: {ancestor!r} is not a "
+                         "writable folder")
+
+
 # -- preconditions and agreement between ranks ----------------------------------------------------
 
 def _prepare(engine, what: str) -> None:
@@ -551,7 +573,7 @@ def _paths(folder) -> Tuple[str, str, str]:
     stays."""
     final = os.path.realpath(os.fspath(folder))
     parent, base = os.path.split(final)
-    if not base:
+    if not base or not os.fspath(folder):
         raise ValueError(f"checkpoint folder {folder!r} has no name")
     return final, os.path.join(parent, f".{base}.saving"), os.path.join(parent, f".{base}.replaced")
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import json
 import logging
 import math
@@ -30,7 +31,7 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -97,22 +98,32 @@ Defaults: preset {DEFAULT_PRESET!r} (~3M parameters), {DEFAULTS['steps']} steps 
 """
 
 
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+
+
 def _positive_int(text: str) -> int:
-    value = int(text)
+    value = _int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
     return value
 
 
 def _nonnegative_int(text: str) -> int:
-    value = int(text)
+    value = _int(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
     return value
 
 
 def _positive_float(text: str) -> float:
-    value = float(text)
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
     if not value > 0 or not math.isfinite(value):
         raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
     return value
@@ -394,11 +405,12 @@ def _saved_lines(saved: Optional[Dict[str, Any]]) -> List[str]:
 
 def _train_loop(engine, batches, args, warmup: int, tokens_per_step: int,
                 is_rank0: bool, memory_trace: Optional[List[Dict[str, int]]] = None,
-                start_step: int = 0) -> Tuple[List[float], float]:
+                start_step: int = 0, run_state: Optional[Dict[str, Any]] = None
+                ) -> Tuple[List[float], float]:
     """Run steps ``start_step`` .. ``args.steps - 1`` (``batches`` already past the first
     ``start_step`` batches); return ``(per-step losses, wall seconds)``. With
-    ``--checkpoint`` the training state is saved every ``--checkpoint-every`` steps and after
-    the last one (see :func:`save_training_state`).
+    ``--checkpoint`` the training state is saved with ``run_state`` every
+    ``--checkpoint-every`` steps and after the last one (see :func:`save_training_state`).
 
     With ``memory_trace`` a list, appends after each step ``{tier: current_bytes,
     tier + "_peak": peak_bytes so far}`` for tiers device, host, nvme.
@@ -439,7 +451,7 @@ def _train_loop(engine, batches, args, warmup: int, tokens_per_step: int,
                 memory_trace.append(sample)
             every = args.checkpoint_every
             if args.checkpoint and (step + 1 == args.steps or (every and (step + 1) % every == 0)):
-                save_training_state(engine, args, step + 1)
+                save_training_state(engine, args, step + 1, run_state)
             elapsed = time.perf_counter() - start
             tok_s = tokens_per_step * (step + 1 - start_step) / elapsed
             bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tok_s:,.0f}", refresh=False)
@@ -453,13 +465,17 @@ def _train_loop(engine, batches, args, warmup: int, tokens_per_step: int,
     return losses, time.perf_counter() - start
 
 
-def save_training_state(engine, args: argparse.Namespace, step: int) -> None:
-    """``engine.save_checkpoint(--checkpoint)`` with the run's step, its ``--steps`` (the
-    learning-rate schedule depends on it) and what the data order depends on (``--seed``,
-    ``--batch-size``, ``--seq-len``), for ``--resume``. Collective.
-    Atomic: a failed save (a full disk) raises and leaves the previous one."""
-    engine.save_checkpoint(args.checkpoint, client_state={"step": step, "steps": args.steps,
-                                                          **_run_identity(args)})
+def save_training_state(engine, args: argparse.Namespace, step: int, run_state: Dict[str, Any]
+                        ) -> None:
+    """``engine.save_checkpoint(--checkpoint)`` with the run's ``step`` and ``run_state`` (what
+    :func:`resumed_step` checks: the data order, the layout, the schedule, the corpus), for
+    ``--resume``. Collective. Atomic: a failed save leaves the previous one, and raises
+    ``ValueError`` naming ``--checkpoint`` and the cause (e.g. no space left on the device)."""
+    try:
+        engine.save_checkpoint(args.checkpoint, client_state={"step": step, **run_state})
+    except OSError as exc:
+        raise ValueError(f"--checkpoint {args.checkpoint!r} cannot be written at step {step}: "
+                         f"{exc}; the checkpoint saved before (if any) is kept") from None
 
 
 def plot_memory(trace: List[Dict[str, int]], path: str, title: str = "") -> None:
@@ -550,8 +566,7 @@ def check_args(args: argparse.Namespace) -> None:
     ``--steps``; ``--path`` is given without ``--offload nvme``/``auto``, is not a folder or has
     no parent folder; the folder of ``--json`` / ``--memory-plot`` is missing or not
     writable; ``--save`` is not a folder or cannot be created (see :func:`check_save_dir`);
-    ``--checkpoint-every`` comes without ``--checkpoint``, or ``--checkpoint`` is a file; or
-    ``--resume`` does not hold a checkpoint this run can continue (see :func:`resumed_step`).
+    or a ``--checkpoint`` / ``--resume`` flag is bad (see :func:`check_checkpoint_args`).
     """
     if args.warmup is not None and args.warmup > args.steps:
         raise ValueError(f"--warmup {args.warmup} is more than --steps {args.steps}; "
@@ -571,12 +586,7 @@ def check_args(args: argparse.Namespace) -> None:
                 raise ValueError(f"{flag} {out!r}: folder {folder!r} does not exist or is not writable")
     if args.save is not None:
         check_save_dir(args.save)
-    if args.checkpoint_every and args.checkpoint is None:
-        raise ValueError(f"--checkpoint-every {args.checkpoint_every} needs --checkpoint DIR")
-    if args.checkpoint is not None and os.path.exists(args.checkpoint) and not os.path.isdir(args.checkpoint):
-        raise ValueError(f"--checkpoint {args.checkpoint!r} exists and is not a folder")
-    if args.resume is not None:
-        resumed_step(args)  # the folder holds a checkpoint of this run, before --steps
+    check_checkpoint_args(args)
 
 
 def _run_identity(args: argparse.Namespace) -> Dict[str, Any]:
@@ -585,39 +595,106 @@ def _run_identity(args: argparse.Namespace) -> Dict[str, Any]:
     return {"seed": args.seed, "batch_size": args.batch_size, "seq_len": args.seq_len}
 
 
-def resumed_step(args: argparse.Namespace) -> int:
+def read_resume_state(args: argparse.Namespace) -> Dict[str, Any]:
+    """The run state that ``--checkpoint`` saved in ``--resume DIR``'s ``checkpoint.json``
+    (its ``client_state``): ``step``, ``steps``, ``lr``, ``warmup``, ``seed``, ``batch_size``,
+    ``seq_len``, ``stage``, ``dtype``, ``step_in_backward`` and ``data`` (a fingerprint of the
+    corpus). Reads no tensor. Raises ``ValueError`` naming the folder if it holds no complete
+    checkpoint, or one that ``offload-zero train --checkpoint`` did not write."""
+    from offload_zero.checkpoint import read_metadata
+    if not args.resume:
+        raise ValueError("--resume needs a checkpoint folder, got an empty name")
+    try:
+        saved = read_metadata(args.resume).get("client_state")
+    except ValueError as exc:
+        raise ValueError(f"--resume {args.resume!r}: {exc}") from None
+    keys = ("step", "steps", "seed", "batch_size", "seq_len")
+    if (not isinstance(saved, dict) or any(k not in saved for k in keys)
+            or any(isinstance(saved[k], bool) or not isinstance(saved[k], int) for k in keys)
+            or not 0 < saved["step"] <= saved["steps"]):
+        raise ValueError(f"--resume {args.resume!r}: its checkpoint was not written by "
+                         f"offload-zero train --checkpoint (no valid run state: {saved!r}); "
+                         "load it with OffloadEngine.load_checkpoint instead")
+    return saved
+
+
+def resumed_step(args: argparse.Namespace, saved: Optional[Dict[str, Any]] = None,
+                 warn: bool = True) -> int:
     """The step ``--resume DIR`` continues from: the steps the saved run had done.
 
-    Raises ``ValueError`` naming the folder if it holds no checkpoint written by ``--checkpoint``
-    (``DIR/checkpoint.json`` with the run's step), if the saved run's ``--seed``,
-    ``--batch-size`` or ``--seq-len`` differ from this one's (naming the flag and both values),
-    or if it already did ``--steps`` steps or more. Another ``--steps`` than the saved run's is
-    allowed (to train longer) with a warning: the learning-rate schedule changes with it."""
-    from offload_zero.checkpoint import META_NAME
-    meta_path = os.path.join(args.resume, META_NAME)
-    try:
-        with open(meta_path, encoding="utf-8") as f:
-            saved = json.load(f).get("client_state") or {}
-    except (OSError, ValueError, AttributeError) as exc:
-        raise ValueError(f"--resume {args.resume!r}: no readable checkpoint there "
-                         f"({meta_path!r}: {exc})") from None
-    if not isinstance(saved.get("step"), int):
-        raise ValueError(f"--resume {args.resume!r}: {meta_path!r} was not written by "
-                         "offload-zero train --checkpoint (it holds no step)")
-    for key, value in _run_identity(args).items():
-        if saved.get(key) != value:
+    ``saved``: :func:`read_resume_state`'s dict (read here if None). Raises ``ValueError`` (see
+    :func:`read_resume_state`), or naming the flag and both values if the saved run's
+    ``--seed``, ``--batch-size``, ``--seq-len`` (its data order), ``--stage``, ``--dtype`` or
+    ``--[no-]step-in-backward`` (its layout) differ from this one's, or if it already did
+    ``--steps`` steps or more. Another ``--steps``, ``--lr`` or ``--warmup`` is allowed (to train
+    longer, say); with ``warn`` a warning says that the learning-rate schedule changes."""
+    saved = read_resume_state(args) if saved is None else saved
+    mine = {**_run_identity(args), "stage": args.stage, "dtype": args.dtype}
+    if args.step_in_backward is not None:
+        mine["step_in_backward"] = args.step_in_backward
+    for key, value in mine.items():
+        if key in saved and saved[key] != value:
+            if key == "step_in_backward":
+                flag = {True: "--step-in-backward", False: "--no-step-in-backward"}
+                raise ValueError(f"--resume {args.resume!r}: the saved run used "
+                                 f"{flag[saved[key]]}, this one {flag[value]}; give "
+                                 f"{flag[saved[key]]} (or neither) to continue it")
             flag = "--" + key.replace("_", "-")
             raise ValueError(f"--resume {args.resume!r}: the saved run used {flag} "
-                             f"{saved.get(key)!r}, this one {value!r}; give {flag} "
-                             f"{saved.get(key)!r} to continue it")
+                             f"{saved[key]!r}, this one {value!r}; give {flag} "
+                             f"{saved[key]!r} to continue it")
     if saved["step"] >= args.steps:
         raise ValueError(f"--resume {args.resume!r}: the saved run already did {saved['step']} "
                          f"steps; give --steps more than {saved['step']} to train further")
-    if saved.get("steps") not in (None, args.steps):
-        log.warning("--resume %s: the saved run was for --steps %s, this one for %s: the "
-                    "learning rate follows the schedule of %s steps from step %s on",
-                    args.resume, saved["steps"], args.steps, args.steps, saved["step"] + 1)
+    changed = [f"--{k} {saved[k]} -> {v}" for k, v in (("steps", args.steps), ("lr", args.lr),
+                                                        ("warmup", args.warmup))
+               if saved.get(k) is not None and v is not None and saved[k] != v]
+    if warn and changed:
+        log.warning("--resume %s: %s: the learning rate follows the new schedule from step %s on",
+                    args.resume, ", ".join(changed), saved["step"] + 1)
     return saved["step"]
+
+
+def data_fingerprint(files: Sequence[os.PathLike]) -> str:
+    """A short hash of the corpus's files (path and size of each, in order): a resumed run
+    must see the same text to continue where the saved one stopped."""
+    h = hashlib.sha1()
+    for f in files:
+        h.update(f"{os.path.abspath(f)}\0{os.path.getsize(f)}\n".encode())
+    return h.hexdigest()[:16]
+
+
+def check_checkpoint_args(args: argparse.Namespace) -> None:
+    """The ``--checkpoint`` / ``--resume`` checks of :func:`check_args`; writes nothing.
+
+    Raises ``ValueError`` naming the flag if ``--checkpoint-every`` comes without
+    ``--checkpoint``; a folder name is empty; ``--checkpoint`` could not be saved into (a
+    file, a folder of other files, an unwritable parent), is the ``--save`` or ``--path``
+    folder, or already holds a checkpoint that this run does not ``--resume`` (it would be
+    overwritten); or ``--resume`` cannot be continued (see :func:`resumed_step`)."""
+    from offload_zero.checkpoint import META_NAME, check_destination
+    if args.checkpoint_every and args.checkpoint is None:
+        raise ValueError(f"--checkpoint-every {args.checkpoint_every} needs --checkpoint DIR")
+    if args.checkpoint is not None:
+        if not args.checkpoint:
+            raise ValueError("--checkpoint needs a folder, got an empty name")
+        try:
+            check_destination(args.checkpoint)
+        except ValueError as exc:
+            raise ValueError(f"--checkpoint {args.checkpoint!r}: {exc}") from None
+        real = os.path.realpath(args.checkpoint)
+        for flag, other in (("--save", args.save), ("--path", args.path)):
+            if other and (real == os.path.realpath(other)
+                          or real.startswith(os.path.realpath(other) + os.sep)):
+                raise ValueError(f"--checkpoint {args.checkpoint!r} is inside the {flag} folder "
+                                 f"{other!r}; give the training state a folder of its own")
+        resuming_it = args.resume and os.path.realpath(args.resume) == real
+        if os.path.isfile(os.path.join(real, META_NAME)) and not resuming_it:
+            raise ValueError(f"--checkpoint {args.checkpoint!r} already holds a checkpoint, which "
+                             f"this run would overwrite: continue it with --resume "
+                             f"{args.checkpoint}, or give another (or an empty) folder")
+    if args.resume is not None:
+        resumed_step(args, warn=False)  # the folder holds a checkpoint of this run, before --steps
 
 
 def check_save_dir(folder: str) -> None:
@@ -786,10 +863,21 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     from offload_zero import OffloadEngine
 
     setup_start = time.perf_counter()
-    step_in_backward = _step_in_backward(args)
     check_args(args)  # fail now, not after the whole run
-    start_step = resumed_step(args) if args.resume else 0
+    saved = read_resume_state(args) if args.resume else None
+    if saved is not None and args.step_in_backward is None and "step_in_backward" in saved:
+        args.step_in_backward = saved["step_in_backward"]  # the layout of the saved run
+    step_in_backward = _step_in_backward(args)
+    start_step = resumed_step(args, saved) if saved is not None else 0
     files = data_lib.find_text_files(args.data) if args.data else data_lib.stdlib_files()
+    data_id = data_fingerprint(files)
+    if saved is not None and saved.get("data") not in (None, data_id):
+        raise ValueError(f"--resume {args.resume!r}: the saved run trained on other text (its "
+                         "--data files, or their sizes, differ); give the same --data to "
+                         "continue it")
+    run_state = {**_run_identity(args), "steps": args.steps, "lr": args.lr, "warmup": args.warmup,
+                 "stage": args.stage, "dtype": args.dtype, "step_in_backward": step_in_backward,
+                 "data": data_id}
     model, tokenizer, description = build_model(args)
     params = sum(p.numel() for p in model.parameters())
     tied = tied_weight_patterns(model)
@@ -818,7 +906,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         trace: Optional[List[Dict[str, int]]] = [] if args.memory_plot else None
         losses, wall_s = _train_loop(engine, batches, args, warmup, tokens_per_step,
                                      is_rank0=rank == 0, memory_trace=trace,
-                                     start_step=start_step)
+                                     start_step=start_step, run_state=run_state)
         report = engine.memory_report()
         skipped = engine.skipped_steps
         loss_scale = engine.loss_scaler.scale if engine.loss_scaler is not None else None

@@ -701,28 +701,94 @@ def test_resume_for_more_steps_warns_that_the_schedule_changes(tmp_path, caplog)
         summary = train.run(_parse("--preset", "tiny", "--steps", 4, "--resume", ckpt,
                                    "--no-progress", *FAST))
     assert summary["resumed_from"] == 2 and len(summary["losses"]) == 2
-    assert any("the saved run was for --steps 2, this one for 4" in r.getMessage()
+    assert any("--steps 2 -> 4: the learning rate follows the new schedule" in r.getMessage()
                for r in caplog.records)
 
 
 @pytest.mark.parametrize("flags,message", [
     (["--checkpoint-every", "2"], "--checkpoint-every 2 needs --checkpoint DIR"),
-    (["--resume", "{missing}"], "no readable checkpoint there"),
+    (["--resume", "{missing}"], "checkpoint folder '{missing}' does not exist"),
+    (["--resume", ""], "--resume needs a checkpoint folder, got an empty name"),
+    (["--resume", "{api}"], "its checkpoint was not written by offload-zero train --checkpoint"),
+    (["--resume", "{ckpt}", "--stage", "2"], "the saved run used --stage 3, this one 2"),
+    (["--resume", "{ckpt}", "--dtype", "bf16"], "the saved run used --dtype 'fp32', this one 'bf16'"),
+    (["--resume", "{ckpt}", "--no-step-in-backward"],
+     "the saved run used --step-in-backward, this one --no-step-in-backward"),
+    (["--resume", "{ckpt}", "--data", "{text}"], "the saved run trained on other text"),
+    (["--checkpoint", "{ckpt}"], "already holds a checkpoint, which this run would overwrite"),
+    (["--checkpoint", "{other}"], "is not an offload-zero checkpoint (it holds ['notes.txt'])"),
+    (["--checkpoint", "{file}/sub"], "cannot be created"),
+    (["--checkpoint", ""], "--checkpoint needs a folder, got an empty name"),
+    (["--checkpoint", "{new}", "--save", "{new}"], "is inside the --save folder"),
     (["--resume", "{ckpt}", "--seed", "1"], "the saved run used --seed 0, this one 1"),
     (["--resume", "{ckpt}", "--seq-len", "32"], "the saved run used --seq-len 64, this one 32"),
     (["--resume", "{ckpt}", "--steps", "2"], "already did 2 steps; give --steps more than 2"),
     (["--checkpoint", "{file}"], "exists and is not a folder"),
 ])
 def test_bad_checkpoint_flags_fail_before_training(flags, message, tmp_path, capsys):
+    from offload_zero import OffloadEngine
     ckpt = tmp_path / "ckpt"
     assert cli.main(["train", "--preset", "tiny", "--steps", "2", "--checkpoint", str(ckpt),
                      "--no-progress", *FAST]) == 0
     (tmp_path / "a_file").write_text("x")
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("keep")
+    (tmp_path / "text.txt").write_text("some other text to train on. " * 200)
+    model, _, _ = train.build_model(_parse("--preset", "tiny"))
+    with OffloadEngine(model, offload="cpu") as eng:  # a checkpoint of the API, not of train
+        eng.save_checkpoint(tmp_path / "api", client_state={"step": 1})
     capsys.readouterr()
-    subs = {"{missing}": str(tmp_path / "nope"), "{ckpt}": str(ckpt),
-            "{file}": str(tmp_path / "a_file")}
-    flags = [subs.get(f, f) for f in flags]
+    subs = {"{missing}": str(tmp_path / "nope"), "{ckpt}": str(ckpt), "{api}": str(tmp_path / "api"),
+            "{file}": str(tmp_path / "a_file"), "{other}": str(tmp_path / "other"),
+            "{text}": str(tmp_path / "text.txt"), "{new}": str(tmp_path / "new")}
+    flags = [f.replace(k, v) for f in flags for k, v in [next(
+        ((k, v) for k, v in subs.items() if k in f), ("", ""))]]
+    message = next((message.replace(k, v) for k, v in subs.items() if k in message), message)
     steps = [] if "--steps" in flags else ["--steps", "4"]
     assert cli.main(["train", "--preset", "tiny", *FAST, *steps, *flags, "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err and "step 1" not in err
+    assert (tmp_path / "other" / "notes.txt").read_text() == "keep"
+    assert json.loads((ckpt / "checkpoint.json").read_text())["client_state"]["step"] == 2
+
+
+def test_resume_takes_the_saved_runs_step_in_backward(tmp_path):
+    """Without --[no-]step-in-backward a resumed run keeps the saved run's layout (the default
+    differs between fp16 and the other dtypes)."""
+    ckpt = tmp_path / "ckpt"
+    first = train.run(_parse("--preset", "tiny", "--steps", 2, "--checkpoint", ckpt,
+                             "--no-step-in-backward", "--no-progress", *FAST))
+    assert not first["step_in_backward"]
+    summary = train.run(_parse("--preset", "tiny", "--steps", 3, "--resume", ckpt, "--no-progress",
+                               *FAST))
+    assert summary["resumed_from"] == 2 and not summary["step_in_backward"]
+
+
+def test_a_checkpoint_that_cannot_be_written_is_a_clean_error(tmp_path, monkeypatch, capsys):
+    """A full disk at a periodic save: one line naming --checkpoint and the cause, exit 2; the
+    checkpoint saved before is kept."""
+    import errno as errno_mod
+    from offload_zero import OffloadEngine
+    ckpt = tmp_path / "ckpt"
+    original, saves = OffloadEngine.save_checkpoint, []
+
+    def second_save_fails(self, folder, client_state=None):
+        saves.append(client_state["step"])
+        if len(saves) == 2:
+            raise OSError(errno_mod.ENOSPC, "No space left on device")
+        original(self, folder, client_state)
+
+    monkeypatch.setattr(OffloadEngine, "save_checkpoint", second_save_fails)
+    assert cli.main(["train", "--preset", "tiny", *FAST, "--steps", "4", "--checkpoint", str(ckpt),
+                     "--checkpoint-every", "2", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "--checkpoint" in err and "cannot be written at step 4" in err
+    assert "No space left on device" in err and "Traceback" not in err
+    assert json.loads((ckpt / "checkpoint.json").read_text())["client_state"]["step"] == 2
+
+
+def test_int_flags_say_what_is_wrong(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["train", "--checkpoint-every", "abc"])
+    err = capsys.readouterr().err
+    assert "must be an integer, got 'abc'" in err and "_nonnegative_int" not in err
