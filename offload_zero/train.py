@@ -192,12 +192,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     out.add_argument("--checkpoint", metavar="DIR", default=None,
                      help="save the training state (weights, optimizer state, step) to DIR at "
                           "the end, and every --checkpoint-every steps; --resume DIR continues "
-                          "from it")
+                          "from it. A DIR that holds a checkpoint is only replaced by the run "
+                          "that resumes it")
     out.add_argument("--checkpoint-every", type=_nonnegative_int, default=0, metavar="N",
                      help="with --checkpoint: also save every N steps (default: only at the end)")
     out.add_argument("--resume", metavar="DIR", default=None,
-                     help="continue the run saved by --checkpoint DIR: same model, --seed, "
-                          "--batch-size, --seq-len and world size; it trains from the saved "
+                     help="continue the run saved by --checkpoint DIR: same model, --data, "
+                          "--seed, --batch-size, --seq-len, --stage, --dtype and world size (and "
+                          "its --[no-]step-in-backward unless given); it trains from the saved "
                           "step up to --steps, on the batches it had not seen")
     out.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     out.add_argument("--memory-plot", metavar="FILE.png", default=None,
