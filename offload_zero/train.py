@@ -900,6 +900,8 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
                                         ).batches(args.batch_size)
         if args.resume:
             engine.load_checkpoint(args.resume)
+        skipped_before = engine.skipped_steps  # a resumed run reports its own steps only
+        if args.resume:
             for _ in range(start_step):  # the batches the saved run trained on
                 next(batches)
         engine.train()
@@ -910,7 +912,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
                                      is_rank0=rank == 0, memory_trace=trace,
                                      start_step=start_step, run_state=run_state)
         report = engine.memory_report()
-        skipped = engine.skipped_steps
+        skipped = engine.skipped_steps - skipped_before
         loss_scale = engine.loss_scaler.scale if engine.loss_scaler is not None else None
         if world_size > 1:
             losses, report = _reduce_across_ranks(losses, report)

@@ -792,3 +792,20 @@ def test_int_flags_say_what_is_wrong(capsys):
         cli.main(["train", "--checkpoint-every", "abc"])
     err = capsys.readouterr().err
     assert "must be an integer, got 'abc'" in err and "_nonnegative_int" not in err
+
+
+def test_a_resumed_fp16_run_reports_its_own_skipped_steps(tmp_path, monkeypatch):
+    """The loss scale continues from the checkpoint (window 2000: it only halves here, once per
+    skipped step); the resumed run's summary counts the steps it skipped itself."""
+    from offload_zero.optim.loss_scale import LossScaler
+    init = LossScaler.__init__
+    # start at 2**24, which overflows this model's fp16 gradients for a few steps
+    monkeypatch.setattr(LossScaler, "__init__", lambda self, init_scale=0, **kw: init(
+        self, 2.0 ** 24 if kw.get("dynamic", True) else init_scale, **kw))
+    ckpt = tmp_path / "ckpt"
+    common = ["--preset", "tiny", "--dtype", "fp16", "--no-progress", *FAST]
+    first = train.run(_parse(*common, "--steps", 3, "--checkpoint", ckpt))
+    assert first["skipped_steps"] >= 1
+    second = train.run(_parse(*common, "--steps", 12, "--resume", ckpt))
+    total = 24 - int(math.log2(second["loss_scale"]))
+    assert second["skipped_steps"] == total - first["skipped_steps"]
