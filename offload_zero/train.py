@@ -553,11 +553,49 @@ def _swap_folder(offload: str, path: Optional[str]) -> Iterator[Optional[str]]:
                 except OSError:
                     pass
         return
-    temp = tempfile.mkdtemp(prefix="offload-zero-swap-")
+    _warn_of_stale_swap_folders(tempfile.gettempdir())
+    temp = tempfile.mkdtemp(prefix=f"{_SWAP_PREFIX}{os.getpid()}-")
     try:
         yield temp
     finally:
         shutil.rmtree(temp, ignore_errors=True)
+
+
+_SWAP_PREFIX = "offload-zero-swap-"  # + the pid of the run that owns the folder
+
+
+def _warn_of_stale_swap_folders(tempdir: str) -> None:
+    """Log a warning naming the default swap folders under ``tempdir`` whose run is gone (a
+    SIGKILL leaves its folder: nothing runs to remove it) and the bytes they hold, with the
+    command that removes them. Removes nothing: a pid that looks dead here may belong to
+    another PID namespace sharing this folder."""
+    stale = []
+    try:
+        entries = os.listdir(tempdir)
+    except OSError:
+        return
+    for name in entries:
+        m = re.fullmatch(rf"{re.escape(_SWAP_PREFIX)}(\d+)-\w+", name)
+        if not m or _pid_alive(int(m.group(1))):
+            continue
+        folder = os.path.join(tempdir, name)
+        size = sum(os.path.getsize(os.path.join(root, f))
+                   for root, _, files in os.walk(folder) for f in files)
+        stale.append((folder, size))
+    if stale:
+        log.warning("%d swap folder(s) left by killed runs hold %s; remove them with: rm -r %s",
+                    len(stale), _fmt_bytes(sum(n for _, n in stale)),
+                    " ".join(f for f, _ in stale))
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: alive, another user's
+        return True
+    return True
 
 
 def check_args(args: argparse.Namespace) -> None:

@@ -809,3 +809,27 @@ def test_a_resumed_fp16_run_reports_its_own_skipped_steps(tmp_path, monkeypatch)
     second = train.run(_parse(*common, "--steps", 12, "--resume", ckpt))
     total = 24 - int(math.log2(second["loss_scale"]))
     assert second["skipped_steps"] == total - first["skipped_steps"]
+
+
+def test_swap_folders_of_killed_runs_are_named_not_removed(tmp_path, monkeypatch, caplog):
+    """A SIGKILLed run leaves its default swap folder (nothing runs to remove it). The next
+    NVMe run warns with the folder, its bytes and the command that removes it, and leaves it
+    (and a live run's folder) alone."""
+    import tempfile
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    stale = tmp_path / f"offload-zero-swap-{gone.pid}-abc123"
+    (stale / "rank0").mkdir(parents=True)
+    (stale / "rank0" / "unit0.swp").write_bytes(b"\0" * 8192)
+    live = tmp_path / f"offload-zero-swap-{os.getpid()}-live99"
+    live.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    with caplog.at_level("WARNING", logger="offload_zero.train"):
+        train.run(_parse("--preset", "tiny", "--steps", 1, "--offload", "nvme", "--no-progress",
+                         *FAST))
+    warnings = [r.getMessage() for r in caplog.records if "left by killed runs" in r.getMessage()]
+    assert warnings == [f"1 swap folder(s) left by killed runs hold 8.0 KiB; remove them with: "
+                        f"rm -r {stale}"]
+    assert (stale / "rank0" / "unit0.swp").is_file() and live.is_dir()
+    ours = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("offload-zero-swap-"))
+    assert ours == sorted([stale.name, live.name])  # this run's own folder is gone
