@@ -360,8 +360,10 @@ class OffloadEngine:
         backward early, the units are freed as at its end and the error is raised; the gradients
         then hold what that backward finished: :meth:`zero_grad` drops them (to skip the batch),
         :meth:`step` applies them. With ``step_in_backward`` the updates it made stay and the
-        step ends there, as :meth:`step` would end it. With a loss scale (fp16) the loss is
-        multiplied by ``loss_scaler.scale`` in fp32 first; the update divides it out.
+        step ends there, as :meth:`step` would end it; an interrupt (KeyboardInterrupt,
+        SystemExit) starts no more I/O: :meth:`close`, or :meth:`zero_grad` to go on, ends it.
+        With a loss scale (fp16) the loss is multiplied by ``loss_scaler.scale`` in fp32 first;
+        the update divides it out.
         Raises ValueError if ``loss`` is not a scalar tensor that requires grad.
         """
         self._check_open()
@@ -377,10 +379,10 @@ class OffloadEngine:
             loss = loss.float() * self.loss_scaler.scale
         try:
             loss.backward()
-        except BaseException:
+        except BaseException as exc:
             self.scheduler.end_backward()  # the end-of-backward callback does not run on error
-            if self.config.step_in_backward:
-                self.step()
+            if self.config.step_in_backward and isinstance(exc, Exception):
+                self.step()  # (not on Ctrl-C or exit: no more I/O then; zero_grad() ends it)
             raise
 
     def zero_grad(self) -> None:

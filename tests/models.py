@@ -100,7 +100,8 @@ def big_root_lm(n_blocks=3, vocab_scale=1):
 
 class BackwardFault(torch.autograd.Function):
     """Identity in forward; in backward, per ``fault``: None passes the gradient on, ``"nan"``
-    makes its first element nan, ``"raise"`` raises ArithmeticError (an error inside backward).
+    makes its first element nan, ``"raise"`` raises ArithmeticError (an error inside backward),
+    ``"interrupt"`` raises KeyboardInterrupt (Ctrl-C inside backward).
     Use as ``BackwardFault.apply(x, fault)``."""
 
     @staticmethod
@@ -112,6 +113,8 @@ class BackwardFault(torch.autograd.Function):
     def backward(ctx, g):
         if ctx.fault == "raise":
             raise ArithmeticError("failed in backward")
+        if ctx.fault == "interrupt":
+            raise KeyboardInterrupt
         if ctx.fault == "nan":
             g = g.clone()
             g.view(-1)[0] = float("nan")

@@ -1219,6 +1219,38 @@ def test_step_in_backward_forward_between_backward_and_step_with_kept_root_shard
         assert all(torch.equal(sa[k], sb[k]) for k in sa)
 
 
+def test_ctrl_c_in_backward_starts_no_step(tmp_path):
+    """Ctrl-C inside backward with step_in_backward: the engine frees the units and starts no
+    more I/O (it used to run the whole step while the interrupt unwound, reading and writing
+    the NVMe state). The step stays open: backward refuses to accumulate until zero_grad()
+    ends it; then training goes on and the engine closes cleanly."""
+    torch.manual_seed(12)
+    model = TinyLM(n_blocks=4)
+    fault = {"kind": None}
+    block = model.blocks[1]
+    inner = block.forward
+    block.forward = lambda x: BackwardFault.apply(inner(x), fault["kind"])
+    (x, y), = batches(1)
+    with OffloadEngine(model, offload="nvme", path=str(tmp_path), lr=1e-2,
+                       step_in_backward=True) as eng:
+        eng.backward(lm_loss(eng(x), y))
+        eng.step()
+        fault["kind"] = "interrupt"
+        loss = lm_loss(eng(x), y)
+        io = eng.swapper.bytes_read, eng.swapper.bytes_written
+        with pytest.raises(KeyboardInterrupt):
+            eng.backward(loss)
+        fault["kind"] = None
+        assert eng.scheduler.live_units() == 0 and eng._backward_pending
+        assert eng.skipped_steps == 0 and eng._early  # updates made, the step not ended
+        with pytest.raises(RuntimeError, match="cannot accumulate"):
+            eng.backward(lm_loss(eng(x), y))
+        eng.zero_grad()  # ends the step
+        assert not eng._backward_pending and (eng.swapper.bytes_read, eng.swapper.bytes_written) > io
+        eng.backward(lm_loss(eng(x), y))
+        eng.step()
+
+
 @pytest.mark.parametrize("offload,sib", [("cpu", False), ("nvme", False), ("nvme", True)])
 def test_an_error_in_backward_then_zero_grad_skips_the_batch(offload, sib, tmp_path):
     """An error raised inside backward frees the units as the end of backward would (later

@@ -220,6 +220,64 @@ def test_close_with_io_in_flight(make_swapper, backend):
     assert not os.path.exists(folder)
 
 
+def test_close_from_the_completion_thread_with_io_in_flight(make_swapper, backend, monkeypatch):
+    """A swapper can be closed on the thread that completes its requests: the garbage collector
+    runs its finalizer wherever the last reference goes, and a completion can drop it. That
+    close must not pull the I/O context from under the thread (an error traceback in the
+    libaio reaper after Ctrl-C); every request still completes or is cancelled."""
+    import threading
+    sw = make_swapper(backend=backend, block_size=PAGE, queue_depth=2)
+    nbytes = 64 * PAGE
+    sw.allocate("k", nbytes)
+    crashed, closed_on, closed = [], [], threading.Event()
+    monkeypatch.setattr(threading, "excepthook", lambda args: crashed.append(args.exc_value))
+    original = swapper_mod._Request.finish
+
+    def finish(self, res):
+        original(self, res)
+        if not closed_on:
+            closed_on.append(threading.current_thread().name)
+            sw.close()  # on the completion thread, with requests still queued and in flight
+            closed.set()
+
+    monkeypatch.setattr(swapper_mod._Request, "finish", finish)
+    handle = sw.swap_out("k", aligned_empty(nbytes, torch.uint8).fill_(1))
+    handle._done.wait(30)
+    assert closed.wait(30)
+    assert handle.done() and closed_on and closed_on[0] != threading.main_thread().name
+    err = handle.error()
+    assert err is None or err.errno == errno.ECANCELED
+    assert not crashed, crashed
+    assert not os.path.exists(sw.folder)
+
+
+def test_ctrl_c_right_after_a_submission_leaves_it_whole(make_swapper, backend, monkeypatch):
+    """Ctrl-C raises KeyboardInterrupt in the main thread at any bytecode; a backend's submit
+    queues all of its requests in one step, so an interrupt right after it leaves a transfer
+    that still completes, and the swapper goes on working. (Simulated: the
+    KeyboardInterrupt is raised after part of the requests were queued by hand.)"""
+    sw = make_swapper(backend=backend, block_size=PAGE, queue_depth=2)
+    nbytes = 16 * PAGE
+    sw.allocate("k", nbytes)
+    backend_obj = sw._state.backend
+    real_submit = backend_obj.submit
+
+    def submit(requests):
+        real_submit(requests)  # all of them, or (interrupted before) none
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(backend_obj, "submit", submit)
+    data = random_bytes(nbytes, seed=3)
+    with pytest.raises(KeyboardInterrupt):
+        sw.swap_out("k", data)
+    monkeypatch.setattr(backend_obj, "submit", real_submit)
+    (handle,) = list(sw._outstanding)
+    handle.wait(timeout_s=30)
+    back = aligned_empty(nbytes, torch.uint8)
+    sw.swap_in("k", back).wait()
+    assert torch.equal(back, data)
+
+
 # ---- bad input ------------------------------------------------------------------------------
 
 def test_missing_parent(tmp_path):

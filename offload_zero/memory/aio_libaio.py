@@ -1,16 +1,20 @@
 """Fast swap backend: Linux native AIO (io_submit / io_getevents) through the ``libaio`` bindings.
 
 [Note: libaio backend flow]
-``submit`` appends requests to a pending queue and, under one lock, hands as many as fit
-(``queue_depth - in_flight``) to the kernel with a single ``io_submit``; it returns without
-waiting for any transfer. A daemon *reaper* thread blocks in ``io_getevents`` (ctypes releases
-the GIL there, so the caller keeps computing), finishes each completed request and refills the
-kernel queue from the pending queue. So the caller only ever pays for the first
-``queue_depth`` submissions; the rest of a large transfer is submitted by the reaper.
+``submit`` appends requests to a pending queue under one lock and wakes the *reaper*, a daemon
+thread that hands as many as fit (``queue_depth - in_flight``) to the kernel with a single
+``io_submit`` and blocks in ``io_getevents`` (ctypes releases the GIL there, so the caller
+keeps computing); it finishes each completed request and refills the kernel queue from the
+pending queue. The caller never waits for a transfer, and never calls ``io_submit`` itself:
+a Ctrl-C in the main thread cannot land between a submission and its bookkeeping.
 
 Every result is checked: ``io_submit`` raising for a block (e.g. EBADF, EINVAL) finishes that
 request with ``-errno``; a completion with a negative ``res`` is ``-errno``; a ``res`` other than
 the requested length is a short transfer, judged by ``request.finish``.
+
+The reaper alone destroys the AIO context, as it ends: ``close()`` may run on the reaper's own
+thread (the garbage collector runs a swapper's finalizer wherever its last reference goes, and
+finishing a request can drop it), where it cannot wait for the reaper to finish.
 """
 from __future__ import annotations
 
@@ -58,16 +62,21 @@ class LibaioBackend:
     # ---- submission -------------------------------------------------------------------------
 
     def submit(self, requests) -> None:
-        """Queue ``requests`` and start as many as fit; returns without waiting for transfers."""
+        """Queue ``requests`` for the reaper, which hands them to the kernel; returns at once.
+
+        The caller's thread never calls ``io_submit``: a Ctrl-C (KeyboardInterrupt, raised in
+        the main thread at any bytecode) landing between ``io_submit`` and the bookkeeping left
+        requests in the kernel that the reaper did not know, and waits that never ended. Here
+        the queue takes all of ``requests`` in one step or none."""
         with self._lock:
             if self._closing:
-                failed = [(r, -errno.ECANCELED) for r in requests]
+                cancelled = list(requests)
             else:
-                self._pending.extend(requests)
-                failed = self._pump_locked()
-                self._work.notify()
-        for request, res in failed:
-            request.finish(res)
+                cancelled = []
+                self._work.notify()  # (before the queue grows: an interrupt between the two
+                self._pending.extend(requests)  # leaves nothing half done)
+        for request in cancelled:
+            request.finish(-errno.ECANCELED)
 
     def _pump_locked(self) -> list:
         """Move pending requests into the kernel while there is room. Returns [(request, -errno)]
@@ -118,14 +127,24 @@ class LibaioBackend:
             for request in orphans:
                 request.finish(-errno.EIO)
             raise
+        finally:
+            # the reaper alone destroys the context, once nothing of it is in flight: close()
+            # may run on this very thread (a finalizer run by a completion) and cannot wait
+            _release_context(self._ctx)
 
     def _reap_until_closed(self) -> None:
         while True:
             with self._lock:
-                while self._in_flight == 0:
+                failed = [] if self._closing else self._pump_locked()
+                while self._in_flight == 0 and not failed:
                     if self._closing:
                         return
                     self._work.wait()
+                    failed = [] if self._closing else self._pump_locked()
+            for request, res in failed:
+                request.finish(res)
+            if self._in_flight == 0:
+                continue
             try:
                 events = self._ctx.getEvents(min_nr=1, nr=self._queue_depth, timeout=_REAP_TIMEOUT_S)
             except OSError as exc:
@@ -148,7 +167,9 @@ class LibaioBackend:
 
     def close(self) -> None:
         """Cancel requests not yet handed to the kernel (they finish with ECANCELED), wait for
-        the in-flight ones to complete, stop the reaper and destroy the AIO context."""
+        the in-flight ones to complete, stop the reaper and destroy the AIO context. On the
+        reaper's own thread it returns at once: the reaper finishes the in-flight requests and
+        destroys the context as it ends."""
         with self._lock:
             if self._closing:
                 return
@@ -159,8 +180,7 @@ class LibaioBackend:
         for request in cancelled:
             request.finish(-errno.ECANCELED)
         if threading.current_thread() is not self._reaper:
-            self._reaper.join()
-        _release_context(self._ctx)
+            self._reaper.join()  # it releases the context as it ends
 
 
 def _release_context(ctx) -> None:

@@ -12,16 +12,20 @@ at call time, so a test may patch them to inject faults.
 """
 from __future__ import annotations
 
+import collections
 import errno
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
 
 __all__ = ["ThreadsBackend"]
 
 
 class ThreadsBackend:
-    """Runs each request as one blocking ``preadv``/``pwritev`` on a pool of worker threads.
+    """Runs each request as one blocking ``preadv``/``pwritev`` on ``queue_depth`` worker threads
+    that take requests from one queue.
+
+    ``submit`` adds all of its requests to the queue in one step (a Ctrl-C, raised in the main
+    thread at any bytecode, cannot leave some of them never handed over).
 
     Args:
         queue_depth: number of worker threads, hence the most requests in flight at once (>= 1).
@@ -30,21 +34,42 @@ class ThreadsBackend:
     name = "threads"
 
     def __init__(self, queue_depth: int) -> None:
-        self._pool = ThreadPoolExecutor(max_workers=queue_depth, thread_name_prefix="oz-swap-io")
-        self._closing = threading.Event()
+        self._work = threading.Condition(threading.Lock())
+        self._queue: collections.deque = collections.deque()
+        self._closing = False
+        self._workers = [threading.Thread(target=self._serve, name=f"oz-swap-io-{i}", daemon=True)
+                         for i in range(queue_depth)]
+        for worker in self._workers:
+            worker.start()
 
     def submit(self, requests) -> None:
         """Queue ``requests``; returns at once. Each request later gets ``finish(res)``."""
-        for request in requests:
-            if self._closing.is_set():
+        with self._work:
+            if self._closing:
+                cancelled = list(requests)
+            else:
+                cancelled = []
+                self._work.notify_all()  # (before the queue grows: an interrupt between the
+                self._queue.extend(requests)  # two leaves nothing half done)
+        for request in cancelled:
+            request.finish(-errno.ECANCELED)
+
+    def _serve(self) -> None:
+        while True:
+            with self._work:
+                while not self._queue and not self._closing:
+                    self._work.wait()
+                if not self._queue:
+                    return  # closing, nothing left
+                request = self._queue.popleft()
+                closing = self._closing
+            if closing:
                 request.finish(-errno.ECANCELED)
                 continue
-            self._pool.submit(self._run, request)
+            self._run(request)
 
-    def _run(self, request) -> None:
-        if self._closing.is_set():
-            request.finish(-errno.ECANCELED)
-            return
+    @staticmethod
+    def _run(request) -> None:
         try:
             buffers = [request.buffer()]
             if request.is_write:
@@ -58,6 +83,13 @@ class ThreadsBackend:
         request.finish(res)
 
     def close(self) -> None:
-        """Cancel requests not yet started (they finish with ECANCELED), wait for running ones."""
-        self._closing.set()
-        self._pool.shutdown(wait=True)
+        """Cancel requests not yet started (they finish with ECANCELED), wait for running ones.
+        Called on a worker thread (a finalizer run by a completion), it does not wait for that
+        thread: a thread cannot join itself."""
+        with self._work:
+            self._closing = True
+            self._work.notify_all()
+        me = threading.current_thread()
+        for worker in self._workers:
+            if worker is not me:
+                worker.join()
