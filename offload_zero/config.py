@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import math
 import os
 import warnings
 from typing import Optional, Tuple
@@ -186,9 +185,8 @@ class EngineConfig:
             raise ValueError(f"step_in_backward=True cannot clip: max_grad_norm={self.max_grad_norm!r} "
                              "needs every gradient before the first update; set max_grad_norm=None "
                              "or step_in_backward=False")
-        if self.loss_scale is not None and self.loss_scale != "dynamic" and (
-                isinstance(self.loss_scale, bool) or not isinstance(self.loss_scale, (int, float))
-                or not math.isfinite(self.loss_scale) or self.loss_scale <= 0):
+        from offload_zero.optim.loss_scale import finite_positive
+        if self.loss_scale not in (None, "dynamic") and not finite_positive(self.loss_scale):
             raise ValueError(f"loss_scale={self.loss_scale!r} is not valid; use 'dynamic', a "
                              "finite number > 0 (a static scale) or None (dynamic with float16)")
         if self.aio_backend not in AIO_BACKENDS:

@@ -696,8 +696,9 @@ def resumed_step(args: argparse.Namespace, saved: Optional[Dict[str, Any]] = Non
 
 
 def data_fingerprint(files: Sequence[os.PathLike]) -> str:
-    """A short hash of the corpus's files (path and size of each, in order): a resumed run
-    must see the same text to continue where the saved one stopped."""
+    """A short hash (16 hex digits) of the corpus's files (absolute path and size in bytes of
+    each, in order): a resumed run must see the same text to continue where the saved one
+    stopped. Raises OSError if a file vanished since it was listed."""
     h = hashlib.sha1()
     for f in files:
         h.update(f"{os.path.abspath(f)}\0{os.path.getsize(f)}\n".encode())

@@ -741,9 +741,13 @@ def test_bad_checkpoint_flags_fail_before_training(flags, message, tmp_path, cap
     subs = {"{missing}": str(tmp_path / "nope"), "{ckpt}": str(ckpt), "{api}": str(tmp_path / "api"),
             "{file}": str(tmp_path / "a_file"), "{other}": str(tmp_path / "other"),
             "{text}": str(tmp_path / "text.txt"), "{new}": str(tmp_path / "new")}
-    flags = [f.replace(k, v) for f in flags for k, v in [next(
-        ((k, v) for k, v in subs.items() if k in f), ("", ""))]]
-    message = next((message.replace(k, v) for k, v in subs.items() if k in message), message)
+
+    def fill(text):
+        for key, value in subs.items():
+            text = text.replace(key, value)
+        return text
+
+    flags, message = [fill(f) for f in flags], fill(message)
     steps = [] if "--steps" in flags else ["--steps", "4"]
     assert cli.main(["train", "--preset", "tiny", *FAST, *steps, *flags, "--no-progress"]) == 2
     err = capsys.readouterr().err

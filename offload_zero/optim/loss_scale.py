@@ -16,7 +16,13 @@ from typing import Dict
 
 log = logging.getLogger("offload_zero")
 
-__all__ = ["LossScaler"]
+__all__ = ["LossScaler", "finite_positive"]
+
+
+def finite_positive(value) -> bool:
+    """Whether ``value`` is a finite int or float > 0 (a bool is not a number here)."""
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and math.isfinite(value) and value > 0)
 
 
 class LossScaler:
@@ -44,8 +50,7 @@ class LossScaler:
                  max_scale: float = 2.0 ** 24) -> None:
         for name, value in (("init_scale", init_scale), ("min_scale", min_scale),
                             ("max_scale", max_scale)):
-            if (isinstance(value, bool) or not isinstance(value, (int, float))
-                    or not math.isfinite(value) or value <= 0):
+            if not finite_positive(value):
                 raise ValueError(f"{name}={value!r} is not valid; it must be a finite number > 0")
         if not min_scale <= init_scale <= max_scale:
             raise ValueError(f"init_scale={init_scale!r} must lie in [min_scale={min_scale!r}, "
@@ -97,8 +102,7 @@ class LossScaler:
         if missing:
             raise ValueError(f"loss scaler state lacks {missing}; it has {sorted(state)}")
         scale = state["scale"]
-        if (isinstance(scale, bool) or not isinstance(scale, (int, float))
-                or not math.isfinite(scale) or not self.min_scale <= scale <= self.max_scale):
+        if not finite_positive(scale) or not self.min_scale <= scale <= self.max_scale:
             raise ValueError(f"loss scaler state has scale={scale!r}; it must be a finite number "
                              f"in [min_scale={self.min_scale:g}, max_scale={self.max_scale:g}]")
         for key in ("good_steps", "overflows"):
