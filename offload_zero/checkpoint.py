@@ -205,12 +205,20 @@ def check_destination(folder) -> None:
     writable. Raises ValueError naming the path otherwise."""
     final = _paths(folder)[0]
     _check_replaceable(final)
-    ancestor = os.path.dirname(final)
+    check_creatable(os.path.dirname(final), f"checkpoint folder {final!r}")
+
+
+def check_creatable(path, what: str) -> None:
+    """Check, creating nothing, that the folder ``path`` exists or ``os.makedirs`` could make
+    it: its nearest existing ancestor is a folder this process can write to. Raises ValueError
+    ``"<what> cannot be created: <ancestor> is not a folder"`` (or ``"... not writable"``)."""
+    ancestor = os.path.abspath(os.fspath(path))
     while not os.path.lexists(ancestor):
         ancestor = os.path.dirname(ancestor)
-    if not os.path.isdir(ancestor) or not os.access(ancestor, os.W_OK | os.X_OK):
-        raise ValueError(f"checkpoint folder {final!r} cannot be created: {ancestor!r} is not a "
-                         "writable folder")
+    if not os.path.isdir(ancestor):
+        raise ValueError(f"{what} cannot be created: {ancestor!r} is not a folder")
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise ValueError(f"{what} cannot be created: {ancestor!r} is not writable")
 
 
 # -- preconditions and agreement between ranks ----------------------------------------------------

@@ -754,13 +754,8 @@ def check_save_dir(folder: str) -> None:
         if os.path.isdir(os.path.join(folder, WEIGHTS_NAME)):
             raise ValueError(f"{flag}: {os.path.join(folder, WEIGHTS_NAME)!r} is a folder")
         return
-    ancestor = os.path.dirname(os.path.abspath(folder))
-    while not os.path.exists(ancestor):
-        ancestor = os.path.dirname(ancestor)
-    if not os.path.isdir(ancestor):
-        raise ValueError(f"{flag} cannot be created: {ancestor!r} is not a folder")
-    if not os.access(ancestor, os.W_OK | os.X_OK):
-        raise ValueError(f"{flag} cannot be created: {ancestor!r} is not writable")
+    from offload_zero.checkpoint import check_creatable
+    check_creatable(os.path.dirname(os.path.abspath(folder)), flag)
 
 
 def tied_weight_patterns(model: torch.nn.Module) -> List[str]:
