@@ -202,6 +202,7 @@ class OffloadEngine:
         pool_for = self._build_gather_pools()
         staging = self.grads.scratch if self.device.type != "cpu" else None
         on_grad, on_unit_backward, on_forward = self.grads.on_full_grad, None, None
+        on_unit_forward = None
         if cfg.step_in_backward:
             on_grad, on_unit_backward = self._grad_ready, self._prefetch_state
             # an update still streaming when backward returns ends before weights are read
@@ -217,10 +218,12 @@ class OffloadEngine:
                                       self._host_alloc, self._acct)
                 self.pools["optimizer_prefetch"] = ring
                 self.store.enable_prefetch(ring)
+                on_unit_forward = self._read_ahead_in_forward
         self.scheduler = UnitScheduler(self.blocks, self.root, self.comm, cfg.prefetch,
                                        reshard_after_forward=cfg.stage == 3,
                                        on_grad=on_grad, pool_for=pool_for, staging=staging,
-                                       on_unit_backward=on_unit_backward, on_forward=on_forward)
+                                       on_unit_backward=on_unit_backward, on_forward=on_forward,
+                                       on_unit_forward=on_unit_forward)
         if cfg.activation_checkpointing:
             # a key/value cache filled in forward and again in the recomputation would make the
             # two passes differ (Hugging Face models turn it off for checkpointing the same way)
@@ -420,6 +423,38 @@ class OffloadEngine:
             for fp in u.flat_params:
                 if fp.requires_grad and fp not in self._early:
                     self.store.prefetch(fp)
+
+    def _read_ahead_in_forward(self, unit: Optional[Unit]) -> None:
+        """A training forward started (``unit`` None) or reached block ``unit``: start reading
+        into the read-ahead ring the whole state of the blocks that backward updates first (the
+        last ones in forward order), as many as the ring holds, so the disk does those reads
+        during forward instead of backward, and backward starts with them in memory.
+
+        Without parameter reads in forward (parameter shards in memory) they all start at the
+        forward's start, latest-in-forward first. When forward reads parameter shards from NVMe,
+        each starts with the lead its parameter read would have had (``prefetch`` units ahead),
+        so the parameter reads forward needs first are not queued behind them; with fp32 shards
+        their gather then takes the parameters from this read (see :meth:`_params_from_state`),
+        one parameter read less. A read starts only when a ring buffer is free without waiting
+        for the disk; one not started here is retried at the next unit, or started by
+        backward (:meth:`_prefetch_state`)."""
+        order = self.scheduler.order
+        ring = self.pools.get("optimizer_prefetch")
+        if not order or ring is None:
+            return
+        reads_params = any(fp.home is not None and fp.home.tier is Tier.NVME
+                           for u in order for fp in u.flat_params)
+        at = -1 if unit is None else (order.index(unit) if unit in order else None)
+        if at is None:
+            return
+        first = len(order) - min(ring.count, len(order))
+        for j in reversed(range(first, len(order))):  # backward's order
+            if reads_params and j - self.config.prefetch > at:
+                continue  # not yet: its parameter read would not have started yet either
+            for fp in order[j].flat_params:
+                if (fp.requires_grad and not self.store.prefetched(fp)
+                        and not self.store.prefetch(fp, wait=False)):
+                    return  # no free buffer: the rest keep backward's order, tried later
 
     def _grad_ready(self, fp: FlatParam) -> None:
         """``fp``'s gradient is accumulated: reduce it to the shard and update ``fp`` now, or

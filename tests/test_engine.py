@@ -1363,10 +1363,12 @@ def test_step_in_backward_with_a_frozen_root_parameter_and_bf16_shards_on_nvme(t
 
 def test_step_in_backward_gathers_fp32_nvme_parameters_from_the_state_read(tmp_path):
     """fp32 parameter shards on NVMe are their master's bytes: in backward each block is
-    gathered from the whole state read ahead for its update, so a step reads exactly one
-    parameter shard per block less than the plain step (the blocks' reads in backward), with
-    the same weights bit for bit. A parameter read while the store still writes that shard's
-    master waits for the write first."""
+    gathered from the whole state read ahead for its update, so a step reads one parameter
+    shard per block less than the plain step (the blocks' reads in backward); in forward the
+    last blocks, whose state the read-ahead ring takes in forward for the start of backward,
+    are gathered from that read too (one read less each). Same weights bit for bit. A
+    parameter read while the store still writes that shard's master waits for the write
+    first."""
     torch.manual_seed(5)
     model = TinyLM(n_blocks=4)
     a, b = _twins(model, tmp_path, offload="nvme", offload_param="nvme", stage=3,
@@ -1382,8 +1384,13 @@ def test_step_in_backward_gathers_fp32_nvme_parameters_from_the_state_read(tmp_p
                 eng.backward(lm_loss(eng(x), y))
                 eng.step()
             per_step[eng] = reads[3] - reads[2]
+        ring = b.pools["optimizer_prefetch"].count
+        assert ring == 3
         for eng, param_reads in ((a, 2), (b, 1)):  # forward and backward, or forward only
             block_shards = sum(fp.shard_numel for u in eng.blocks for fp in u.flat_params)
+            if eng is b:  # the last `ring` blocks in forward: gathered from the state read
+                block_shards -= sum(fp.shard_numel for u in eng.scheduler.order[-ring:]
+                                    for fp in u.flat_params)
             state = sum(fp.shard_numel for fp in eng.trainable)
             # the root is read in forward unless its updated shards stay in buffers of its own
             root = 0 if "param_shards_root" in eng.pools else sum(
@@ -1400,6 +1407,76 @@ def test_step_in_backward_gathers_fp32_nvme_parameters_from_the_state_read(tmp_p
         assert all(w[0] is not fp for w in b.store._whole_writes)
         b.step()
         assert torch.equal(shard, b.store.read_master(fp))
+
+
+def test_step_in_backward_reads_the_first_states_of_backward_during_forward(tmp_path):
+    """With the optimizer state on NVMe and parameter shards in memory, a training forward
+    starts reading the whole state of the blocks backward updates first (the last in forward
+    order, as many as the read-ahead ring holds) before its first block runs, so backward
+    starts with them in memory; an evaluation forward (no grad, or eval mode) starts none. Same
+    weights as the plain step, bit for bit, with an evaluation forward between the steps."""
+    torch.manual_seed(6)
+    model = TinyLM(n_blocks=4)
+    a, b = _twins(model, tmp_path, offload_optimizer="nvme", offload_param="none", stage=3)
+    seen = []
+    with a, b:
+        ring = b.pools["optimizer_prefetch"]
+        assert ring.count == 2
+
+        def at_first_block(module, args):
+            seen.append([b.store.prefetched(fp) for u in b.scheduler.order
+                         for fp in u.flat_params])
+        b.module.blocks[0].register_forward_pre_hook(at_first_block)
+        for i, (x, y) in enumerate(batches(4)):
+            for eng in (a, b):
+                eng.backward(lm_loss(eng(x), y))
+                eng.step()
+                with torch.no_grad():
+                    eng(x)
+                eng.eval()
+                eng(x)
+                eng.train()
+        # the first forward records the order; from the second on, the last two blocks'
+        # states are being read when block 0 starts; never in an evaluation forward
+        assert seen[0] == []  # (no order yet)
+        for i in range(1, 4):
+            assert seen[3 * i] == [False, False, True, True]
+            assert seen[3 * i + 1] == seen[3 * i + 2] == [False] * 4
+        assert ring.in_use == 0 and not b.store._whole_reads
+        sa, sb = a.full_state_dict(), b.full_state_dict()
+        assert all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def test_step_in_backward_forward_read_ahead_keeps_the_parameter_reads_first(tmp_path):
+    """When forward reads fp32 parameter shards from NVMe, a last block's whole-state read
+    starts with the lead its parameter read would have had (``prefetch`` units), after the
+    parameter reads of the blocks before it, and that block is gathered from it: the reads of
+    one forward, in the order they are started, are block 0's parameters, then each later
+    block's whole state (master, two moments)."""
+    torch.manual_seed(7)
+    model = TinyLM(n_blocks=4)
+    with OffloadEngine(model, offload="nvme", path=str(tmp_path), stage=3, lr=1e-2,
+                       step_in_backward=True) as eng:
+        for x, y in batches(2):
+            eng.backward(lm_loss(eng(x), y))
+            eng.step()
+        names = {fp.name: i for i, u in enumerate(eng.scheduler.order) for fp in u.flat_params}
+        log = []
+        swap_in = eng.swapper.swap_in
+
+        def logged(key, tensor, offset_bytes=0):
+            log.append((names.get(key), offset_bytes > 0))
+            return swap_in(key, tensor, offset_bytes=offset_bytes)
+        eng.swapper.swap_in = logged
+        x, y = batches(1)[0]
+        loss = lm_loss(eng(x), y)
+        eng.swapper.swap_in = swap_in
+        # (None: the root's own shards)
+        starts = [blk for blk, moment in log if not moment and blk is not None]
+        assert starts == [0, 1, 2, 3]  # each read's first (or only) part
+        assert sum(moment for _, moment in log) == 2 * 3  # blocks 1-3: whole states
+        eng.backward(loss)
+        eng.step()
 
 
 def test_step_in_backward_skips_a_non_finite_step_and_refuses_accumulation(tmp_path):

@@ -230,16 +230,19 @@ class NVMeStore:
         finally:
             self._ahead.release(buf)
 
-    def prefetch(self, fp) -> bool:
+    def prefetch(self, fp, wait: bool = True) -> bool:
         """Start reading ``fp``'s whole state (master, moments) into a read-ahead buffer; the
-        next :meth:`iter_states` that reaches ``fp`` yields it from there. Returns False (and
-        does nothing) without read-ahead buffers, for a state larger than they are, or when both
-        hold states still to be updated."""
+        next :meth:`iter_states` that reaches ``fp`` yields it from there. When every buffer is
+        taken, the oldest write-back is retired to free one (with ``wait=False`` only if it has
+        finished: no wait for the disk). Returns True if the read was started; False (and does
+        nothing) without read-ahead buffers, for a state larger than they are, when it is
+        already being read ahead, or when no buffer is free."""
         pool = self._ahead
         if pool is None or fp in self._whole_reads or 3 * self._numel.get(fp, 0) > pool.numel:
             return False
         if pool.in_use == pool.count and self._whole_writes:
-            self._retire_whole_write()
+            if wait or all(h.done() for h in self._whole_writes[0][2]):
+                self._retire_whole_write()
         if pool.in_use == pool.count:
             return False
         buf = pool.acquire()

@@ -44,6 +44,10 @@ class UnitScheduler:
         on_unit_backward: ``f(unit)`` called when backward reaches a unit (after gathering it),
             or None.
         on_forward: ``f()`` called when a forward starts, before anything is gathered, or None.
+        on_unit_forward: ``f(unit)`` called in a training forward (grad enabled, module in
+            training mode; not a recomputation in backward) at its start, with ``unit=None``
+            after ``on_forward`` and the root's gather, and when it reaches each block unit,
+            after gathering it and before prefetching the units after it; or None.
 
     Attributes:
         live_peak: the most units gathered at once since construction.
@@ -53,7 +57,8 @@ class UnitScheduler:
                  reshard_after_forward: bool, on_grad: Callable,
                  pool_for: Optional[Callable] = None, staging: Optional[torch.Tensor] = None,
                  on_unit_backward: Optional[Callable] = None,
-                 on_forward: Optional[Callable] = None):
+                 on_forward: Optional[Callable] = None,
+                 on_unit_forward: Optional[Callable] = None):
         self.blocks, self.root, self.comm = blocks, root, comm
         self.prefetch = prefetch
         self.reshard_after_forward = reshard_after_forward
@@ -62,6 +67,8 @@ class UnitScheduler:
         self._staging = staging
         self._on_unit_backward = on_unit_backward
         self._on_forward = on_forward
+        self._on_unit_forward = on_unit_forward
+        self._training_forward = False
         self._slots = {}                     # unit -> (pool, slot id)
         self.live_peak = 0
         self.order: List[Unit] = []          # recorded forward order of block units
@@ -164,10 +171,14 @@ class UnitScheduler:
             # backward on both, uses the root's views from the first.)
             for u in self.blocks:
                 self.reshard(u)
+        self._training_forward = (torch.is_grad_enabled() and module.training
+                                  and not self._in_backward)
         if torch.is_grad_enabled() and module.training:
             self._recording = []
         self._fresh_views.clear()
         self._activate(self.root)
+        if self._training_forward and self._on_unit_forward is not None:
+            self._on_unit_forward(None)
 
     def _make_fresh_views(self, fp):
         def hook(module, args):
@@ -179,6 +190,7 @@ class UnitScheduler:
         return hook
 
     def _root_post_forward(self, module, args, output):
+        self._training_forward = False
         if self._recording is not None:
             if self._recording != self.order:
                 self.order = self._recording
@@ -201,6 +213,9 @@ class UnitScheduler:
             self._activate(unit)
             if self._in_backward:
                 return None
+            if (self._training_forward and torch.is_grad_enabled()
+                    and self._on_unit_forward is not None):
+                self._on_unit_forward(unit)
             self._prefetch(unit, +1)
             if has_frozen and self.reshard_after_forward and torch.is_grad_enabled():
                 return self._signal_input_grads(unit, args, kwargs)
