@@ -57,13 +57,79 @@ import time
 from typing import Dict, List
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CONFIGS = ["torch", "ours-cpu", "ours-nvme", "ours-nvme-opt", "ours-nvme+sib", "ours-nvme-opt+sib",
+CONFIGS = ["torch", "torch+io", "ours-cpu", "ours-nvme", "ours-nvme-opt", "ours-nvme+sib", "ours-nvme-opt+sib",
            "ds-cpu", "ds-nvme-opt", "ds-nvme-opt+param"]
 LR, BETAS, EPS, WD = 1e-4, (0.9, 0.999), 1e-8, 0.01
 GB = 1e9
 
 
 # -- worker: one configuration, in its own process ------------------------------------------------
+class _StateTraffic:
+    """The optimizer state's disk traffic without the optimizer: the ``torch+io`` row's I/O.
+
+    Each :meth:`start` reads ``nbytes`` from one swap file of ``nbytes`` and writes them back
+    (read chunk i, write it back from the same host buffer once read, ``depth`` buffers of
+    ``chunk`` bytes in flight), through the engine's own :class:`Swapper` with its default
+    block size and queue depth (probed), on a background thread; :meth:`wait` waits for the end. With
+    ``nbytes`` = 12 B/param (fp32 master weights and two moments) this is the traffic any
+    design that keeps Adam's state on this disk must add to each step, so the ``torch+io``
+    step time is the floor of such a design on this machine: the same compute as ``torch``,
+    the same bytes, and perfect overlap of the two. Raises SwapIOError if an I/O fails.
+    """
+
+    def __init__(self, folder: str, nbytes: int, chunk: int = 48 << 20, depth: int = 3):
+        import threading
+        from offload_zero.memory.aligned import aligned_empty
+        from offload_zero.memory.swapper import Swapper
+        self.chunk = chunk
+        self.nbytes = -(-nbytes // 4096) * 4096
+        self.swapper = Swapper(folder, block_size=None, queue_depth=None)  # probed, as the engine
+        self.swapper.allocate("state", self.nbytes)
+        self.bufs = [aligned_empty(chunk, dtype=__import__("torch").uint8) for _ in range(depth)]
+        self.threading = threading
+        self.thread = None
+        self.error = None
+
+    def _run(self) -> None:
+        try:
+            n = len(self.bufs)
+            spans = [(lo, min(self.chunk, self.nbytes - lo)) for lo in range(0, self.nbytes, self.chunk)]
+            writes = [None] * n
+
+            def read(i):
+                slot = i % n
+                if writes[slot] is not None:
+                    writes[slot].wait()
+                    writes[slot] = None
+                lo, size = spans[i]
+                return self.swapper.swap_in("state", self.bufs[slot][:size], offset_bytes=lo)
+
+            reads = {0: read(0)}
+            for i, (lo, size) in enumerate(spans):
+                if i + 1 < len(spans):
+                    reads[i + 1] = read(i + 1)
+                reads.pop(i).wait()
+                writes[i % n] = self.swapper.swap_out("state", self.bufs[i % n][:size],
+                                                      offset_bytes=lo)
+            for w in writes:
+                if w is not None:
+                    w.wait()
+        except BaseException as exc:  # reported by wait()
+            self.error = exc
+
+    def start(self) -> None:
+        self.thread = self.threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def wait(self) -> None:
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+
+    def close(self) -> None:
+        self.swapper.close()
+
+
 def _hwm_bytes() -> int:
     with open("/proc/self/status") as f:
         for line in f:
@@ -152,16 +218,25 @@ def worker(args) -> None:
     gen = torch.Generator().manual_seed(1)
     x = torch.randint(0, args.vocab, (args.batch, args.seq), generator=gen)
     closer = None
-    if config == "torch":
+    if config in ("torch", "torch+io"):
         model = _build_model(args, dtype)
         opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS,
                                 weight_decay=WD, fused=True)
+        traffic = None
+        if config == "torch+io":
+            traffic = _StateTraffic(os.path.join(args.path, f"torch-io-{os.getpid()}"),
+                                    12 * sum(p.numel() for p in model.parameters()))
+            closer = traffic.close
 
         def step(x):
+            if traffic is not None:
+                traffic.start()
             loss = model(input_ids=x, labels=x).loss
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
+            if traffic is not None:
+                traffic.wait()
             return loss
     elif config.startswith("ours-"):
         from offload_zero import OffloadEngine
