@@ -95,6 +95,15 @@ class EngineConfig:
             step. Needs stage >= 2, no
             ``max_grad_norm`` (the norm is known only after backward) and one ``backward`` per
             ``step`` (no gradient accumulation). Default False.
+        tail_state_in_host: with ``step_in_backward`` and the optimizer state on NVMe, keep the
+            state (fp32 master weights, moments) of the flat parameter updated last in backward
+            (the root's parameters used before the blocks: the input embeddings) in host memory
+            instead of NVMe. Its gradient is final only when backward ends, so its reads and
+            writes have no compute left to hide behind; kept in memory it moves no bytes. Costs
+            12 bytes per element of its shard in host RAM (8 when its fp32 master is the
+            parameter shard itself, on a CPU device). ``None`` (default): on when that state is
+            at most a quarter of the model's (so the NVMe tier still holds most of it); True or
+            False forces it (True where it cannot act warns).
         loss_scale: ``"dynamic"``, a number > 0 (a static scale) or None: dynamic with
             ``dtype=torch.float16``, none otherwise. The loss is multiplied by the scale before
             backward and the gradients divided by it in the update (fused into the C++ Adam's
@@ -132,6 +141,7 @@ class EngineConfig:
     max_host_bytes: Optional[int] = None
     grad_dtype: torch.dtype = torch.float32
     step_in_backward: bool = False
+    tail_state_in_host: Optional[bool] = None
     loss_scale: Optional[object] = None
     initial_loss_scale: float = 2.0 ** 16
     loss_scale_window: int = 2000
@@ -176,6 +186,9 @@ class EngineConfig:
             raise ValueError(f"prefetch={self.prefetch!r} is not valid; it must be an int >= 0")
         if self.max_grad_norm is not None:
             _check_float("max_grad_norm", self.max_grad_norm, low=0.0, low_inclusive=False)
+        if self.tail_state_in_host is not None and not isinstance(self.tail_state_in_host, bool):
+            raise ValueError(f"tail_state_in_host={self.tail_state_in_host!r} is not valid; use "
+                             "None (automatic), True or False")
         if not isinstance(self.step_in_backward, bool):
             raise ValueError(f"step_in_backward={self.step_in_backward!r} is not valid; use True or False")
         if self.step_in_backward and self.stage < 2:

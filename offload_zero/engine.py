@@ -12,6 +12,7 @@ import dataclasses
 import logging
 import math
 import os
+import warnings
 import weakref
 from typing import Dict, Iterator, List, Optional
 
@@ -28,7 +29,7 @@ from offload_zero.memory.tiers import (DeviceStore, HostParamHome, HostStore, NV
 from offload_zero.partition.flat_param import FlatParam, build_entries, shard_numel_for
 from offload_zero.partition.grads import GradientShards
 from offload_zero.partition.schedule import UnitScheduler
-from offload_zero.partition.units import Unit, plan_flat_params
+from offload_zero.partition.units import Unit, host_tail_index, plan_flat_params
 
 log = logging.getLogger("offload_zero")
 
@@ -96,7 +97,7 @@ class OffloadEngine:
             self.placement = choose_placement(
                 model, cfg.stage, self.world_size, cfg.dtype, cfg.prefetch, cfg.unit_classes,
                 self.device, cfg.path, cfg.max_device_bytes, cfg.max_host_bytes,
-                step_in_backward=cfg.step_in_backward)
+                step_in_backward=cfg.step_in_backward, tail_state_in_host=cfg.tail_state_in_host)
             self.config = cfg = dataclasses.replace(
                 cfg, offload_optimizer=self.placement.offload_optimizer,
                 offload_param=self.placement.offload_param)
@@ -165,10 +166,13 @@ class OffloadEngine:
             self.pools["param_shards"] = main
             pool_for = lambda fp: main  # noqa: E731
             keep = None
+            # a tail state kept in host memory is, in fp32, the shard itself: no buffer, no file
+            in_host = self._tail_in_host(plan) if share else None
             if root_shard > block_shard:
                 keep_root = all(trainable for u, trainable, _ in plan[2] if u.is_root)
-                count = sum(u.is_root for u, _, _ in plan[2]) if keep_root else 1
-                root = HostBufferPool("param_shards_root", count, root_shard, cfg.dtype,
+                count = (sum(u.is_root for u, _, _ in plan[2]) - (in_host is not None)
+                         if keep_root else 1)
+                root = HostBufferPool("param_shards_root", max(count, 1), root_shard, cfg.dtype,
                                       self._host_alloc, self._acct)
                 self.pools["param_shards_root"] = root
                 pool_for = lambda fp: root if fp.name.startswith("root.") else main  # noqa: E731
@@ -176,10 +180,17 @@ class OffloadEngine:
                     # the root's buffers are idle between its update and the next forward,
                     # which gathers the root first: the updated shards stay there instead of
                     # being read back from the files
-                    keep = lambda fp: fp.name.startswith("root.")  # noqa: E731
+                    keep = lambda fp: fp.name.startswith("root.") and fp.name != in_host  # noqa: E731
             self.param_home = NVMeParamHome(self.swapper, pool_for, self._acct,
                                             master_is_param=share, keep_after_update=keep)
         self.store = self._build_store(plan)
+        tail = self._tail_in_host(plan)
+        if tail is not None:
+            self.store.keep_in_host(tail)
+        elif cfg.tail_state_in_host:
+            warnings.warn("tail_state_in_host=True has no effect: it needs step_in_backward=True, "
+                          f"the optimizer state on NVMe (it is on {cfg.offload_optimizer!r}) "
+                          "and trainable root parameters", UserWarning, stacklevel=3)
         if isinstance(self.param_home, NVMeParamHome) and self.param_home.master_is_param:
             self.param_home.master_source = self.store
         self.blocks, self.root = self._build_units(*plan)
@@ -253,16 +264,13 @@ class OffloadEngine:
         same_memory = (cfg.optimizer_tier is Tier.DEVICE
                        or (cfg.optimizer_tier is Tier.HOST and self.device.type == "cpu"))
         alias_ok = same_memory and cfg.param_tier is Tier.DEVICE and cfg.dtype == torch.float32
+        # the same for a tail state kept in host memory when the CPU is the device
+        tail_alias_ok = (self.device.type == "cpu" and cfg.param_tier is Tier.DEVICE
+                         and cfg.dtype == torch.float32)
         owner_of = {}
-        taken: Dict[str, int] = {}
-        for unit, trainable, members in planned:
+        for (unit, trainable, members), name in zip(planned, _flat_param_names(planned)):
             entries = build_entries(members)
             values = [p.detach() for p, _ in members]
-            tag = "root" if unit.is_root else f"unit{unit.index}"
-            name = f"{tag}.{'trainable' if trainable else 'frozen'}"
-            taken[name] = taken.get(name, 0) + 1
-            if taken[name] > 1:  # the root's trainable parameters split by gradient order
-                name = f"{name}.{taken[name] - 1}"
             fp = FlatParam(name, entries, values,
                            trainable, cfg.dtype, self.device, self.rank, self.world_size,
                            keep_unsharded=self._keeps_full_params(), accountant=self._acct,
@@ -270,7 +278,8 @@ class OffloadEngine:
             if trainable:
                 # straight to its tier, unit by unit: the fp32 masters of the whole model never
                 # sit in memory at once
-                alias = fp.sharded if alias_ok else None
+                in_host = isinstance(self.store, NVMeStore) and self.store.in_host(fp)
+                alias = fp.sharded if alias_ok or (in_host and tail_alias_ok) else None
                 self.store.add(fp, _flat_shard_fp32(fp, values), alias=alias)
                 self._step_count[fp] = 0
             unit.flat_params.append(fp)
@@ -287,6 +296,20 @@ class OffloadEngine:
             for fp in unit.flat_params:
                 fp.set_views() if fp.keep_unsharded else fp.set_placeholders()
         return blocks, root
+
+    def _tail_in_host(self, plan) -> Optional[str]:
+        """The name of the flat parameter whose optimizer state stays in host memory
+        (``tail_state_in_host``, with step_in_backward and the state on NVMe; see
+        :func:`offload_zero.partition.units.host_tail_index`), or None."""
+        cfg = self.config
+        if not (cfg.step_in_backward and cfg.optimizer_tier is Tier.NVME):
+            return None
+        entries = plan[2]
+        flat = [(u.is_root, trainable,
+                 shard_numel_for(sum(p.numel() for p, _ in members), self.world_size, cfg.dtype))
+                for u, trainable, members in entries]
+        i = host_tail_index(flat, cfg.tail_state_in_host)
+        return None if i is None else _flat_param_names(entries)[i]
 
     def _build_gather_pools(self):
         """Device slots for gathered units, sized now (see [Note: gather pool]); returns
@@ -827,6 +850,19 @@ def _release(store, param_home, swapper, pools, scheduler, grads, flat_params) -
             fp.release()
         for pool in pools.values():
             pool.close()
+
+
+def _flat_param_names(planned) -> List[str]:
+    """The name of each flat parameter of ``planned`` (``(unit, trainable, members)``, in
+    construction order): ``unit<i>.trainable``/``.frozen``, ``root.…``; the root's trainable
+    parameters split by gradient order are ``root.trainable`` and ``root.trainable.1``."""
+    names, taken = [], {}
+    for unit, trainable, _ in planned:
+        tag = "root" if unit.is_root else f"unit{unit.index}"
+        name = f"{tag}.{'trainable' if trainable else 'frozen'}"
+        taken[name] = taken.get(name, 0) + 1
+        names.append(name if taken[name] == 1 else f"{name}.{taken[name] - 1}")
+    return names
 
 
 def _checkpoint_forward(module: nn.Module, offload_to_host: bool) -> None:

@@ -359,18 +359,41 @@ def default_offload_param(offload: str, stage: int) -> str:
     return "nvme" if (offload == "nvme" and stage == 3) else "none"
 
 
+def _tail_in_host(layout, stage, offload, n, k, padded, step_in_backward, setting):
+    """Index in ``layout`` of the flat parameter whose optimizer state the engine keeps in host
+    memory (``tail_state_in_host``; see :func:`offload_zero.partition.units.host_tail_index`),
+    or None."""
+    if not (step_in_backward and offload == "nvme" and stage >= 2):
+        return None
+    from offload_zero.partition.units import host_tail_index
+    return host_tail_index([(spec.unit == -1, spec.trainable, _shard_numel(spec.numel, n, k, padded))
+                            for spec in layout], setting)
+
+
 def _model_states(layout, stage, offload, n, k, padded, offload_param=None,
-                  accelerator=True) -> Dict[str, Dict[str, Number]]:
-    """Per-rank model-state bytes by tier and kind; see [Note: model-state arithmetic]."""
+                  accelerator=True, tail=None) -> Dict[str, Dict[str, Number]]:
+    """Per-rank model-state bytes by tier and kind; see [Note: model-state arithmetic].
+    ``tail``: index of the flat parameter whose state is kept in host memory (see
+    :func:`_tail_in_host`), or None."""
     out = _zeros()
     dev = out["device"]
     opt_tier = _TIER_OF[offload]
     if offload_param is None:
         offload_param = default_offload_param(offload, stage)
     param_tier = _TIER_OF[offload_param] if stage == 3 else "device"
-    for spec in layout:
+    for i, spec in enumerate(layout):
         shard = _shard_numel(spec.numel, n, k, padded)
         full = shard * n
+        if i == tail:
+            # its state in host memory: an fp32 shard that lived in the master's NVMe bytes
+            # is that host master now; on a CPU device the master is the shard itself
+            on_nvme = param_tier == "nvme" and k == 4
+            out[param_tier]["parameters"] += 0 if on_nvme else k * (full if stage < 3 else shard)
+            out["host"]["gradients"] += 4 * shard
+            aliased = k == 4 and param_tier == "device" and not accelerator
+            out["host"]["master_weights"] += 0 if aliased else 4 * shard
+            out["host"]["moments"] += 8 * shard
+            continue
         out[param_tier]["parameters"] += k * (full if stage < 3 else shard)
         if not spec.trainable:
             continue
@@ -390,8 +413,9 @@ def _model_states(layout, stage, offload, n, k, padded, offload_param=None,
 
 
 def _extras(layout, stage, offload, n, k, padded, prefetch, accelerator, offload_param=None,
-            step_in_backward=False):
-    """Per-rank bytes of this engine's buffers at the step's peak; see [Note: engine extras]."""
+            step_in_backward=False, tail=None):
+    """Per-rank bytes of this engine's buffers at the step's peak; see [Note: engine extras].
+    ``tail``: as for :func:`_model_states`."""
     out = _zeros()
     if offload_param is None:
         offload_param = default_offload_param(offload, stage)
@@ -439,6 +463,8 @@ def _extras(layout, stage, offload, n, k, padded, prefetch, accelerator, offload
             # updated shard for the next forward), else one
             root_specs = [spec for spec in layout if spec.unit == -1]
             count = len(root_specs) if all(spec.trainable for spec in root_specs) else 1
+            if tail is not None and ring == 0 and count > 1:
+                count -= 1  # the tail kept in host memory is its own shard: no buffer
             out["host"]["buffers"] += count * root_shard * k
     if step_in_backward and offload == "nvme" and stage >= 2:
         # read-ahead buffers of a block's whole state (master + moments, fp32): two, three
@@ -532,23 +558,26 @@ def estimate_memory(model_or_num_params, world_size: int = 1, gpus_per_node: int
 def placement_bytes(model: nn.Module, stage: int, offload_optimizer: str, offload_param: str,
                     world_size: int = 1, dtype=torch.bfloat16, prefetch: int = 1,
                     unit_classes: Sequence[type] = (), accelerator: bool = True,
-                    layout=None, step_in_backward: bool = False) -> "Placement":
+                    layout=None, step_in_backward: bool = False,
+                    tail_state_in_host: Optional[bool] = None) -> "Placement":
     """Bytes per rank for one placement with the optimizer and parameter tiers set apart.
 
     ``offload_optimizer`` / ``offload_param``: "none", "cpu" or "nvme" (parameters off the
     device only at stage 3). ``layout``: a precomputed :func:`model_layout` (saves a walk of
-    the model). ``step_in_backward``: the engine's option of that name (adds its NVMe
-    read-ahead buffers). Returns a :class:`Placement` whose ``offload`` reads ``"<optimizer>+<param>"``.
+    the model). ``step_in_backward``, ``tail_state_in_host``: the engine's options of those
+    names (its NVMe read-ahead buffers; the state it keeps in host memory). Returns a :class:`Placement` whose ``offload`` reads ``"<optimizer>+<param>"``.
     Used by ``offload="auto"`` (:mod:`offload_zero.placement`).
     """
     dt = _resolve_dtype(dtype)
     k = torch.empty(0, dtype=dt).element_size()
     if layout is None:
         layout = model_layout(model, unit_classes, step_in_backward=step_in_backward)
+    tail = _tail_in_host(layout, stage, offload_optimizer, world_size, k, True, step_in_backward,
+                         tail_state_in_host)
     states = _model_states(layout, stage, offload_optimizer, world_size, k, True, offload_param,
-                           accelerator=accelerator)
+                           accelerator=accelerator, tail=tail)
     extras = _extras(layout, stage, offload_optimizer, world_size, k, True, prefetch, accelerator,
-                     offload_param, step_in_backward=step_in_backward)
+                     offload_param, step_in_backward=step_in_backward, tail=tail)
     return Placement(stage, f"{offload_optimizer}+{offload_param}", _to_bytes(states),
                      _to_bytes(extras), 1, engine_supported=stage > 0)
 

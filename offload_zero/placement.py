@@ -72,7 +72,8 @@ def choose_placement(model: nn.Module, stage: int, world_size: int, dtype: torch
                      prefetch: int, unit_classes, device: torch.device, path: Optional[str],
                      max_device_bytes: Optional[int] = None,
                      max_host_bytes: Optional[int] = None,
-                     step_in_backward: bool = False) -> PlacementChoice:
+                     step_in_backward: bool = False,
+                     tail_state_in_host: Optional[bool] = None) -> PlacementChoice:
     """Pick the first of :data:`CANDIDATES` whose bytes fit the budgets (``step_in_backward``:
     count its NVMe read-ahead buffers too).
 
@@ -94,7 +95,8 @@ def choose_placement(model: nn.Module, stage: int, world_size: int, dtype: torch
             tried.append(f"{opt}+{param}: skipped, needs path= for NVMe files")
             continue
         p = placement_bytes(model, stage, opt, param, world_size, dtype, prefetch, unit_classes,
-                            accelerator, layout=layout, step_in_backward=step_in_backward)
+                            accelerator, layout=layout, step_in_backward=step_in_backward,
+                            tail_state_in_host=tail_state_in_host)
         need = {t: p.tier_bytes(t) for t in ("device", "host", "nvme")}
         short = _shortfall(need, budgets)
         tried.append(f"{opt}+{param}: needs " + ", ".join(f"{t} {_fmt(need[t])}" for t in need)

@@ -99,7 +99,10 @@ RESUME_CASES = (
     + [("cpu", 3, F32, {"offload_param": "cpu"}),  # parameter shards in host memory
        ("cpu", 3, BF16, {"offload_param": "cpu"}),
        ("nvme", 3, BF16, {}),
-       ("nvme", 3, F32, {"step_in_backward": True})])
+       ("nvme", 3, F32, {"step_in_backward": True}),
+       # the embeddings' state in host memory (the default with step_in_backward here) or not
+       ("nvme", 3, F32, {"step_in_backward": True, "tail_state_in_host": False}),
+       ("nvme", 2, BF16, {"step_in_backward": True, "tail_state_in_host": True})])
 
 
 @pytest.mark.parametrize("offload,stage,dtype,extra", RESUME_CASES,
@@ -143,6 +146,25 @@ def test_resume_on_another_tier(tmp_path):
         _train(b, data[2:])
         got = b.full_state_dict()
     assert all(torch.equal(got[k], expected[k]) for k in expected)
+
+
+def test_resume_with_the_tail_state_moved_between_host_and_nvme(tmp_path):
+    """The embeddings' state saved from host memory (tail_state_in_host) loads into an engine
+    that keeps it on NVMe, and back: the same weights as the uninterrupted run."""
+    data = batches(4)
+    kw = dict(stage=3, dtype=F32, lr=1e-2, weight_decay=0.1, step_in_backward=True)
+    for saved, loaded in ((True, False), (False, True)):
+        run = tmp_path / f"run-{saved}"
+        with _engine(_model(0), "nvme", run / "swap_a", tail_state_in_host=saved, **kw) as a:
+            assert a.store.in_host(a.root.flat_params[-1]) is saved
+            _train(a, data[:2])
+            a.save_checkpoint(run / "ckpt")
+            _train(a, data[2:])
+            expected = _snapshot(a)
+        with _engine(_model(1), "nvme", run / "swap_b", tail_state_in_host=loaded, **kw) as b:
+            b.load_checkpoint(run / "ckpt")
+            _train(b, data[2:])
+            _assert_identical(_snapshot(b), expected)
 
 
 def test_fp16_loss_scale_and_counters_are_restored(tmp_path):

@@ -1391,10 +1391,11 @@ def test_step_in_backward_gathers_fp32_nvme_parameters_from_the_state_read(tmp_p
             if eng is b:  # the last `ring` blocks in forward: gathered from the state read
                 block_shards -= sum(fp.shard_numel for u in eng.scheduler.order[-ring:]
                                     for fp in u.flat_params)
-            state = sum(fp.shard_numel for fp in eng.trainable)
+            # (b: the embeddings' state stays in host memory, tail_state_in_host)
+            state = sum(fp.shard_numel for fp in eng.trainable if not eng.store.in_host(fp))
             # the root is read in forward unless its updated shards stay in buffers of its own
             root = 0 if "param_shards_root" in eng.pools else sum(
-                fp.shard_numel for fp in eng.root.flat_params)
+                fp.shard_numel for fp in eng.root.flat_params if not eng.store.in_host(fp))
             assert per_step[eng] == 4 * (param_reads * block_shards + root) + 12 * state
         sa, sb = a.full_state_dict(), b.full_state_dict()
         assert all(torch.equal(sa[k], sb[k]) for k in sa)
@@ -1477,6 +1478,79 @@ def test_step_in_backward_forward_read_ahead_keeps_the_parameter_reads_first(tmp
         assert sum(moment for _, moment in log) == 2 * 3  # blocks 1-3: whole states
         eng.backward(loss)
         eng.step()
+
+
+@pytest.mark.parametrize("offload_param,dtype", [("none", torch.float32), ("nvme", torch.float32),
+                                                  ("nvme", torch.bfloat16)])
+def test_step_in_backward_keeps_the_tail_state_in_host_memory(offload_param, dtype, tmp_path):
+    """tail_state_in_host: the flat parameter updated last in backward (the embeddings) keeps
+    its master weights and moments in host memory: no swap file of it, 12 bytes per element
+    of its shard fewer read and written per step (its fp32 parameter shard, read from the
+    master's bytes, is not read either), its bytes on the host tier (8 per element when the
+    master is the CPU device's shard itself). Same weights bit for bit as the plain step and
+    as the state on NVMe."""
+    torch.manual_seed(8)
+    model = TinyLM(n_blocks=3)
+    twin = copy.deepcopy(model)
+    kw = dict(offload="nvme", offload_param=offload_param, stage=3, dtype=dtype, lr=1e-2,
+              weight_decay=0.1)
+    a, b = _twins(model, tmp_path, sib_a=False, sib_b=True, tail_state_in_host=True, **kw)
+    (tmp_path / "c").mkdir()
+    c = OffloadEngine(twin, path=str(tmp_path / "c"), step_in_backward=True,
+                      tail_state_in_host=False, **kw)
+    with a, b, c:
+        tail = b.root.flat_params[-1]
+        assert tail.requires_grad and b.store.in_host(tail) and not c.store.in_host(c.root.flat_params[-1])
+        assert not a.store.in_host(a.root.flat_params[-1])  # (needs step_in_backward)
+        # (the state's file; a bf16 parameter shard on NVMe keeps its own .param file)
+        assert f"{tail.name}.swp" not in [os.path.basename(f) for f in b.swapper.files]
+        assert f"{tail.name}.swp" in [os.path.basename(f) for f in c.swapper.files]
+        moved = {}
+        for eng in (a, b, c):
+            for i, (x, y) in enumerate(batches(4)):
+                if i == 3:
+                    r0, w0 = eng.swapper.bytes_read, eng.swapper.bytes_written
+                eng.backward(lm_loss(eng(x), y))
+                eng.step()
+            moved[eng] = (eng.swapper.bytes_read - r0, eng.swapper.bytes_written - w0)
+        n = tail.shard_numel
+        fp32_shard_in_master = offload_param == "nvme" and dtype == torch.float32
+        assert moved[c][0] - moved[b][0] == 12 * n + (4 * n if fp32_shard_in_master and
+                                                      "param_shards_root" not in c.pools else 0)
+        assert moved[c][1] - moved[b][1] == 12 * n
+        host = b.memory_report()["host"]["by_kind"]
+        host_c = c.memory_report()["host"]["by_kind"]
+        aliased = offload_param == "none" and dtype == torch.float32  # the CPU device's shard
+        assert (host["master_weights"]["current_bytes"] - host_c["master_weights"]["current_bytes"]
+                == (0 if aliased else 4 * n))
+        assert host["moments"]["current_bytes"] - host_c["moments"]["current_bytes"] == 8 * n
+        if aliased:
+            assert b.store.aliases(tail)
+        sa, sb, sc = a.full_state_dict(), b.full_state_dict(), c.full_state_dict()
+        assert all(torch.equal(sa[k], sb[k]) and torch.equal(sa[k], sc[k]) for k in sa)
+
+
+def test_tail_state_in_host_by_default_only_when_it_is_a_small_part(tmp_path):
+    """tail_state_in_host=None keeps the embeddings' state in host memory only when it is at
+    most a quarter of the model's state; True forces it; where it cannot act (no
+    step_in_backward, or the state not on NVMe) True warns and nothing changes; a non-bool is
+    refused by name."""
+    torch.manual_seed(9)
+    small = TinyLM(n_blocks=3)   # embeddings ~1/6 of the parameters
+    big = TinyLM(n_blocks=1)     # ~1/3
+    for model, default in ((small, True), (big, False)):
+        for setting, expected in ((None, default), (True, True), (False, False)):
+            with OffloadEngine(copy.deepcopy(model), offload="nvme", path=str(tmp_path),
+                               step_in_backward=True, tail_state_in_host=setting) as eng:
+                assert eng.store.in_host(eng.root.flat_params[-1]) is expected, (model, setting)
+    with pytest.warns(UserWarning, match="tail_state_in_host=True has no effect"):
+        OffloadEngine(copy.deepcopy(small), offload="nvme", path=str(tmp_path),
+                      tail_state_in_host=True).close()
+    with pytest.warns(UserWarning, match="it is on 'cpu'"):
+        OffloadEngine(copy.deepcopy(small), offload="cpu", step_in_backward=True,
+                      tail_state_in_host=True).close()
+    with pytest.raises(ValueError, match="tail_state_in_host='yes' is not valid"):
+        OffloadEngine(copy.deepcopy(small), tail_state_in_host="yes")
 
 
 def test_step_in_backward_skips_a_non_finite_step_and_refuses_accumulation(tmp_path):

@@ -138,6 +138,11 @@ class NVMeStore:
             ``fp.name``, offset 0, ``4 * shard_numel`` bytes; see :class:`NVMeParamHome`); the
             master's NVMe bytes are then accounted as parameters.
 
+    A flat parameter whose name was given to :meth:`keep_in_host` before :meth:`add` keeps its
+    state in host memory instead (a :class:`HostStore` inside this one: no file, no I/O):
+    with ``step_in_backward``, the one updated last in backward, whose I/O no compute is left
+    to hide.
+
     Raises:
         offload_zero.memory.swapper.SwapIOError: an I/O failed; it names file and offset.
     """
@@ -165,10 +170,28 @@ class NVMeStore:
         self._pending_write = [None] * self._DEPTH
         self._numel: Dict[object, int] = {}
         self._keys: Dict[object, str] = {}
+        self._host = HostStore(accountant, host_alloc)   # state kept in host memory
+        self._host_names: set = set()
         self._closed = False
 
+    def keep_in_host(self, name: str) -> None:
+        """Keep the state of the flat parameter named ``name`` (added later) in host memory:
+        ``4 + 8`` bytes per element of its shard (``8`` when :meth:`add` gets an ``alias``),
+        accounted as host master weights and moments."""
+        self._host_names.add(name)
+
+    def in_host(self, fp) -> bool:
+        """Whether ``fp``'s state is kept in host memory (see :meth:`keep_in_host`); also
+        true, by name, before it is added."""
+        return getattr(fp, "name", None) in self._host_names
+
     def add(self, fp, master_shard: torch.Tensor, alias: Optional[torch.Tensor] = None) -> None:
-        """Create ``fp``'s file and write the initial master (and zero moments) to it."""
+        """Create ``fp``'s file and write the initial master (and zero moments) to it; for a
+        flat parameter kept in host memory, allocate its state there instead (``alias``: an
+        fp32 tensor to use as its master, as in :meth:`HostStore.add`; ignored otherwise)."""
+        if self.in_host(fp):
+            self._host.add(fp, master_shard, alias=alias)
+            return
         n = master_shard.numel()
         key = fp.name
         self.swapper.allocate(key, 3 * n * 4)
@@ -186,8 +209,9 @@ class NVMeStore:
                 h.wait()
 
     def aliases(self, fp) -> bool:
-        """Master weights in files are never the in-memory shard: False."""
-        return False
+        """Whether ``fp``'s master weights are its parameter shard itself: only for state kept
+        in host memory with an ``alias`` (master weights in files never are)."""
+        return self.in_host(fp) and self._host.aliases(fp)
 
     def _master_bytes(self, n: int) -> int:
         # an fp32 parameter shard on NVMe is read from the master region: its bytes are counted
@@ -238,7 +262,8 @@ class NVMeStore:
         nothing) without read-ahead buffers, for a state larger than they are, when it is
         already being read ahead, or when no buffer is free."""
         pool = self._ahead
-        if pool is None or fp in self._whole_reads or 3 * self._numel.get(fp, 0) > pool.numel:
+        if (pool is None or fp in self._whole_reads or self.in_host(fp)
+                or 3 * self._numel.get(fp, 0) > pool.numel):
             return False
         if pool.in_use == pool.count and self._whole_writes:
             if wait or all(h.done() for h in self._whole_writes[0][2]):
@@ -253,14 +278,17 @@ class NVMeStore:
 
     def prefetched(self, fp) -> bool:
         """Whether ``fp``'s whole state is being read ahead, or was read and awaits its
-        update (see :meth:`prefetch`)."""
-        return fp in self._whole_reads
+        update (see :meth:`prefetch`), or is kept in host memory: whether its update can
+        take it whole, without streaming it in chunks."""
+        return fp in self._whole_reads or self.in_host(fp)
 
     def master_view(self, fp) -> Optional[torch.Tensor]:
         """``fp``'s fp32 master weights from its read-ahead buffer, shape (shard_numel,), a
         view (waiting for that part of the read only), or None when its state is not being
         read ahead. The view is valid until the update that consumes the read-ahead
         (:meth:`iter_states`). Raises SwapIOError if the read failed (file and offset named)."""
+        if self.in_host(fp):
+            return self._host._state[fp][0]
         if fp not in self._whole_reads:
             return None
         buf, handles = self._whole_reads[fp]
@@ -308,7 +336,10 @@ class NVMeStore:
     def iter_states(self, flat_params: List[object]) -> Iterator[StateTuple]:
         """Yield each flat parameter's state chunk by chunk from a host buffer set; write it
         back after the caller is done with it, with the next read and the previous write in
-        flight meanwhile."""
+        flight meanwhile. State kept in host memory comes first, whole."""
+        in_host = [f for f in flat_params if self.in_host(f)]
+        yield from self._host.iter_states(in_host)
+        flat_params = [f for f in flat_params if not self.in_host(f)]
         ahead = [f for f in flat_params if f in self._whole_reads]
         for fp in ahead:
             buf, handles = self._whole_reads.pop(fp)
@@ -352,7 +383,10 @@ class NVMeStore:
             self._retire_whole_write()
 
     def read_all(self, fp) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """CPU copies of (master, exp_avg, exp_avg_sq) for ``fp``, read from its file."""
+        """CPU copies of (master, exp_avg, exp_avg_sq) for ``fp``, read from its file (or from
+        host memory, see :meth:`keep_in_host`)."""
+        if self.in_host(fp):
+            return self._host.read_all(fp)
         self.drain()
         n = self._numel[fp]
         out = tuple(torch.empty(n, dtype=torch.float32) for _ in range(3))
@@ -375,6 +409,8 @@ class NVMeStore:
         wait for every write (a checkpoint being loaded). Read-ahead of any state is dropped
         first: it would be stale. Raises ValueError naming ``fp`` for a wrong shape or dtype,
         SwapIOError if a write failed (file and offset named)."""
+        if self.in_host(fp):
+            return self._host.write_all(fp, master, exp_avg, exp_avg_sq)
         n = self._numel[fp]
         _check_state_shapes(fp, n, (master, exp_avg, exp_avg_sq))
         self.release_prefetched()
@@ -418,6 +454,7 @@ class NVMeStore:
                 self._acct.sub(Tier.NVME, StateKind.MASTER, self._master_bytes(n))
                 self._acct.sub(Tier.NVME, StateKind.MOMENTS, 8 * n)
             self._numel.clear()
+            self._host.close()
             self._acct.sub(Tier.HOST, StateKind.BUFFERS, self._buf_bytes)
             self._bufs = []
 
@@ -513,9 +550,10 @@ class NVMeParamHome:
 
     Attributes:
         master_source: with ``master_is_param``, the :class:`NVMeStore` that owns the master's
-            bytes (set by the engine). A shard it is reading ahead with the whole optimizer
-            state (``step_in_backward``) is gathered from that read, not read a second time,
-            and a shard is read from the file only after the store's writes to it are done.
+            bytes (set by the engine before any ``adopt``). A shard it is reading ahead with the
+            whole optimizer state (``step_in_backward``), or keeps in host memory, is gathered
+            from there, not read a second time, and a shard is read from the file only after
+            the store's writes to it are done.
     """
 
     tier = Tier.NVME
@@ -541,11 +579,16 @@ class NVMeParamHome:
         """Write ``fp``'s initial shard to its file (unless it is its master's bytes, which the
         optimizer's store writes); ``fp.sharded`` becomes None."""
         nbytes = device_shard.numel() * device_shard.element_size()
-        self._sizes[fp] = nbytes
-        self._acct.add(Tier.NVME, StateKind.PARAMS, nbytes)
         if self.master_is_param and fp.requires_grad and device_shard.dtype == torch.float32:
             self._in_master.add(fp)
+            source = self.master_source
+            # a master kept in host memory (NVMeStore.keep_in_host) holds the shard's bytes
+            # there, accounted as host master weights: nothing of it is on NVMe
+            self._sizes[fp] = 0 if source is not None and source.in_host(fp) else nbytes
+            self._acct.add(Tier.NVME, StateKind.PARAMS, self._sizes[fp])
             return None
+        self._sizes[fp] = nbytes
+        self._acct.add(Tier.NVME, StateKind.PARAMS, nbytes)
         self.swapper.allocate(self._key(fp), nbytes)
         pool = self._pool_for(fp)
         buf = pool.acquire()

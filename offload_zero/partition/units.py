@@ -148,6 +148,25 @@ def split_by_gradient_order(model: nn.Module, members: List[Tuple[nn.Parameter, 
     return [early, late] if early and late else [members]
 
 
+def host_tail_index(flat: Sequence[Tuple[bool, bool, int]],
+                    setting: Optional[bool] = None) -> Optional[int]:
+    """Which flat parameter keeps its optimizer state in host memory (``tail_state_in_host``,
+    with ``step_in_backward`` and the state on NVMe; the caller checks those two).
+
+    ``flat``: ``(is_root, trainable, shard_numel)`` per flat parameter, in construction order
+    (shard_numel in elements). The candidate is the root's last trainable one: the part of its
+    parameters :func:`split_by_gradient_order` finds final last in backward (the embeddings).
+    ``setting`` True takes it, False none, None takes it when its shard is at most a quarter
+    of all trainable shards. Returns its index in ``flat``, or None.
+    """
+    tail = [i for i, (is_root, trainable, _) in enumerate(flat) if is_root and trainable]
+    if setting is False or not tail:
+        return None
+    if setting is None and 4 * flat[tail[-1]][2] > sum(n for _, t, n in flat if t):
+        return None
+    return tail[-1]
+
+
 def plan_flat_params(model: nn.Module, unit_classes: Sequence[type] = (),
                      step_in_backward: bool = False):
     """The flat parameters ``model`` is cut into, before anything is built (the engine builds
