@@ -615,3 +615,39 @@ def test_aio_context_released_once_even_if_interrupted():
     del ctx
     gc.collect()
     assert len(calls) == 1
+
+
+def test_nvme_store_streamed_update_leaves_its_last_writes_in_flight(tmp_path):
+    """A state streamed chunk by chunk (NVMeStore.iter_states) returns with its last chunks'
+    write-backs still in flight (nothing waits for them inside backward); a read of the file
+    after wait_writes, a later stream reusing the buffer sets, and read_all all see the
+    updated bytes."""
+    from offload_zero.memory.accounting import TierAccountant
+    from offload_zero.memory.tiers import NVMeStore
+
+    class Flat:
+        def __init__(self, name):
+            self.name = name
+
+    acct = TierAccountant()
+    with Swapper(str(tmp_path / "swap"), backend="threads") as sw:
+        store = NVMeStore(sw, acct, lambda n, dt: aligned_empty(n, dt), 5120, chunk_numel=1024)
+        a, b = Flat("a"), Flat("b")
+        store.add(a, torch.arange(5120, dtype=torch.float32))
+        store.add(b, torch.zeros(3072))
+        for fp, lo, hi, master, m, v in store.iter_states([a]):
+            master.add_(1.0)
+            m.fill_(2.0)
+        assert any(w is not None for w in store._pending_write)  # not drained
+        store.wait_writes(a)
+        assert all(w is None or w[0] is not a for w in store._pending_write)
+        raw = aligned_empty(5120, torch.float32)
+        sw.swap_in("a", raw, offset_bytes=0).wait()  # the master region, as a reader
+        assert torch.equal(raw, torch.arange(5120, dtype=torch.float32) + 1)
+        for fp, lo, hi, master, m, v in store.iter_states([a, b]):  # reuses the buffer sets
+            master.add_(1.0)
+        master, m, v = store.read_all(a)
+        assert torch.equal(master, torch.arange(5120, dtype=torch.float32) + 2)
+        assert torch.equal(m, torch.full((5120,), 2.0)) and not v.any()
+        assert torch.equal(store.read_all(b)[0], torch.ones(3072))
+        store.close()

@@ -370,7 +370,9 @@ class NVMeStore:
             for hs in reads.values():
                 for h in hs:
                     h.wait()
-            self.drain()
+        # the last chunks' writes stay in flight: a later read of a buffer set waits for its
+        # write first (_start_read), a read of the file for the writes to it (wait_writes),
+        # and the step drains them
 
     def drain(self) -> None:
         """Wait for every write in flight; raises SwapIOError if one failed."""
