@@ -13,6 +13,10 @@ Rows (a step = forward + backward + optimizer step, AdamW lr 1e-4, wd 0.01):
 - ``torch``: the plain module, ``torch.optim.AdamW(fused=True)`` on its parameters. The floor:
   at fp32 it keeps 16 B/param (weights, grads, two moments); at bf16 it trains purely in bf16
   (no fp32 master copy), so it is a floor in time and memory, not the same arithmetic.
+- ``torch+io``: the ``torch`` row while a background thread reads and writes back 12 bytes per
+  parameter each step (Adam's fp32 master weights and two moments) through the engine's swapper
+  (:class:`_StateTraffic`); the step ends when both are done. The floor of any design that
+  keeps the optimizer state on this disk: the same compute, the same bytes, perfect overlap.
 - ``ours-cpu``: ``OffloadEngine(model, stage=3, offload="cpu")``.
 - ``ours-nvme``: ``OffloadEngine(model, stage=3, offload="nvme", path=--path)``: at stage 3
   this puts both the optimizer state and the parameter shards on NVMe.

@@ -21,6 +21,11 @@ step whatever the offload. With fp32 compute the master weights are the paramete
 when both sit on the device (no offload, or ``"cpu"`` when the CPU itself is the device) or
 both in NVMe files (``"nvme"`` at stage 3: the parameter shard is read from the master's
 bytes), so they cost 0 bytes beyond the parameters.
+With ``step_in_backward`` and ``"nvme"``, the flat parameter updated last in backward (the
+root's part used before the blocks: input embeddings) may keep its master weights and moments
+in host memory (``tail_state_in_host``; by default when its shard is at most a quarter of all
+trainable shards): 12 bytes per element there, its fp32 parameter shard then being that
+host master (0 on NVMe), and 8 when its master is the CPU device's shard itself.
 Frozen parameters (``requires_grad=False``) cost only their compute-dtype copy.
 
 [Note: engine extras]
@@ -42,7 +47,9 @@ Besides model states this engine holds, at the peak of a step:
   shard is the master and the update writes it once), and for an outsized root unit one buffer
   of its own;
 - with ``step_in_backward`` and ``"nvme"``: two read-ahead buffers of the largest trainable block
-  shard's whole state, ``2 * 12 * shard_numel`` bytes;
+  shard's whole state, ``2 * 12 * shard_numel`` bytes (three when fp32 parameter shards on NVMe
+  are gathered from them); the outsized root's buffers then hold one shard fewer when its tail
+  state is in host memory (see above);
 - with an accelerator and any offload: one host staging buffer of ``largest shard_numel * K``;
 - with N > 1: one reduce-scatter scratch shard on the device, ``largest shard_numel * K``.
 Activations, the allocator's fragmentation and the framework's own workspace are not counted.
