@@ -43,9 +43,18 @@ Run 'offload-zero <command> --help' for a command's flags.
 """
 
 
+class _Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line, ``<prog>: error: <message> (see '<prog>
+    --help')``, without the usage block before them; exit status 2 as argparse's."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """The top-level parser with one sub-parser per entry of :data:`COMMANDS`."""
-    parser = argparse.ArgumentParser(
+    """The top-level parser with one sub-parser per entry of :data:`COMMANDS` (bad flags: one
+    line on stderr, exit status 2)."""
+    parser = _Parser(
         prog=PROG,
         description="ZeRO stage 1/2/3 training for PyTorch with parameters, gradients and "
                     "optimizer state offloaded to host memory or NVMe.",

@@ -213,11 +213,15 @@ def test_console_script_help():
     ([], "command"),
 ])
 def test_bad_flags_exit_nonzero_naming_the_value(argv, word, capsys):
+    """A bad flag is one line on stderr (no usage block before it) naming the value and where
+    the valid ones are listed; exit status 2."""
     with pytest.raises(SystemExit) as info:
         cli.main(argv)
     assert info.value.code == 2
     err = capsys.readouterr().err
-    assert "usage:" in err and word in err
+    prog = "offload-zero train" if argv[:1] == ["train"] else "offload-zero"
+    assert err.count("\n") == 1 and "usage:" not in err and word in err
+    assert err.startswith(f"{prog}: error: ") and err.rstrip().endswith(f"(see '{prog} --help')")
 
 
 def test_help_lists_commands_and_defaults(capsys):
