@@ -189,11 +189,15 @@ def test_gather_pool_on_cuda_allocates_nothing_per_step(tmp_path):
     assert len(set(peaks[1:])) == 1, peaks
 
 
+@pytest.mark.parametrize("tail", [False, True])
 @pytest.mark.parametrize("offload_param", ["none", "nvme"])
-def test_step_in_backward_on_cuda_same_weights_as_the_step(offload_param, tmp_path, monkeypatch):
+def test_step_in_backward_on_cuda_same_weights_as_the_step(offload_param, tail, tmp_path,
+                                                           monkeypatch):
     """step_in_backward on CUDA with the optimizer state on NVMe: the LM head's state streams
     in chunks interleaved with the blocks' updates, all of them through the one host staging
-    buffer (offload_param="none") or the NVMe parameter home; bit for bit the plain step."""
+    buffer (offload_param="none") or the NVMe parameter home; the embeddings' state on NVMe
+    too, or kept in host memory (tail_state_in_host; its fp32 parameter shard is that host
+    master); bit for bit the plain step."""
     from offload_zero.memory.tiers import NVMeStore
     monkeypatch.setattr(NVMeStore, "CHUNK_NUMEL", 1024)
     torch.manual_seed(9)
@@ -204,7 +208,9 @@ def test_step_in_backward_on_cuda_same_weights_as_the_step(offload_param, tmp_pa
     kw = dict(lr=1e-2, weight_decay=0.1, offload="nvme", offload_param=offload_param, stage=3,
               device=DEV)
     with OffloadEngine(model, path=str(tmp_path / "a"), **kw) as a, \
-            OffloadEngine(twin, path=str(tmp_path / "b"), step_in_backward=True, **kw) as b:
+            OffloadEngine(twin, path=str(tmp_path / "b"), step_in_backward=True,
+                          tail_state_in_host=tail, **kw) as b:
+        assert b.store.in_host(b.root.flat_params[-1]) is tail
         for x, y in batches(4):
             x, y = x.to(DEV), y.to(DEV)
             for eng in (a, b):
