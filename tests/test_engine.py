@@ -1526,6 +1526,11 @@ def test_step_in_backward_keeps_the_tail_state_in_host_memory(offload_param, dty
         assert host["moments"]["current_bytes"] - host_c["moments"]["current_bytes"] == 8 * n
         if aliased:
             assert b.store.aliases(tail)
+        # the chunk pipeline's buffers are sized by the states that stream through them
+        from offload_zero.memory.tiers import NVMeStore
+        streamed = max(fp.shard_numel for fp in b.trainable if fp is not tail)
+        assert b.memory_report()["pools"]["optimizer_pipeline"]["buffer_bytes"] == 3 * 4 * min(
+            streamed, NVMeStore.CHUNK_NUMEL)
         sa, sb, sc = a.full_state_dict(), b.full_state_dict(), c.full_state_dict()
         assert all(torch.equal(sa[k], sb[k]) and torch.equal(sa[k], sc[k]) for k in sa)
 
@@ -1543,6 +1548,18 @@ def test_tail_state_in_host_by_default_only_when_it_is_a_small_part(tmp_path):
             with OffloadEngine(copy.deepcopy(model), offload="nvme", path=str(tmp_path),
                                step_in_backward=True, tail_state_in_host=setting) as eng:
                 assert eng.store.in_host(eng.root.flat_params[-1]) is expected, (model, setting)
+    # tied embeddings: the tail is the embedding and LM head; the pipeline is sized by the rest
+    from offload_zero.memory.tiers import NVMeStore
+    tied = big_root_lm(3)
+    tied.head.weight = tied.emb.weight
+    with OffloadEngine(tied, offload="nvme", path=str(tmp_path),
+                       step_in_backward=True, tail_state_in_host=True) as eng:
+        tail = eng.root.flat_params[-1]
+        assert eng.store.in_host(tail) and tail.shard_numel > max(
+            fp.shard_numel for fp in eng.trainable if fp is not tail)
+        streamed = max(fp.shard_numel for fp in eng.trainable if fp is not tail)
+        assert eng.memory_report()["pools"]["optimizer_pipeline"]["buffer_bytes"] == 3 * 4 * min(
+            streamed, NVMeStore.CHUNK_NUMEL)
     with pytest.warns(UserWarning, match="tail_state_in_host=True has no effect"):
         OffloadEngine(copy.deepcopy(small), offload="nvme", path=str(tmp_path),
                       tail_state_in_host=True).close()
@@ -1551,6 +1568,48 @@ def test_tail_state_in_host_by_default_only_when_it_is_a_small_part(tmp_path):
                       tail_state_in_host=True).close()
     with pytest.raises(ValueError, match="tail_state_in_host='yes' is not valid"):
         OffloadEngine(copy.deepcopy(small), tail_state_in_host="yes")
+
+
+def _slow_writes_of(monkeypatch, prefix, seconds=0.3):
+    """Make the thread backend's writes to swap files named ``prefix*`` take ``seconds`` more:
+    a disk slow to write one state, so a reader that does not wait for it sees the old bytes."""
+    import time
+    from offload_zero.memory import aio_threads
+    run = aio_threads.ThreadsBackend._run
+
+    def slow(request):
+        if request.is_write and os.path.basename(request.path).startswith(prefix):
+            time.sleep(seconds)
+        run(request)
+    monkeypatch.setattr(aio_threads.ThreadsBackend, "_run", staticmethod(slow))
+
+
+def test_step_in_backward_forward_before_step_reads_the_state_backward_wrote(tmp_path,
+                                                                             monkeypatch):
+    """A training forward between backward and step sees that backward's updates: its
+    read-ahead of a block's state (fp32 parameter shards gathered from it) waits for, or is not
+    started before, the write-back of that same state still in flight. With that write made
+    slow, the losses and weights equal backward; step; forward; backward; step bit for bit."""
+    _slow_writes_of(monkeypatch, "unit0.trainable.swp")
+    torch.manual_seed(0)
+    model = TinyLM(n_blocks=2)
+    a, b = _twins(model, tmp_path, sib_a=True, sib_b=True, offload="nvme", offload_param="nvme",
+                  stage=3, aio_backend="threads")
+    (x1, y1), (x2, y2) = batches(2)
+    with a, b:
+        a.backward(lm_loss(a(x1), y1))
+        a.step()
+        want = lm_loss(a(x2), y2)
+        a.backward(want)
+        a.step()
+        b.backward(lm_loss(b(x1), y1))
+        got = lm_loss(b(x2), y2)  # a training forward before step()
+        b.step()
+        b.backward(got)
+        b.step()
+        assert torch.equal(got, want)
+        sa, sb = a.full_state_dict(), b.full_state_dict()
+        assert all(torch.equal(sa[k], sb[k]) for k in sa)
 
 
 def test_step_in_backward_skips_a_non_finite_step_and_refuses_accumulation(tmp_path):

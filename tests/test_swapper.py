@@ -651,3 +651,44 @@ def test_nvme_store_streamed_update_leaves_its_last_writes_in_flight(tmp_path):
         assert torch.equal(m, torch.full((5120,), 2.0)) and not v.any()
         assert torch.equal(store.read_all(b)[0], torch.ones(3072))
         store.close()
+
+
+def test_nvme_store_stream_reads_wait_for_the_same_bytes_still_being_written(tmp_path,
+                                                                           monkeypatch):
+    """Streaming a state again while the last writes of its previous stream are still in
+    flight (nothing drained between), with its chunks in other buffer sets than before: each
+    chunk read waits for the write of the same bytes, made slow here, so every stream sees the
+    previous one's values."""
+    import time
+    from offload_zero.memory import aio_threads
+    from offload_zero.memory.accounting import TierAccountant
+    from offload_zero.memory.tiers import NVMeStore
+    run = aio_threads.ThreadsBackend._run
+
+    def slow(request):
+        if request.is_write and os.path.basename(request.path) == "a.swp":
+            time.sleep(0.1)
+        run(request)
+
+    class Flat:
+        def __init__(self, name):
+            self.name = name
+
+    a, b = Flat("a"), Flat("b")
+    with Swapper(str(tmp_path / "swap"), backend="threads") as sw:
+        store = NVMeStore(sw, TierAccountant(), lambda n, dt: aligned_empty(n, dt), 2048,
+                          chunk_numel=1024)
+        store.add(a, torch.zeros(2048))
+        store.add(b, torch.zeros(1024))
+        monkeypatch.setattr(aio_threads.ThreadsBackend, "_run", staticmethod(slow))
+        # [b, a] puts a's two chunks in buffer sets 1 and 2; [a] then reads them into 0 and 1
+        for step, fps in enumerate(([b, a], [a], [b, a], [a]), start=1):
+            for fp, lo, hi, master, m, v in store.iter_states(fps):
+                if fp is a:
+                    assert torch.equal(master, torch.full((hi - lo,), float(step - 1)))
+                    master.add_(1.0)
+                else:
+                    master.sub_(1.0)
+        assert torch.equal(store.read_all(a)[0], torch.full((2048,), 4.0))
+        assert torch.equal(store.read_all(b)[0], torch.full((1024,), -2.0))
+        store.close()

@@ -258,13 +258,18 @@ class NVMeStore:
         """Start reading ``fp``'s whole state (master, moments) into a read-ahead buffer; the
         next :meth:`iter_states` that reaches ``fp`` yields it from there. When every buffer is
         taken, the oldest write-back is retired to free one (with ``wait=False`` only if it has
-        finished: no wait for the disk). Returns True if the read was started; False (and does
-        nothing) without read-ahead buffers, for a state larger than they are, when it is
-        already being read ahead, or when no buffer is free."""
+        finished: no wait for the disk). A write of ``fp``'s own state still in flight is waited
+        for first (``wait=False``: the read is not started unless it has finished), so the read
+        sees it. Returns True if the read was started; False (and does nothing) without
+        read-ahead buffers, for a state larger than they are, when it is already being read
+        ahead, or when no buffer is free."""
         pool = self._ahead
         if (pool is None or fp in self._whole_reads or self.in_host(fp)
                 or 3 * self._numel.get(fp, 0) > pool.numel):
             return False
+        if not wait and not all(h.done() for h in self._writes_of(fp)):
+            return False
+        self.wait_writes(fp)
         if pool.in_use == pool.count and self._whole_writes:
             if wait or all(h.done() for h in self._whole_writes[0][2]):
                 self._retire_whole_write()
@@ -294,6 +299,12 @@ class NVMeStore:
         buf, handles = self._whole_reads[fp]
         handles[0].wait()
         return self._whole_views(buf, self._numel[fp])[0]
+
+    def _writes_of(self, fp) -> List[object]:
+        """Handles of the writes of ``fp``'s state still tracked (whole or chunk write-backs)."""
+        handles = [h for f, _, hs in self._whole_writes if f is fp for h in hs]
+        return handles + [h for w in self._pending_write if w is not None and w[0] is fp
+                          for h in w[1]]
 
     def wait_writes(self, fp) -> None:
         """Wait for every write of ``fp``'s state still in flight (before its bytes are read
@@ -331,6 +342,16 @@ class NVMeStore:
                 h.wait()
             self._pending_write[slot] = None
         fp, lo, hi = item
+        # a write of these bytes still in flight lands before the read: a whole write-back, or
+        # a chunk's of an earlier stream (this stream's own writes are of other chunks)
+        for i in reversed(range(len(self._whole_writes))):
+            if self._whole_writes[i][0] is fp:
+                self._retire_whole_write(i)
+        for other, w in enumerate(self._pending_write):
+            if w is not None and w[0] is fp and w[2] < hi and lo < w[3]:
+                self._pending_write[other] = None
+                for h in w[1]:
+                    h.wait()
         return self._io(fp, lo, hi, slot, write=False)
 
     def iter_states(self, flat_params: List[object]) -> Iterator[StateTuple]:
@@ -365,7 +386,7 @@ class NVMeStore:
                 for h in reads.pop(i):
                     h.wait()
                 yield (fp, lo, hi, *self._views(slot, hi - lo))
-                self._pending_write[slot] = (fp, self._io(fp, lo, hi, slot, write=True))
+                self._pending_write[slot] = (fp, self._io(fp, lo, hi, slot, write=True), lo, hi)
         finally:
             for hs in reads.values():
                 for h in hs:
