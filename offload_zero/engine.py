@@ -354,8 +354,10 @@ class OffloadEngine:
             return DeviceStore(self._acct, self.device)
         if tier is Tier.HOST:
             return HostStore(self._acct, self._host_alloc)
+        tail = self._tail_in_host(plan)  # (its state never streams through the pipeline)
         sizes = [shard_numel_for(sum(p.numel() for p, _ in members), self.world_size, self.config.dtype)
-                 for _, trainable, members in plan[2] if trainable]
+                 for (_, trainable, members), name in zip(plan[2], _flat_param_names(plan[2]))
+                 if trainable and name != tail]
         return NVMeStore(self.swapper, self._acct, self._host_alloc, max(sizes, default=1024),
                          master_is_param=self._master_is_param_on_nvme())
 

@@ -455,10 +455,13 @@ def _extras(layout, stage, offload, n, k, padded, prefetch, accelerator, offload
         out["device"]["buffers"] += max(shards) * k
     biggest = max(shards, default=0)
     if offload == "nvme":
-        if not shards:
-            biggest = 1024  # the engine sizes its buffers for 1024 elements then
+        # (a tail state kept in host memory never streams through the pipeline)
+        streamed = [_shard_numel(spec.numel, n, k, padded) for i, spec in enumerate(layout)
+                    if spec.trainable and i != tail]
+        # with nothing to stream the engine sizes its buffers for 1024 elements
         from offload_zero.memory.tiers import NVMeStore
-        out["host"]["buffers"] += 3 * 3 * min(biggest, NVMeStore.CHUNK_NUMEL) * 4
+        out["host"]["buffers"] += 3 * 3 * min(max(streamed, default=1024),
+                                              NVMeStore.CHUNK_NUMEL) * 4
     if stage == 3 and offload_param == "nvme" and all_shards:
         block_shard = max([sh for sh, u in zip(all_shards, units_of) if u != -1], default=0)
         root_shard = max([sh for sh, u in zip(all_shards, units_of) if u == -1], default=0)
