@@ -138,6 +138,7 @@ class OffloadEngine:
         plan = self._plan = self._plan_units(model)
         if not any(members for _, _, members in plan[2]):
             raise ValueError("model has no parameters to train")
+        self._tail = self._tail_in_host(plan)  # name of the flat parameter whose state stays in RAM
         if "nvme" in (cfg.offload_optimizer, cfg.offload_param):
             from offload_zero.memory.swapper import Swapper
             self.swapper = Swapper(os.path.join(os.fspath(cfg.path), f"rank{self.rank}"),
@@ -167,7 +168,7 @@ class OffloadEngine:
             pool_for = lambda fp: main  # noqa: E731
             keep = None
             # a tail state kept in host memory is, in fp32, the shard itself: no buffer, no file
-            in_host = self._tail_in_host(plan) if share else None
+            in_host = self._tail if share else None
             if root_shard > block_shard:
                 keep_root = all(trainable for u, trainable, _ in plan[2] if u.is_root)
                 count = (sum(u.is_root for u, _, _ in plan[2]) - (in_host is not None)
@@ -184,9 +185,8 @@ class OffloadEngine:
             self.param_home = NVMeParamHome(self.swapper, pool_for, self._acct,
                                             master_is_param=share, keep_after_update=keep)
         self.store = self._build_store(plan)
-        tail = self._tail_in_host(plan)
-        if tail is not None:
-            self.store.keep_in_host(tail)
+        if self._tail is not None:
+            self.store.keep_in_host(self._tail)
         elif cfg.tail_state_in_host:
             warnings.warn("tail_state_in_host=True has no effect: it needs step_in_backward=True, "
                           f"the optimizer state on NVMe (it is on {cfg.offload_optimizer!r}) "
@@ -197,6 +197,9 @@ class OffloadEngine:
         self.units: List[Unit] = self.blocks + [self.root]
         self.flat_params = [fp for u in self.units for fp in u.flat_params]
         self.trainable = [fp for fp in self.flat_params if fp.requires_grad]
+        # whether forward reads block parameter shards from NVMe (see _read_ahead_in_forward)
+        self._forward_reads_params = any(fp.home is not None and fp.home.tier is Tier.NVME
+                                         for u in self.blocks for fp in u.flat_params)
         for mod in model.modules():  # buffers are not sharded; they follow the device
             for k, b in list(mod._buffers.items()):
                 if b is not None:
@@ -354,10 +357,10 @@ class OffloadEngine:
             return DeviceStore(self._acct, self.device)
         if tier is Tier.HOST:
             return HostStore(self._acct, self._host_alloc)
-        tail = self._tail_in_host(plan)  # (its state never streams through the pipeline)
+        # (a tail state kept in host memory never streams through the pipeline)
         sizes = [shard_numel_for(sum(p.numel() for p, _ in members), self.world_size, self.config.dtype)
                  for (_, trainable, members), name in zip(plan[2], _flat_param_names(plan[2]))
-                 if trainable and name != tail]
+                 if trainable and name != self._tail]
         return NVMeStore(self.swapper, self._acct, self._host_alloc, max(sizes, default=1024),
                          master_is_param=self._master_is_param_on_nvme())
 
@@ -467,8 +470,7 @@ class OffloadEngine:
         ring = self.pools.get("optimizer_prefetch")
         if not order or ring is None:
             return
-        reads_params = any(fp.home is not None and fp.home.tier is Tier.NVME
-                           for u in order for fp in u.flat_params)
+        reads_params = self._forward_reads_params
         at = -1 if unit is None else (order.index(unit) if unit in order else None)
         if at is None:
             return

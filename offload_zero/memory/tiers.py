@@ -306,15 +306,17 @@ class NVMeStore:
         return handles + [h for w in self._pending_write if w is not None and w[0] is fp
                           for h in w[1]]
 
-    def wait_writes(self, fp) -> None:
-        """Wait for every write of ``fp``'s state still in flight (before its bytes are read
-        by another reader: an fp32 parameter shard is read from the master's bytes).
-        Raises SwapIOError if one failed (file and offset named)."""
+    def wait_writes(self, fp, lo: int = 0, hi: Optional[int] = None) -> None:
+        """Wait for the writes of ``fp``'s state still in flight before its bytes are read
+        again (by this store, or by another reader: an fp32 parameter shard is read from the
+        master's bytes): every whole write-back, and the chunk write-backs of elements
+        [lo, hi) (default: all). Raises SwapIOError if one failed (file and offset named)."""
+        hi = self._numel.get(fp, 0) if hi is None else hi
         for i in reversed(range(len(self._whole_writes))):
             if self._whole_writes[i][0] is fp:
                 self._retire_whole_write(i)
         for slot, w in enumerate(self._pending_write):
-            if w is not None and w[0] is fp:
+            if w is not None and w[0] is fp and w[2] < hi and lo < w[3]:
                 self._pending_write[slot] = None
                 for h in w[1]:
                     h.wait()
@@ -344,14 +346,7 @@ class NVMeStore:
         fp, lo, hi = item
         # a write of these bytes still in flight lands before the read: a whole write-back, or
         # a chunk's of an earlier stream (this stream's own writes are of other chunks)
-        for i in reversed(range(len(self._whole_writes))):
-            if self._whole_writes[i][0] is fp:
-                self._retire_whole_write(i)
-        for other, w in enumerate(self._pending_write):
-            if w is not None and w[0] is fp and w[2] < hi and lo < w[3]:
-                self._pending_write[other] = None
-                for h in w[1]:
-                    h.wait()
+        self.wait_writes(fp, lo, hi)
         return self._io(fp, lo, hi, slot, write=False)
 
     def iter_states(self, flat_params: List[object]) -> Iterator[StateTuple]:
