@@ -57,6 +57,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from typing import Dict, List
 
@@ -82,15 +83,14 @@ class _StateTraffic:
     """
 
     def __init__(self, folder: str, nbytes: int, chunk: int = 48 << 20, depth: int = 3):
-        import threading
+        import torch
         from offload_zero.memory.aligned import aligned_empty
         from offload_zero.memory.swapper import Swapper
         self.chunk = chunk
         self.nbytes = -(-nbytes // 4096) * 4096
         self.swapper = Swapper(folder, block_size=None, queue_depth=None)  # probed, as the engine
         self.swapper.allocate("state", self.nbytes)
-        self.bufs = [aligned_empty(chunk, dtype=__import__("torch").uint8) for _ in range(depth)]
-        self.threading = threading
+        self.bufs = [aligned_empty(chunk, dtype=torch.uint8) for _ in range(depth)]
         self.thread = None
         self.error = None
 
@@ -122,7 +122,7 @@ class _StateTraffic:
             self.error = exc
 
     def start(self) -> None:
-        self.thread = self.threading.Thread(target=self._run, daemon=True)
+        self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
 
     def wait(self) -> None:
