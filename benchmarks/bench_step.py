@@ -122,15 +122,18 @@ class _StateTraffic:
             self.error = exc
 
     def start(self) -> None:
+        """Start one step's traffic (``nbytes`` read, then written back) on a new thread."""
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
 
     def wait(self) -> None:
+        """Wait for the step's traffic; raises the error that ended it, if any."""
         self.thread.join()
         if self.error is not None:
             raise self.error
 
     def close(self) -> None:
+        """Remove the swap file and its folder (the swapper's)."""
         self.swapper.close()
 
 
