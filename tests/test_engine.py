@@ -861,6 +861,33 @@ def test_gathered_units_live_in_the_fixed_gather_pool(offload_param, tmp_path):
         assert moved, seen
 
 
+@pytest.mark.parametrize("step_in_backward", [False, True])
+@pytest.mark.parametrize("offload_param", ["cpu", "nvme"])
+def test_without_storage_rebinding_gathers_allocate_and_train_the_same(
+        offload_param, step_in_backward, tmp_path, monkeypatch, caplog):
+    """A torch without storage rebinding (torch 2.11 has none) runs stage 3 without the
+    gather pool: each gather allocates its unit, the log says so, the report has no pool, and
+    the weights after 4 steps are bit for bit those of the run with the pool."""
+    torch.manual_seed(0)
+    model = TinyLM(n_blocks=4)
+    kw = {"stage": 3, "offload_param": offload_param, "step_in_backward": step_in_backward}
+    finals = []
+    for rebind in (True, False):
+        import offload_zero.engine as engine_mod
+        monkeypatch.setattr(engine_mod, "storage_rebinding_supported", lambda r=rebind: r)
+        run = tmp_path / str(rebind)
+        run.mkdir()
+        with caplog.at_level("INFO", logger="offload_zero"):
+            eng, ref = _train_both(copy.deepcopy(model), dict(kw, path=str(run)), run, "nvme",
+                                   steps=4)
+        with eng:
+            assert max_param_diff(eng.full_state_dict(), ref) <= 1e-6
+            assert ("gather" in eng.memory_report()["pools"]) is rebind
+            finals.append(eng.full_state_dict())
+    assert "cannot rebind storages" in caplog.text
+    assert all(torch.equal(finals[0][k], finals[1][k]) for k in finals[0])
+
+
 def test_gather_pool_grows_once_when_a_schedule_holds_more_units(tmp_path, caplog):
     """Blocks that share a weight gather each other (deps): more units at once than the pool was
     sized for. It adds slots with a warning during the first step, the numbers stay right, and
