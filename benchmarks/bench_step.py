@@ -29,6 +29,13 @@ Rows (a step = forward + backward + optimizer step, AdamW lr 1e-4, wd 0.01):
   NVMe (parameters on the CPU); both to NVMe. Model built under ``deepspeed.zero.Init``;
   ``DS_ACCELERATOR=cpu`` and a one-rank gloo group when there is no GPU.
 
+``--device cuda`` runs every row on the GPU (the model, its inputs and gathered units on the
+device; ours keeps shards and optimizer state on the host or NVMe as its row says); each step
+ends with ``torch.cuda.synchronize()``, and a ``dev GB`` column gives
+``torch.cuda.max_memory_allocated`` over the steps, in GB (the ``ds-*`` rows are left out:
+they are set up for the CPU). Without it (default ``cpu``) the
+CPU plays the accelerator and the memory columns are the whole machine's.
+
 Columns:
 - ``step s``: median wall seconds of steps ``--skip``+1 .. ``--steps`` (default 3..10), pooled
   over rounds. ``min``/``max``: the spread of those steps.
@@ -39,11 +46,13 @@ Columns:
   ``/proc/self/clear_refs`` once the model and optimizer are built), in GB; this excludes the
   one-off construction peak (the model's own weights plus the engine's copies).
 - ``d torch``: ``train GB`` minus the ``torch`` row's, in GB.
+- ``dev GB`` (``--device cuda`` only): the CUDA allocator's peak over the steps, in GB.
 With several rounds the memory figures are the median over rounds.
 
 Usage: PYTHONPATH=. python benchmarks/bench_step.py [--layers 8] [--hidden 1024]
        [--intermediate 2048] [--vocab 32000] [--seq 256] [--batch 4] [--dtype fp32|bf16]
        [--steps 10] [--skip 2] [--rounds 1] [--path DIR] [--configs torch,ours-cpu,...]
+       [--device cpu|cuda]
 """
 from __future__ import annotations
 
@@ -222,11 +231,12 @@ def worker(args) -> None:
     torch.set_num_threads(args.threads)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
     config = args.worker
+    dev = torch.device(args.device)
     gen = torch.Generator().manual_seed(1)
-    x = torch.randint(0, args.vocab, (args.batch, args.seq), generator=gen)
+    x = torch.randint(0, args.vocab, (args.batch, args.seq), generator=gen).to(dev)
     closer = None
     if config in ("torch", "torch+io"):
-        model = _build_model(args, dtype)
+        model = _build_model(args, dtype).to(dev)
         opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS,
                                 weight_decay=WD, fused=True)
         traffic = None
@@ -255,7 +265,8 @@ def worker(args) -> None:
             extra["step_in_backward"] = True
         engine = OffloadEngine(model, stage=3, offload=offload,
                                path=args.path if offload == "nvme" else None, **extra,
-                               lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, dtype=dtype)
+                               lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, dtype=dtype,
+                               device=dev)
         closer = engine.close
 
         def step(x):
@@ -268,19 +279,27 @@ def worker(args) -> None:
     else:
         raise SystemExit(f"unknown config {config!r}; choose from {CONFIGS}")
     nparams = sum(p.numel() for p in _count_model(args))
+    cuda = dev.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
     hwm_ok = _reset_hwm()
     times, losses = [], []
     for _ in range(args.steps):
         t0 = time.perf_counter()
         loss = step(x)
+        if cuda:
+            torch.cuda.synchronize(dev)
         times.append(time.perf_counter() - t0)
         losses.append(float(loss.detach().float()))
     train_peak = _hwm_bytes() if hwm_ok else None
+    dev_peak = torch.cuda.max_memory_allocated(dev) if cuda else None
     if closer is not None:
         closer()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     print("RESULT " + json.dumps({"config": config, "times": times, "losses": losses,
                                   "peak_rss": peak, "train_peak_rss": train_peak,
+                                  "dev_peak": dev_peak,
                                   "params": nparams}), flush=True)
 
 
@@ -306,7 +325,7 @@ def _run_one(args, config: str) -> Dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", config] + args.passthrough
     env = dict(os.environ)
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    if config.startswith("ds-"):
+    if config.startswith("ds-") and args.device == "cpu":
         env.setdefault("DS_ACCELERATOR", "cpu")
     t0 = time.time()
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
@@ -337,6 +356,8 @@ def main() -> None:
     p.add_argument("--configs", default=",".join(CONFIGS),
                    help="comma-separated subset of " + ",".join(CONFIGS))
     p.add_argument("--timeout", type=float, default=1800, help="seconds per subprocess")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="where the rows compute (cuda: the GPU; the ds-* rows need cpu)")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
@@ -349,12 +370,14 @@ def main() -> None:
     bad = [c for c in configs if c not in CONFIGS]
     if bad:
         p.error(f"unknown configs {bad}; choose from {CONFIGS}")
+    if args.device == "cuda" and any(c.startswith("ds-") for c in configs):
+        p.error("the ds-* rows run with --device cpu only; leave them out of --configs")
     ds_version = _deepspeed_status() if any(c.startswith("ds-") for c in configs) else ""
     skipped_ds = [c for c in configs if c.startswith("ds-")] if not ds_version else []
     configs = [c for c in configs if c not in skipped_ds]
     args.passthrough = []
     for k in ("layers", "hidden", "intermediate", "heads", "vocab", "seq", "batch", "dtype",
-              "steps", "threads", "path"):
+              "steps", "threads", "path", "device"):
         args.passthrough += [f"--{k}", str(getattr(args, k))]
 
     import torch
@@ -384,11 +407,13 @@ def main() -> None:
         rows[c] = {"median": statistics.median(ts), "min": min(ts), "max": max(ts),
                    "peak": statistics.median(r["peak_rss"] for r in ok),
                    "train": statistics.median(train) if train else float("nan"),
+                   "dev": (statistics.median(r["dev_peak"] for r in ok)
+                           if ok[0].get("dev_peak") is not None else None),
                    "loss": ok[0]["losses"], "params": ok[0]["params"], "n": len(ts)}
 
     nparams = next((r["params"] for r in rows.values() if "params" in r), 0)
     print(f"# bench_step: {platform.node()} cpus={len(os.sched_getaffinity(0))} "
-          f"threads={args.threads} torch={torch.__version__} "
+          f"threads={args.threads} device={args.device} torch={torch.__version__} "
           f"deepspeed={ds_version or 'not importable'} "
           f"date={time.strftime('%Y-%m-%d %H:%M')}")
     print(f"# model: Llama layers={args.layers} hidden={args.hidden} "
@@ -401,7 +426,8 @@ def main() -> None:
           f"{load1[0]:.2f}/{load1[1]:.2f}/{load1[2]:.2f}")
     base = rows.get("torch", {})
     hdr = (f"{'config':<20}{'step s':>8}{'min':>7}{'max':>7}{'vs torch':>10}"
-           f"{'peak RSS GB':>13}{'train GB':>10}{'d torch':>9}")
+           f"{'peak RSS GB':>13}{'train GB':>10}{'d torch':>9}"
+           + (f"{'dev GB':>9}" if args.device == "cuda" else ""))
     print(hdr)
     print("-" * len(hdr))
     for c in configs:
@@ -413,7 +439,8 @@ def main() -> None:
                 else f"{'':>10}")
         dgb = f"{(r['train'] - base['train']) / GB:+9.2f}" if "train" in base else f"{'':>9}"
         print(f"{c:<20}{r['median']:8.2f}{r['min']:7.2f}{r['max']:7.2f}{over}"
-              f"{r['peak'] / GB:13.2f}{r['train'] / GB:10.2f}{dgb}")
+              f"{r['peak'] / GB:13.2f}{r['train'] / GB:10.2f}{dgb}"
+              + (f"{r['dev'] / GB:9.2f}" if r.get("dev") is not None else ""))
     for c in skipped_ds:
         print(f"{c:<20} skipped: deepspeed not importable")
     print("# first/last loss: " + "; ".join(
