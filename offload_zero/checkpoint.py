@@ -33,6 +33,11 @@ parameter ``<fp>`` (its name, e.g. ``unit3.trainable``) it holds this rank's sha
   parameter and for every flat parameter when the compute dtype is not float32 (an fp32
   trainable shard is its master weights, bit for bit, and is restored from them).
 
+Rank r of N holds elements ``[r * shard_numel, (r + 1) * shard_numel)`` of each flat parameter
+(the last shard padded with zeros), so the files of N ranks also make up the state for any other
+world size: loading on M ranks reads, for each rank, the slices of the saved shards that overlap
+its own (resharding; see :func:`_load_resharded`).
+
 Its safetensors metadata (strings) names the ``rank`` and ``world_size`` it was written by and
 the ``save_id``, and gives a CRC-32 of each tensor's bytes (``crc32/<tensor name>``, 8 hex digits), checked on load.
 The file is written as a stream, one flat parameter at a time, so saving never holds more than
@@ -145,16 +150,19 @@ def load_checkpoint(engine, folder) -> dict:
     count, the compute-dtype parameter shards (the saved ones, bit for bit; at stages 1 and 2
     all-gathered into the full parameters), ``engine.lr``, ``engine.skipped_steps`` and the
     loss scaler's state. The tiers may differ from the saving engine's (saved with
-    ``offload="nvme"``, loaded with ``offload="cpu"``, say); the layout may not.
+    ``offload="nvme"``, loaded with ``offload="cpu"``, say), and so may the world size and the
+    ZeRO stage: a checkpoint of N ranks loads on M ranks, each rank reading the slices of the
+    saved shards that make up its own (see :func:`_load_resharded`); the model's flat
+    parameters and the compute dtype may not change.
 
-    Every rank first checks its whole file (structure, dtypes, shapes, CRC-32 of every tensor)
-    and the ranks agree before anything in the engine changes, so a bad checkpoint leaves the
+    Every rank first checks its whole file (structure, dtypes, shapes, CRC-32 of every tensor;
+    when resharding, every saved file it reads from) and the ranks agree before anything in the engine changes, so a bad checkpoint leaves the
     engine as it was; each file is therefore read twice. An I/O error after that point (a
     failing NVMe write) leaves the engine partly loaded.
 
     Raises:
-        ValueError: the metadata does not match this engine (``world_size``, ``stage``,
-            ``dtype``, the flat parameters' names, ``numel``, ``shard_numel``,
+        ValueError: the metadata does not match this engine (``dtype``, the flat parameters'
+            names, ``numel``, ``shard_numel`` at the same world size,
             ``requires_grad``, ``parameters``, or ``loss_scaler`` present in one only): the
             message names the field, the saved value and this engine's; ``folder`` or
             ``checkpoint.json`` missing or unreadable; a rank file missing, truncated,
@@ -167,16 +175,23 @@ def load_checkpoint(engine, folder) -> dict:
     final = _paths(folder)[0]
     meta = _read_metadata(final)
     _check_matches(meta, engine, os.path.join(final, META_NAME))
-    path = os.path.join(final, rank_file_name(engine.rank))
+    saved_world = meta["world_size"]
+    sources = _source_ranks(meta, engine)
+    specs = _saved_specs(meta, engine)
     error = None
     try:
-        _verify_rank_file(path, engine, meta.get("save_id"))
+        for rank in sources:
+            _verify_rank_file(os.path.join(final, rank_file_name(rank)), specs, rank,
+                              saved_world, meta.get("save_id"))
     except Exception as exc:
         error = exc
     _agree(engine, error, f"load_checkpoint({final!r})", exc_type=ValueError)
     try:
         with torch.no_grad():
-            _load_rank_file(path, engine)
+            if saved_world == engine.world_size:
+                _load_rank_file(os.path.join(final, rank_file_name(engine.rank)), engine)
+            else:
+                _load_resharded(final, meta, engine, sources)
         engine.set_lr(meta["lr"])
         engine.skipped_steps = meta["skipped_steps"]
         if meta["loss_scaler"] is not None:
@@ -363,9 +378,13 @@ def _mismatch(path: str, field: str, saved, mine) -> ValueError:
 def _check_matches(meta: dict, engine, path: str) -> None:
     """Raise ValueError naming the first field of ``meta`` that does not fit ``engine``."""
     mine = _layout(engine)
-    for field in ("world_size", "stage", "dtype"):
-        if meta.get(field) != mine[field]:
-            raise _mismatch(path, field, meta.get(field), mine[field])
+    if meta.get("dtype") != mine["dtype"]:
+        raise _mismatch(path, "dtype", meta.get("dtype"), mine["dtype"])
+    world = meta.get("world_size")
+    if not isinstance(world, int) or isinstance(world, bool) or world < 1:
+        raise ValueError(f"{path!r}: world_size is {world!r}; a checkpoint's is a positive "
+                         "integer")
+    same_world = world == mine["world_size"]
     saved_fps, my_fps = meta.get("flat_params") or [], mine["flat_params"]
     saved_names = [f.get("name") for f in saved_fps]
     my_names = [f["name"] for f in my_fps]
@@ -376,10 +395,15 @@ def _check_matches(meta: dict, engine, path: str) -> None:
         raise _mismatch(path, f"flat parameter names ({len(saved_names)} in the checkpoint, "
                         f"{len(my_names)} here) at index {i}", pick(saved_names), pick(my_names))
     for saved, ours in zip(saved_fps, my_fps):
-        for key in ("requires_grad", "numel", "shard_numel"):
+        for key in ("requires_grad", "numel") + (("shard_numel",) if same_world else ()):
             if saved.get(key) != ours[key]:
                 raise _mismatch(path, f"flat parameter {ours['name']!r} {key}", saved.get(key),
                                 ours[key])
+        shard = saved.get("shard_numel")
+        if not (isinstance(shard, int) and shard * world >= ours["numel"]):
+            raise ValueError(f"{path!r}: flat parameter {ours['name']!r} shard_numel is "
+                             f"{shard!r}: {world} shards of it cannot hold its {ours['numel']} "
+                             "elements")
         entries = saved.get("parameters") or []
         for i, ours_entry in enumerate(ours["parameters"]):
             saved_entry = entries[i] if i < len(entries) else None
@@ -427,6 +451,15 @@ def _tensor_specs(engine) -> List[TensorSpec]:
         if _saves_param(fp):
             specs.append((f"{fp.name}/param", fp.dtype, (n,)))
     return specs
+
+
+def _saved_specs(meta: dict, engine) -> List[TensorSpec]:
+    """:func:`_tensor_specs` of the engine that wrote ``meta`` (its ``shard_numel`` per flat
+    parameter; names, ``requires_grad`` and the compute dtype are checked equal to
+    ``engine``'s by :func:`_check_matches`)."""
+    saved = {f["name"]: f["shard_numel"] for f in meta["flat_params"]}
+    return [(name, dtype, shape if not shape else (saved[name.rsplit("/", 1)[0]],))
+            for name, dtype, shape in _tensor_specs(engine)]
 
 
 def _rank_tensors(engine) -> Iterator[Tuple[str, torch.Tensor]]:
@@ -498,23 +531,22 @@ def _write_rank_file(engine, path: str, save_id: str = "") -> None:
         os.fsync(f.fileno())
 
 
-def _verify_rank_file(path: str, engine, save_id: Optional[str] = None) -> None:
-    """Check that ``path`` is this rank's complete, intact file for ``engine``: readable,
-    written by this rank at this world size in the save ``save_id`` (checkpoint.json's; not
-    checked when None), exactly the expected tensors with their dtypes and shapes, every
-    CRC-32 right. Raises ValueError naming the file."""
+def _verify_rank_file(path: str, specs: List[TensorSpec], rank: int, world_size: int,
+                      save_id: Optional[str] = None) -> None:
+    """Check that ``path`` is rank ``rank``'s complete, intact file of a save at
+    ``world_size`` ranks: readable, written by that rank in the save ``save_id``
+    (checkpoint.json's; not checked when None), exactly the tensors of ``specs`` with their
+    dtypes and shapes, every CRC-32 right. Raises ValueError naming the file."""
     from safetensors import safe_open
     if not os.path.isfile(path):
         raise ValueError(f"checkpoint file {path!r} is missing")
-    specs = _tensor_specs(engine)
     try:
         with safe_open(path, framework="pt") as f:
             meta = f.metadata() or {}
-            if (meta.get("rank"), meta.get("world_size")) != (str(engine.rank),
-                                                              str(engine.world_size)):
+            if (meta.get("rank"), meta.get("world_size")) != (str(rank), str(world_size)):
                 raise ValueError(f"checkpoint file {path!r} was written by rank "
                                  f"{meta.get('rank')} of {meta.get('world_size')}, not rank "
-                                 f"{engine.rank} of {engine.world_size}")
+                                 f"{rank} of {world_size}")
             if save_id is not None and meta.get("save_id") != save_id:
                 raise ValueError(f"checkpoint file {path!r} belongs to another save than its "
                                  f"{META_NAME} (save_id {meta.get('save_id')!r} there, "
@@ -553,6 +585,62 @@ def _load_rank_file(path: str, engine) -> None:
                 engine.store.write_all(fp, master, m, v)
                 engine._step_count[fp] = int(f.get_tensor(f"{fp.name}/step"))
             values = f.get_tensor(f"{fp.name}/param") if _saves_param(fp) else master
+            _write_param_shard(fp, values)
+    if engine.param_home is not None:
+        engine.param_home.drain()
+
+
+def _source_ranks(meta: dict, engine) -> List[int]:
+    """The saving ranks whose files hold some element of this rank's shards: this rank alone
+    at the same world size; else those whose shard of some flat parameter overlaps this
+    rank's range of it (see :func:`_load_resharded`)."""
+    world = meta["world_size"]
+    if world == engine.world_size:
+        return [engine.rank]
+    ranks = set()
+    for saved, fp in zip(meta["flat_params"], engine.flat_params):
+        lo = engine.rank * fp.shard_numel
+        hi = min(lo + fp.shard_numel, fp.numel)
+        step = saved["shard_numel"]
+        ranks.update(range(lo // step, (hi - 1) // step + 1) if hi > lo else ())
+    ranks.add(0)  # the step counts are read from rank 0's file
+    return sorted(r for r in ranks if r < world)
+
+
+def _load_resharded(final: str, meta: dict, engine, sources: List[int]) -> None:
+    """Load a checkpoint saved at another world size (or ZeRO stage): reshard it.
+
+    Every flat parameter is a flat vector of ``numel`` elements cut into equal shards of
+    ``shard_numel`` (the last padded with zeros): rank r of N holds elements
+    ``[r * s, (r + 1) * s)``. This rank's new shard is assembled from the slices of the saved
+    shards that overlap its range (safetensors reads only those bytes), one flat parameter at a
+    time (12 bytes per element of its shard in host memory, plus the shard); its padding is
+    zeros, as in a fresh engine (a zero weight with zero gradient and moments stays zero under
+    Adam/AdamW). Step counts are per flat parameter and equal on every rank."""
+    from contextlib import ExitStack
+    from safetensors import safe_open
+    with ExitStack() as stack:
+        files = {r: stack.enter_context(safe_open(os.path.join(final, rank_file_name(r)),
+                                                  framework="pt")) for r in sources}
+        for saved, fp in zip(meta["flat_params"], engine.flat_params):
+            step_s = saved["shard_numel"]
+            lo = engine.rank * fp.shard_numel
+            hi = min(lo + fp.shard_numel, fp.numel)
+
+            def gather(key, dtype):
+                out = torch.zeros(fp.shard_numel, dtype=dtype)
+                for r in range(lo // step_s, (hi - 1) // step_s + 1) if hi > lo else ():
+                    a, b = max(lo, r * step_s), min(hi, (r + 1) * step_s)
+                    part = files[r].get_slice(f"{fp.name}/{key}")[a - r * step_s:b - r * step_s]
+                    out[a - lo:b - lo] = part
+                return out
+
+            master = None
+            if fp.requires_grad:
+                master, m, v = (gather(key, torch.float32) for key in _STATE_KEYS)
+                engine.store.write_all(fp, master, m, v)
+                engine._step_count[fp] = int(files[0].get_tensor(f"{fp.name}/step"))
+            values = gather("param", fp.dtype) if _saves_param(fp) else master
             _write_param_shard(fp, values)
     if engine.param_home is not None:
         engine.param_home.drain()

@@ -658,6 +658,20 @@ def read_resume_state(args: argparse.Namespace) -> Dict[str, Any]:
     return saved
 
 
+def _check_resume_world_size(folder: str, world_size: int) -> None:
+    """Raise ValueError naming both world sizes if the checkpoint in ``folder`` was saved by
+    another number of ranks: each rank's batches depend on it, so the run could not continue
+    on the batches it had not seen. (The state itself loads on any world size through
+    :meth:`OffloadEngine.load_checkpoint`, which reshards it.)"""
+    from offload_zero.checkpoint import read_metadata
+    saved = read_metadata(folder).get("world_size")
+    if saved != world_size:
+        raise ValueError(f"--resume {folder!r}: the saved run had world size {saved}, this one "
+                         f"{world_size}; the batches each rank sees depend on it, so resume on "
+                         f"{saved} rank(s) (OffloadEngine.load_checkpoint reshards the state "
+                         "itself onto any world size)")
+
+
 def resumed_step(args: argparse.Namespace, saved: Optional[Dict[str, Any]] = None,
                  warn: bool = True) -> int:
     """The step ``--resume DIR`` continues from: the steps the saved run had done.
@@ -933,6 +947,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
                                         world_size=world_size, rank=rank
                                         ).batches(args.batch_size)
         if args.resume:
+            _check_resume_world_size(args.resume, world_size)
             engine.load_checkpoint(args.resume)
         skipped_before = engine.skipped_steps  # a resumed run reports its own steps only
         if args.resume:

@@ -760,6 +760,23 @@ def test_bad_checkpoint_flags_fail_before_training(flags, message, tmp_path, cap
     assert json.loads((ckpt / "checkpoint.json").read_text())["client_state"]["step"] == 2
 
 
+def test_resume_on_another_world_size_names_both(tmp_path, capsys):
+    """The engine reshards a checkpoint onto any world size, but the run's batches depend on
+    it: --resume from a run of 2 ranks on 1 is refused, naming both, before anything loads."""
+    ckpt = tmp_path / "ckpt"
+    assert cli.main(["train", "--preset", "tiny", "--steps", "2", "--checkpoint", str(ckpt),
+                     "--no-progress", *FAST]) == 0
+    meta_path = ckpt / "checkpoint.json"
+    meta = json.loads(meta_path.read_text())
+    meta["world_size"] = 2  # as if saved under torchrun --nproc-per-node 2
+    meta_path.write_text(json.dumps(meta))
+    capsys.readouterr()
+    assert cli.main(["train", "--preset", "tiny", "--steps", "4", "--resume", str(ckpt),
+                     "--no-progress", *FAST]) == 2
+    err = capsys.readouterr().err
+    assert "the saved run had world size 2, this one 1" in err and "Traceback" not in err
+
+
 def test_resume_takes_the_saved_runs_step_in_backward(tmp_path):
     """Without --[no-]step-in-backward a resumed run keeps the saved run's layout (the default
     differs between fp16 and the other dtypes)."""
