@@ -32,6 +32,9 @@ parameter ``<fp>`` (its name, e.g. ``unit3.trainable``) it holds this rank's sha
 - ``<fp>/param``: the compute dtype, shape (shard_numel,): the parameter shard, for a frozen flat
   parameter and for every flat parameter when the compute dtype is not float32 (an fp32
   trainable shard is its master weights, bit for bit, and is restored from them).
+- ``buffers/<name>``: each persistent buffer of the model (BatchNorm's running statistics,
+  say), whole, in its own dtype and shape; the same in every rank's file. ``checkpoint.json``'s
+  ``buffers`` lists their names.
 
 Rank r of N holds elements ``[r * shard_numel, (r + 1) * shard_numel)`` of each flat parameter
 (the last shard padded with zeros), so the files of N ranks also make up the state for any other
@@ -178,9 +181,12 @@ def load_checkpoint(engine, folder) -> dict:
     saved_world = meta["world_size"]
     sources = _source_ranks(meta, engine)
     specs = _saved_specs(meta, engine)
+    # every saved file is checked by some rank, also one this rank does not read (a rank
+    # whose shards are padding only): a checkpoint with a file missing or damaged is refused
+    mine = sorted(set(sources) | set(range(engine.rank, saved_world, engine.world_size)))
     error = None
     try:
-        for rank in sources:
+        for rank in mine:
             _verify_rank_file(os.path.join(final, rank_file_name(rank)), specs, rank,
                               saved_world, meta.get("save_id"))
     except Exception as exc:
@@ -262,10 +268,21 @@ def _agree(engine, error: Optional[BaseException], what: str, exc_type=RuntimeEr
         return
     if on_failure is not None:
         on_failure()
-    _failed_ranks(engine, False)  # the cleanup is done before any rank raises
+    first = _first_error(engine, failed, error)  # (a barrier too: the cleanup is done)
     if error is not None:
         raise error
-    raise exc_type(f"[rank {engine.rank}] {what} failed on rank(s) {failed} (see their errors)")
+    raise exc_type(f"[rank {engine.rank}] {what} failed on rank(s) {failed}: rank {failed[0]}: "
+                   f"{first}")
+
+
+def _first_error(engine, failed: List[int], error: Optional[BaseException]) -> str:
+    """Collective: the message of the lowest failed rank's error, on every rank."""
+    text = f"{type(error).__name__}: {error}" if error is not None else ""
+    if engine.comm.world_size == 1:
+        return text
+    texts = [None] * engine.comm.world_size
+    dist.all_gather_object(texts, text, group=engine.comm.group)
+    return texts[failed[0]]
 
 
 def _shared_save_id(engine) -> str:
@@ -305,7 +322,22 @@ def _layout(engine) -> dict:
                          "shard_numel": fp.shard_numel,
                          "parameters": [[e.names, list(e.shape)] for e in fp.entries]}
                         for fp in engine.flat_params],
+        "buffers": [name for name, _, _ in _persistent_buffers(engine.module)],
     }
+
+
+def _persistent_buffers(module) -> List[Tuple[str, object, str]]:
+    """``(name, owning module, attribute)`` of every persistent buffer of ``module`` (what its
+    ``state_dict`` holds: BatchNorm's running statistics, say), each once, in
+    ``named_modules`` order. They are not sharded: every rank holds the same."""
+    out, seen = [], set()
+    for prefix, mod in module.named_modules():
+        for attr, buf in mod._buffers.items():
+            if buf is None or attr in mod._non_persistent_buffers_set or id(buf) in seen:
+                continue
+            seen.add(id(buf))
+            out.append((f"{prefix}.{attr}" if prefix else attr, mod, attr))
+    return out
 
 
 def _scaler(engine):
@@ -367,6 +399,15 @@ def _read_metadata(folder: str) -> dict:
             or not isinstance(meta.get("loss_scaler"), (dict, type(None)))):
         raise ValueError(f"{path!r}: lr={lr!r}, skipped_steps={skipped!r} or loss_scaler="
                          f"{meta.get('loss_scaler')!r} is not valid")
+    fps = meta.get("flat_params")
+    if not isinstance(fps, list) or not all(isinstance(f, dict) for f in fps):
+        raise ValueError(f"{path!r}: flat_params must be a list of objects (one per flat "
+                         f"parameter), got {str(fps)[:80]}")
+    if not isinstance(meta.get("client_state"), (dict, type(None))):
+        raise ValueError(f"{path!r}: client_state must be an object (or null), got "
+                         f"{str(meta.get('client_state'))[:80]}")
+    if not isinstance(meta.get("buffers", []), list):
+        raise ValueError(f"{path!r}: buffers must be a list of names, got {meta['buffers']!r}")
     return meta
 
 
@@ -413,6 +454,11 @@ def _check_matches(meta: dict, engine, path: str) -> None:
         if len(entries) > len(ours["parameters"]):
             raise _mismatch(path, f"flat parameter {ours['name']!r} parameters count",
                             len(entries), len(ours["parameters"]))
+    if "buffers" in meta and meta["buffers"] != mine["buffers"]:
+        raise _mismatch(path, "buffers (names)", meta["buffers"], mine["buffers"])
+    if "buffers" not in meta and mine["buffers"]:
+        log.warning("%s: saved without the model's buffers (an older checkpoint): %s keep their "
+                    "current values", path, ", ".join(mine["buffers"][:5]))
     has_saved, has_mine = meta.get("loss_scaler") is not None, _scaler(engine) is not None
     if has_saved != has_mine:
         state = {True: "present", False: "absent"}
@@ -450,6 +496,9 @@ def _tensor_specs(engine) -> List[TensorSpec]:
             specs.append((f"{fp.name}/step", torch.int64, ()))
         if _saves_param(fp):
             specs.append((f"{fp.name}/param", fp.dtype, (n,)))
+    for name, mod, attr in _persistent_buffers(engine.module):
+        buf = mod._buffers[attr]
+        specs.append((f"buffers/{name}", buf.dtype, tuple(buf.shape)))
     return specs
 
 
@@ -458,8 +507,10 @@ def _saved_specs(meta: dict, engine) -> List[TensorSpec]:
     parameter; names, ``requires_grad`` and the compute dtype are checked equal to
     ``engine``'s by :func:`_check_matches`)."""
     saved = {f["name"]: f["shard_numel"] for f in meta["flat_params"]}
-    return [(name, dtype, shape if not shape else (saved[name.rsplit("/", 1)[0]],))
-            for name, dtype, shape in _tensor_specs(engine)]
+    return [(name, dtype, shape if name.startswith("buffers/") or not shape
+             else (saved[name.rsplit("/", 1)[0]],))
+            for name, dtype, shape in _tensor_specs(engine)
+            if "buffers" in meta or not name.startswith("buffers/")]
 
 
 def _rank_tensors(engine) -> Iterator[Tuple[str, torch.Tensor]]:
@@ -476,6 +527,8 @@ def _rank_tensors(engine) -> Iterator[Tuple[str, torch.Tensor]]:
             else:
                 shard = fp.sharded.detach().to("cpu", copy=True)
             yield f"{fp.name}/param", shard
+    for name, mod, attr in _persistent_buffers(engine.module):
+        yield f"buffers/{name}", mod._buffers[attr].detach().to("cpu", copy=True)
 
 
 def _raw_bytes(t: torch.Tensor):
@@ -535,7 +588,7 @@ def _verify_rank_file(path: str, specs: List[TensorSpec], rank: int, world_size:
                       save_id: Optional[str] = None) -> None:
     """Check that ``path`` is rank ``rank``'s complete, intact file of a save at
     ``world_size`` ranks: readable, written by that rank in the save ``save_id``
-    (checkpoint.json's; not checked when None), exactly the tensors of ``specs`` with their
+    (checkpoint.json's; a file must have the same, or none when it has none), exactly the tensors of ``specs`` with their
     dtypes and shapes, every CRC-32 right. Raises ValueError naming the file."""
     from safetensors import safe_open
     if not os.path.isfile(path):
@@ -547,7 +600,7 @@ def _verify_rank_file(path: str, specs: List[TensorSpec], rank: int, world_size:
                 raise ValueError(f"checkpoint file {path!r} was written by rank "
                                  f"{meta.get('rank')} of {meta.get('world_size')}, not rank "
                                  f"{rank} of {world_size}")
-            if save_id is not None and meta.get("save_id") != save_id:
+            if meta.get("save_id") != save_id:
                 raise ValueError(f"checkpoint file {path!r} belongs to another save than its "
                                  f"{META_NAME} (save_id {meta.get('save_id')!r} there, "
                                  f"{save_id!r} in {META_NAME}): files of two checkpoints were "
@@ -586,8 +639,18 @@ def _load_rank_file(path: str, engine) -> None:
                 engine._step_count[fp] = int(f.get_tensor(f"{fp.name}/step"))
             values = f.get_tensor(f"{fp.name}/param") if _saves_param(fp) else master
             _write_param_shard(fp, values)
+        _load_buffers(f, engine)
     if engine.param_home is not None:
         engine.param_home.drain()
+
+
+def _load_buffers(f, engine) -> None:
+    """Copy the persistent buffers saved in the open rank file ``f`` (if it has them: files
+    written before buffers were saved do not) into the engine's module."""
+    names = set(f.keys())
+    for name, mod, attr in _persistent_buffers(engine.module):
+        if f"buffers/{name}" in names:
+            mod._buffers[attr].copy_(f.get_tensor(f"buffers/{name}"))
 
 
 def _source_ranks(meta: dict, engine) -> List[int]:
@@ -642,6 +705,7 @@ def _load_resharded(final: str, meta: dict, engine, sources: List[int]) -> None:
                 engine._step_count[fp] = int(files[0].get_tensor(f"{fp.name}/step"))
             values = gather("param", fp.dtype) if _saves_param(fp) else master
             _write_param_shard(fp, values)
+        _load_buffers(files[0], engine)
     if engine.param_home is not None:
         engine.param_home.drain()
 

@@ -443,18 +443,23 @@ def test_a_stage_3_checkpoint_loads_at_another_stage(stage, tmp_path):
 
 
 @pytest.mark.parametrize("field,value,message", [
+    ("flat_params", ["x"], r"flat_params must be a list of objects"),
+    ("client_state", [1], r"client_state must be an object \(or null\), got \[1\]"),
+    ("save_id", None, r"belongs to another save than its checkpoint.json"),
     ("world_size", 0, r"world_size is 0; a checkpoint's is a positive integer"),
     ("world_size", "2", r"world_size is '2'; a checkpoint's is a positive integer"),
     ("shard_numel", 4, r"shard_numel is 4: 2 shards of it cannot hold its 1885 elements"),
 ])
-def test_impossible_sharding_metadata_is_refused(field, value, message, tmp_path):
+def test_impossible_or_edited_metadata_is_refused(field, value, message, tmp_path):
     with OffloadEngine(_model(0), offload="cpu", stage=3) as a:
         _train(a, batches(1))
         a.save_checkpoint(tmp_path / "ckpt")
         path = tmp_path / "ckpt" / "checkpoint.json"
         meta = json.loads(path.read_text())
-        if field == "world_size":
-            meta["world_size"] = value
+        if field == "save_id":
+            del meta["save_id"]  # the rank file's own is then checked against none
+        elif field != "shard_numel":
+            meta[field] = value
         else:
             meta["world_size"], meta["flat_params"][0]["shard_numel"] = 2, value
         path.write_text(json.dumps(meta))
@@ -462,6 +467,83 @@ def test_impossible_sharding_metadata_is_refused(field, value, message, tmp_path
         with pytest.raises(ValueError, match=message):
             a.load_checkpoint(tmp_path / "ckpt")
         assert _differences(_snapshot(a), before) == []
+
+
+class _WithBatchNorm(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.bn = nn.BatchNorm1d(8)
+        self.register_buffer("scratch", torch.zeros(2), persistent=False)
+
+    def forward(self, x):
+        return self.bn(self.lin(x))
+
+
+def test_model_buffers_are_saved_and_restored(tmp_path, monkeypatch, caplog):
+    """BatchNorm's running statistics and batch counter come back as saved (non-persistent
+    buffers are not saved, as in state_dict); a checkpoint written without buffers loads with
+    a warning that names them."""
+    torch.manual_seed(0)
+    with OffloadEngine(_WithBatchNorm(), offload="cpu") as a:
+        for _ in range(3):
+            a.backward(a(torch.randn(16, 8)).pow(2).mean())
+            a.step()
+        a.save_checkpoint(tmp_path / "ckpt")
+        want = a.full_state_dict()
+        with monkeypatch.context() as m:  # as a writer that saved no buffers would
+            m.setattr(ckpt, "_persistent_buffers", lambda module: [])
+            a.save_checkpoint(tmp_path / "old")
+        meta = json.loads((tmp_path / "old" / "checkpoint.json").read_text())
+        del meta["buffers"]
+        (tmp_path / "old" / "checkpoint.json").write_text(json.dumps(meta))
+    assert ckpt.read_metadata(tmp_path / "ckpt")["buffers"] == [
+        "bn.running_mean", "bn.running_var", "bn.num_batches_tracked"]
+    with OffloadEngine(_WithBatchNorm(), offload="cpu") as b:
+        b.load_checkpoint(tmp_path / "ckpt")
+        got = b.full_state_dict()
+        assert int(got["bn.num_batches_tracked"]) == 3
+        assert all(torch.equal(got[k], want[k]) for k in want)
+        with caplog.at_level("WARNING", logger="offload_zero"):
+            b.load_checkpoint(tmp_path / "old")
+    assert "saved without the model's buffers" in caplog.text and "bn.running_mean" in caplog.text
+
+
+def _save_on_four(rank, world_size, folder):
+    torch.manual_seed(0)
+    with OffloadEngine(TinyLM(n_blocks=1), offload="cpu", stage=3) as eng:
+        x, y = batches(1, batch=8)[0]
+        eng.backward(lm_loss(eng(x[2 * rank:2 * rank + 2]), y[2 * rank:2 * rank + 2]))
+        eng.step()
+        eng.save_checkpoint(folder)
+
+
+def _load_and_report(rank, world_size, folder):
+    with OffloadEngine(TinyLM(n_blocks=1), offload="cpu", stage=3) as eng:
+        try:
+            eng.load_checkpoint(folder)
+        except ValueError as exc:
+            return str(exc)
+    return "loaded"
+
+
+def test_every_saved_file_is_checked_when_resharding(tmp_path):
+    """Saved on 4 ranks, the last one holding only padding: loaded on fewer ranks, no rank
+    reads that file, yet one checks it, so a checkpoint without it, or with it damaged, is
+    refused, and every rank's error names the file."""
+    folder = str(tmp_path / "ck")
+    run_ranks(_save_on_four, 4, folder)
+    assert ckpt.read_metadata(folder)["flat_params"][0]["shard_numel"] * 3 >= 1885
+    damaged = str(tmp_path / "damaged")
+    shutil.copytree(folder, damaged)
+    path = os.path.join(damaged, "rank00003.safetensors")
+    data = bytearray(open(path, "rb").read())
+    data[-100] ^= 1
+    open(path, "wb").write(bytes(data))
+    os.remove(os.path.join(folder, "rank00003.safetensors"))
+    assert _load_and_report(0, 1, folder) == f"checkpoint file {folder + '/rank00003.safetensors'!r} is missing"
+    for message in run_ranks(_load_and_report, 2, damaged):
+        assert "rank00003.safetensors" in message and "is corrupt" in message
 
 
 def _full_state(folder):
