@@ -24,6 +24,9 @@ Rows (a step = forward + backward + optimizer step, AdamW lr 1e-4, wd 0.01):
   shards in RAM (the device is the CPU here).
 - ``ours-nvme+sib``, ``ours-nvme-opt+sib``: the two above with ``step_in_backward=True`` (each
   unit updated as soon as its gradient is final; the main job's default). Same losses.
+- ``ours-nvme+sif``, ``ours-nvme-opt+sif``: the same with ``step_in_forward=True`` (the step
+  decides the update, each unit gets it just before its next gather, the state's I/O overlaps
+  the next forward; works with clipping and accumulation, unlike ``+sib``). Same losses.
 - ``ds-cpu``, ``ds-nvme-opt``, ``ds-nvme-opt+param``: DeepSpeed ZeRO-3 (only when
   ``import deepspeed`` works), with optimizer and parameters offloaded to the CPU; optimizer to
   NVMe (parameters on the CPU); both to NVMe. Model built under ``deepspeed.zero.Init``;
@@ -72,7 +75,7 @@ from typing import Dict, List
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = ["torch", "torch+io", "ours-cpu", "ours-nvme", "ours-nvme-opt", "ours-nvme+sib", "ours-nvme-opt+sib",
-           "ds-cpu", "ds-nvme-opt", "ds-nvme-opt+param"]
+           "ours-nvme+sif", "ours-nvme-opt+sif", "ds-cpu", "ds-nvme-opt", "ds-nvme-opt+param"]
 LR, BETAS, EPS, WD = 1e-4, (0.9, 0.999), 1e-8, 0.01
 GB = 1e9
 
@@ -258,11 +261,13 @@ def worker(args) -> None:
     elif config.startswith("ours-"):
         from offload_zero import OffloadEngine
         model = _build_model(args, dtype)
-        base = config.replace("+sib", "")
+        base = config.replace("+sib", "").replace("+sif", "")
         offload = base.split("-")[1]
         extra = {"offload_param": "none"} if base == "ours-nvme-opt" else {}
         if config.endswith("+sib"):
             extra["step_in_backward"] = True
+        if config.endswith("+sif"):
+            extra["step_in_forward"] = True
         engine = OffloadEngine(model, stage=3, offload=offload,
                                path=args.path if offload == "nvme" else None, **extra,
                                lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, dtype=dtype,

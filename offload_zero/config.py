@@ -95,6 +95,16 @@ class EngineConfig:
             step. Needs stage >= 2, no
             ``max_grad_norm`` (the norm is known only after backward) and one ``backward`` per
             ``step`` (no gradient accumulation). Default False.
+        step_in_forward: at stage 3, :meth:`OffloadEngine.step` decides the update (gradient
+            clipping, the inf/nan check, the loss scale, the learning rate) but applies it to
+            each unit lazily, just before the unit's parameters are next read (its gather or
+            prefetch in the next forward, or whatever reads them first); the state of the next
+            units is read ahead meanwhile, so with the optimizer state on NVMe the step's I/O
+            overlaps the next forward's compute instead of stalling between backward and
+            forward. Works with ``max_grad_norm`` and gradient accumulation (unlike
+            ``step_in_backward``); the updated parameter shards stay in their read buffers for
+            the gather. Same numbers as the plain step. Needs stage 3 and
+            ``step_in_backward=False``. Default False.
         tail_state_in_host: with ``step_in_backward`` and the optimizer state on NVMe, keep the
             state (fp32 master weights, moments) of the flat parameter updated last in backward
             (the root's parameters used before the blocks: the input embeddings) in host memory
@@ -141,6 +151,7 @@ class EngineConfig:
     max_host_bytes: Optional[int] = None
     grad_dtype: torch.dtype = torch.float32
     step_in_backward: bool = False
+    step_in_forward: bool = False
     tail_state_in_host: Optional[bool] = None
     loss_scale: Optional[object] = None
     initial_loss_scale: float = 2.0 ** 16
@@ -198,6 +209,14 @@ class EngineConfig:
             raise ValueError(f"step_in_backward=True cannot clip: max_grad_norm={self.max_grad_norm!r} "
                              "needs every gradient before the first update; set max_grad_norm=None "
                              "or step_in_backward=False")
+        if not isinstance(self.step_in_forward, bool):
+            raise ValueError(f"step_in_forward={self.step_in_forward!r} is not valid; use True or False")
+        if self.step_in_forward and self.stage != 3:
+            raise ValueError(f"step_in_forward=True needs stage 3 (units gathered before each "
+                             f"forward); got stage={self.stage}")
+        if self.step_in_forward and self.step_in_backward:
+            raise ValueError("step_in_forward=True and step_in_backward=True exclude each other "
+                             "(the update runs in backward, or in the next forward); choose one")
         from offload_zero.optim.loss_scale import finite_positive
         if self.loss_scale not in (None, "dynamic") and not finite_positive(self.loss_scale):
             raise ValueError(f"loss_scale={self.loss_scale!r} is not valid; use 'dynamic', a "

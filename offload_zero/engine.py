@@ -97,7 +97,8 @@ class OffloadEngine:
             self.placement = choose_placement(
                 model, cfg.stage, self.world_size, cfg.dtype, cfg.prefetch, cfg.unit_classes,
                 self.device, cfg.path, cfg.max_device_bytes, cfg.max_host_bytes,
-                step_in_backward=cfg.step_in_backward, tail_state_in_host=cfg.tail_state_in_host)
+                step_in_backward=cfg.step_in_backward, tail_state_in_host=cfg.tail_state_in_host,
+                step_in_forward=cfg.step_in_forward)
             self.config = cfg = dataclasses.replace(
                 cfg, offload_optimizer=self.placement.offload_optimizer,
                 offload_param=self.placement.offload_param)
@@ -109,6 +110,8 @@ class OffloadEngine:
         self._targets: Dict[FlatParam, Optional[torch.Tensor]] = {}
         self._early: Dict[FlatParam, bool] = {}  # step_in_backward: updated in backward -> ok
         self._deferred: List[tuple] = []  # step_in_backward: (fp, update generator, skipped)
+        self._lazy: Dict[FlatParam, None] = {}  # step_in_forward: updates decided, not applied
+        self._lazy_step = (1.0, cfg.lr)         # (gradient factor, lr) of those updates
         self._backward_pending = False
         self.skipped_steps = 0
         # fp16: the loss is scaled up before backward, the update scales the gradients down
@@ -182,6 +185,13 @@ class OffloadEngine:
                     # which gathers the root first: the updated shards stay there instead of
                     # being read back from the files
                     keep = lambda fp: fp.name.startswith("root.") and fp.name != in_host  # noqa: E731
+            if cfg.step_in_forward:
+                # a block's update runs just before its gather: the new shard stays in its
+                # buffer for that gather instead of being written and read back (the root's
+                # only where it has a buffer per flat parameter, as above)
+                keep_root = keep or (lambda fp: False)
+                keep = lambda fp: (keep_root(fp) if fp.name.startswith("root.")  # noqa: E731
+                                   else True)
             self.param_home = NVMeParamHome(self.swapper, pool_for, self._acct,
                                             master_is_param=share, keep_after_update=keep)
         self.store = self._build_store(plan)
@@ -233,11 +243,23 @@ class OffloadEngine:
                 self.pools["optimizer_prefetch"] = ring
                 self.store.enable_prefetch(ring)
                 on_unit_forward = self._read_ahead_in_forward
+        before_gather = None
+        if cfg.step_in_forward:
+            before_gather = self._apply_lazy_for
+            numel = max((fp.shard_numel for u in self.blocks for fp in u.flat_params
+                         if fp.requires_grad), default=0)
+            if isinstance(self.store, NVMeStore) and numel:
+                # whole states of the next units read while the units before them run
+                ring = HostBufferPool("optimizer_prefetch", 2, 3 * numel, torch.float32,
+                                      self._host_alloc, self._acct)
+                self.pools["optimizer_prefetch"] = ring
+                self.store.enable_prefetch(ring)
         self.scheduler = UnitScheduler(self.blocks, self.root, self.comm, cfg.prefetch,
                                        reshard_after_forward=cfg.stage == 3,
                                        on_grad=on_grad, pool_for=pool_for, staging=staging,
                                        on_unit_backward=on_unit_backward, on_forward=on_forward,
-                                       on_unit_forward=on_unit_forward)
+                                       on_unit_forward=on_unit_forward,
+                                       before_gather=before_gather)
         if cfg.activation_checkpointing:
             # a key/value cache filled in forward and again in the recomputation would make the
             # two passes differ (Hugging Face models turn it off for checkpointing the same way)
@@ -404,6 +426,7 @@ class OffloadEngine:
             raise RuntimeError("step_in_backward=True updates the weights during backward, so "
                                "gradients cannot accumulate over several backward calls: call "
                                "step() after each backward, or use step_in_backward=False")
+        self.apply_pending_updates()  # (units the last forward did not run)
         self._backward_pending = True
         if self.loss_scaler is not None:
             # in fp32: a scaled fp16 loss would overflow long before its gradients do
@@ -425,6 +448,7 @@ class OffloadEngine:
         if self.config.step_in_backward:
             self.step()
             return
+        self.apply_pending_updates()
         self.grads.zero()
         self._backward_pending = False
 
@@ -535,9 +559,63 @@ class OffloadEngine:
                 raise
 
     def _finish_updates(self) -> None:
-        """Finish every update started in backward and still streaming (step_in_backward): before
-        the step, a forward or a read of the weights, so none sees half of one."""
+        """Finish every update started in backward and still streaming (step_in_backward), and
+        apply those a step left for the next forward (step_in_forward): before the step, a
+        forward or a read of the weights, so none sees half of one."""
         self._pump(all_of_them=True)
+        self.apply_pending_updates()
+
+    # -- step_in_forward ----------------------------------------------------------------------
+    def _lazy_order(self) -> List[FlatParam]:
+        """The pending updates in the order the next forward needs them: the root's first
+        (gathered as forward starts), then the blocks' in the recorded forward order."""
+        units = [self.root] + (self.scheduler.order or self.blocks)
+        seen = [fp for u in units for fp in u.flat_params if fp in self._lazy]
+        return seen + [fp for fp in self._lazy if fp not in seen]
+
+    def _apply_lazy_for(self, unit: Unit) -> None:
+        """``unit``'s parameters are about to be read (gathered or prefetched): apply its
+        pending updates first, then start reading ahead the state of the units that follow."""
+        fps = [fp for fp in unit.flat_params if fp in self._lazy]
+        if fps:
+            self._apply_lazy(fps)
+
+    @torch.no_grad()
+    def _apply_lazy(self, fps: List[FlatParam]) -> None:
+        """Apply the pending updates of ``fps`` (see ``step_in_forward``) and zero their
+        gradients; the write-backs stay in flight. The whole states of the next pending block
+        updates are read ahead (as many as the read-ahead buffers hold), so their reads overlap
+        the compute that runs before them."""
+        order = self._lazy_order()
+        for fp in fps:
+            del self._lazy[fp]
+        coef, lr = self._lazy_step
+        self._read_ahead_lazy([fp for fp in order if fp not in fps])
+        skipped: set = set()
+        try:
+            for _ in self._iter_updates(fps, coef, True, skipped, lr):
+                pass
+        finally:
+            self.grads.zero(only=fps)
+        self._read_ahead_lazy(self._lazy_order())
+
+    def _read_ahead_lazy(self, order: List[FlatParam]) -> None:
+        """Start whole-state reads of the first pending updates in ``order`` that fit the
+        read-ahead buffers, without waiting for the disk (NVMe state only)."""
+        if "optimizer_prefetch" not in self.pools:
+            return
+        for fp in order:
+            if not (self.store.prefetched(fp) or self.store.prefetch(fp, wait=False)):
+                return
+
+    def apply_pending_updates(self) -> None:
+        """Apply every update that :meth:`step` decided and ``step_in_forward`` left for the
+        units' next gathers (no-op otherwise): before anything reads the weights or the
+        optimizer state as a whole (checkpoints, :meth:`full_state_dict`, the next
+        :meth:`step`), and by :meth:`backward` for units the last forward did not run.
+        Raises SwapIOError if an NVMe transfer fails (file and offset named)."""
+        if self._lazy:
+            self._apply_lazy(self._lazy_order())
 
     @torch.no_grad()
     def step(self) -> None:
@@ -556,6 +634,7 @@ class OffloadEngine:
         cfg = self.config
         self.scheduler.reshard_all()  # a training forward without backward leaves the root gathered
         self._finish_updates()
+        self.apply_pending_updates()  # (a step without a forward since the last one)
         if cfg.stage == 1:
             self.grads.reduce_all_full(self.trainable)
         coef = self._unscale()  # the gradients carry the loss scale (1.0 without one)
@@ -578,6 +657,9 @@ class OffloadEngine:
                 self._skip_step()
                 return
             known_finite = True
+        if cfg.step_in_forward:
+            self._defer_step(with_grad, coef, known_finite)
+            return
         try:
             skipped = self._update_states(with_grad, coef, known_finite)
         finally:
@@ -601,6 +683,28 @@ class OffloadEngine:
                 self.comm.all_gather_into(fp.full_values(), fp.sharded)
         self.grads.zero()
         self.comm.end_step()
+
+    def _defer_step(self, with_grad: List[FlatParam], coef: float, known_finite: bool) -> None:
+        """End a ``step_in_forward`` step: decide now which flat parameters update (those with
+        an inf/nan gradient on any rank are skipped, as in the plain step, and counted in
+        ``skipped_steps``), with this gradient factor and learning rate; the updates
+        themselves run before each unit's next gather (:meth:`_apply_lazy`)."""
+        skipped: set = set()
+        if not known_finite:
+            if self.world_size > 1:
+                skipped = self._nonfinite_on_any_rank(with_grad)
+            else:
+                skipped = {fp for fp in with_grad if not _all_finite(self.grads.buf[fp])}
+        self._lazy = dict.fromkeys(fp for fp in with_grad if fp not in skipped)
+        self._lazy_step = (coef, self.lr)
+        if skipped:
+            self.skipped_steps += 1
+        if self.loss_scaler is not None:
+            self.loss_scaler.update(bool(skipped))
+        self._backward_pending = False
+        self.grads.zero(keep=self._lazy)
+        self.comm.end_step()
+        self._read_ahead_lazy(self._lazy_order())
 
     def _skip_step(self) -> None:
         """End a step that updates nothing (an inf/nan gradient on some rank): drop the

@@ -50,6 +50,8 @@ Besides model states this engine holds, at the peak of a step:
   shard's whole state, ``2 * 12 * shard_numel`` bytes (three when fp32 parameter shards on NVMe
   are gathered from them); the outsized root's buffers then hold one shard fewer when its tail
   state is in host memory (see above);
+- with ``step_in_forward`` and ``"nvme"`` (stage 3): two read-ahead buffers of the largest
+  trainable block shard's whole state, ``2 * 12 * shard_numel`` bytes;
 - with an accelerator and any offload: one host staging buffer of ``largest shard_numel * K``;
 - with N > 1: one reduce-scatter scratch shard on the device, ``largest shard_numel * K``.
 Activations, the allocator's fragmentation and the framework's own workspace are not counted.
@@ -420,7 +422,7 @@ def _model_states(layout, stage, offload, n, k, padded, offload_param=None,
 
 
 def _extras(layout, stage, offload, n, k, padded, prefetch, accelerator, offload_param=None,
-            step_in_backward=False, tail=None):
+            step_in_backward=False, tail=None, step_in_forward=False):
     """Per-rank bytes of this engine's buffers at the step's peak; see [Note: engine extras].
     ``tail``: as for :func:`_model_states`."""
     out = _zeros()
@@ -483,6 +485,10 @@ def _extras(layout, stage, offload, n, k, padded, prefetch, accelerator, offload
                             if u != -1 and spec.trainable]
         count = 3 if (stage == 3 and offload_param == "nvme" and k == 4) else 2
         out["host"]["buffers"] += count * 3 * 4 * max(trainable_blocks, default=0)
+    if step_in_forward and offload == "nvme" and stage == 3:
+        trainable_blocks = [sh for sh, u, spec in zip(all_shards, units_of, layout)
+                            if u != -1 and spec.trainable]
+        out["host"]["buffers"] += 2 * 3 * 4 * max(trainable_blocks, default=0)
     if offload != "none" and offload_param == "none" and accelerator and shards:
         out["host"]["buffers"] += biggest * k
     return out
@@ -569,13 +575,14 @@ def placement_bytes(model: nn.Module, stage: int, offload_optimizer: str, offloa
                     world_size: int = 1, dtype=torch.bfloat16, prefetch: int = 1,
                     unit_classes: Sequence[type] = (), accelerator: bool = True,
                     layout=None, step_in_backward: bool = False,
-                    tail_state_in_host: Optional[bool] = None) -> "Placement":
+                    tail_state_in_host: Optional[bool] = None,
+                    step_in_forward: bool = False) -> "Placement":
     """Bytes per rank for one placement with the optimizer and parameter tiers set apart.
 
     ``offload_optimizer`` / ``offload_param``: "none", "cpu" or "nvme" (parameters off the
     device only at stage 3). ``layout``: a precomputed :func:`model_layout` (saves a walk of
-    the model). ``step_in_backward``, ``tail_state_in_host``: the engine's options of those
-    names (its NVMe read-ahead buffers; the state it keeps in host memory). Returns a :class:`Placement` whose ``offload`` reads ``"<optimizer>+<param>"``.
+    the model). ``step_in_backward``, ``tail_state_in_host``, ``step_in_forward``: the engine's
+    options of those names (its NVMe read-ahead buffers; the state it keeps in host memory). Returns a :class:`Placement` whose ``offload`` reads ``"<optimizer>+<param>"``.
     Used by ``offload="auto"`` (:mod:`offload_zero.placement`).
     """
     dt = _resolve_dtype(dtype)
@@ -587,7 +594,8 @@ def placement_bytes(model: nn.Module, stage: int, offload_optimizer: str, offloa
     states = _model_states(layout, stage, offload_optimizer, world_size, k, True, offload_param,
                            accelerator=accelerator, tail=tail)
     extras = _extras(layout, stage, offload_optimizer, world_size, k, True, prefetch, accelerator,
-                     offload_param, step_in_backward=step_in_backward, tail=tail)
+                     offload_param, step_in_backward=step_in_backward, tail=tail,
+                     step_in_forward=step_in_forward)
     return Placement(stage, f"{offload_optimizer}+{offload_param}", _to_bytes(states),
                      _to_bytes(extras), 1, engine_supported=stage > 0)
 

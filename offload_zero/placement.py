@@ -73,9 +73,10 @@ def choose_placement(model: nn.Module, stage: int, world_size: int, dtype: torch
                      max_device_bytes: Optional[int] = None,
                      max_host_bytes: Optional[int] = None,
                      step_in_backward: bool = False,
-                     tail_state_in_host: Optional[bool] = None) -> PlacementChoice:
-    """Pick the first of :data:`CANDIDATES` whose bytes fit the budgets (``step_in_backward``:
-    count its NVMe read-ahead buffers too).
+                     tail_state_in_host: Optional[bool] = None,
+                     step_in_forward: bool = False) -> PlacementChoice:
+    """Pick the first of :data:`CANDIDATES` whose bytes fit the budgets (``step_in_backward``,
+    ``step_in_forward``: count their NVMe read-ahead buffers too).
 
     Raises:
         ValueError: nothing fits; the message names, for the placement that needs the least
@@ -96,7 +97,8 @@ def choose_placement(model: nn.Module, stage: int, world_size: int, dtype: torch
             continue
         p = placement_bytes(model, stage, opt, param, world_size, dtype, prefetch, unit_classes,
                             accelerator, layout=layout, step_in_backward=step_in_backward,
-                            tail_state_in_host=tail_state_in_host)
+                            tail_state_in_host=tail_state_in_host,
+                            step_in_forward=step_in_forward)
         need = {t: p.tier_bytes(t) for t in ("device", "host", "nvme")}
         short = _shortfall(need, budgets)
         tried.append(f"{opt}+{param}: needs " + ", ".join(f"{t} {_fmt(need[t])}" for t in need)

@@ -75,33 +75,35 @@ def test_nvme_matches_cpu_bit_for_bit_world_size_2(ws2_results):
 
 
 def _step_in_backward_rank(rank, world_size):
-    """Stage 3, offload="nvme" (fp32 parameter shards and optimizer state on NVMe) with and
-    without step_in_backward, a root larger than the blocks so the LM head's state streams in
-    chunks: the weights of both runs on this rank."""
+    """Stage 3, offload="nvme" (fp32 parameter shards and optimizer state on NVMe) with the
+    plain step, step_in_backward and step_in_forward, a root larger than the blocks so the LM
+    head's state streams in chunks: the weights of each run on this rank."""
     from offload_zero import OffloadEngine
     from offload_zero.memory.tiers import NVMeStore
     NVMeStore.CHUNK_NUMEL = 1024
     out = {}
-    for sib in (False, True):
+    for mode in ("plain", "step_in_backward", "step_in_forward"):
         torch.manual_seed(0)
         model = big_root_lm(3, vocab_scale=4)
+        kw = {} if mode == "plain" else {mode: True}
         with tempfile.TemporaryDirectory() as d, OffloadEngine(
-                model, stage=3, offload="nvme", path=d, lr=1e-2, weight_decay=0.1,
-                step_in_backward=sib) as eng:
+                model, stage=3, offload="nvme", path=d, lr=1e-2, weight_decay=0.1, **kw) as eng:
             for x, y in batches(4, seed=1, batch=2 * world_size):
                 lo = rank * 2
                 eng.backward(lm_loss(eng(x[lo:lo + 2]), y[lo:lo + 2]))
                 eng.step()
-            out[sib] = {k: v.numpy() for k, v in eng.full_state_dict().items()}
+            out[mode] = {k: v.numpy() for k, v in eng.full_state_dict().items()}
     return out
 
 
-def test_step_in_backward_world_size_2_bit_for_bit():
+def test_step_in_backward_and_in_forward_world_size_2_bit_for_bit():
     """Updates inside backward on two ranks (reduce-scatter per flat parameter, the LM head's
-    state streamed in chunks, blocks gathered from the state read ahead) give the weights of
-    the plain step exactly, on every rank."""
+    state streamed in chunks, blocks gathered from the state read ahead), or applied before
+    each unit's gather in the next forward, give the weights of the plain step exactly, on
+    every rank."""
     for result in run_ranks(_step_in_backward_rank, 2):
-        assert all((result[False][k] == result[True][k]).all() for k in result[False])
+        for mode in ("step_in_backward", "step_in_forward"):
+            assert all((result["plain"][k] == result[mode][k]).all() for k in result["plain"])
 
 
 @pytest.mark.parametrize("case", CASES_WS4, ids=lambda c: f"stage{c[0]}-{c[1]}")

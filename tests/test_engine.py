@@ -13,6 +13,9 @@ import torch.nn as nn
 
 from models import BackwardFault, TinyLM, batches, big_root_lm, lm_loss, max_param_diff
 from offload_zero import OffloadEngine
+from offload_zero.memory.tiers import NVMeStore
+
+F32 = torch.float32
 
 OFFLOADS = ["none", "cpu", "nvme"]
 
@@ -1663,6 +1666,146 @@ def test_step_in_backward_skips_a_non_finite_step_and_refuses_accumulation(tmp_p
     ({"step_in_backward": True, "stage": 1}, "stage=1"),
     ({"step_in_backward": "yes"}, "step_in_backward='yes'")])
 def test_step_in_backward_bad_settings_raise(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        OffloadEngine(TinyLM(), **kwargs)
+
+
+# -- step_in_forward ------------------------------------------------------------------------------
+SIF_CASES = [("cpu", "none", F32, {}), ("nvme", "nvme", F32, {}), ("nvme", "none", F32, {}),
+             ("nvme", "cpu", F32, {}), ("nvme", "nvme", torch.bfloat16, {}),
+             ("nvme", "nvme", F32, {"max_grad_norm": 0.05}),
+             ("cpu", "cpu", torch.float16, {}), ("nvme", "nvme", F32, {"prefetch": 2})]
+
+
+def _run_sif_pair(model_fn, engine_kw, tmp_path, steps=4, micro=2, between=None):
+    """The same training with the plain step and with step_in_forward: per run, the losses, an
+    evaluation forward's logits after the last step (before anything else reads the weights)
+    and the final weights."""
+    out = []
+    for sif in (False, True):
+        torch.manual_seed(0)
+        model = model_fn()
+        path = tmp_path / f"sif{sif}"
+        path.mkdir()
+        kw = dict(engine_kw, path=str(path) if "nvme" in (engine_kw.get("offload"),
+                                                           engine_kw.get("offload_param")) else None)
+        losses = []
+        with OffloadEngine(model, stage=3, lr=1e-2, weight_decay=0.1, step_in_forward=sif,
+                           **kw) as eng:
+            data = batches(steps * micro, seed=3)
+            for i in range(steps):
+                if between:
+                    between(i, model, eng)
+                for x, y in data[i * micro:(i + 1) * micro]:  # gradient accumulation
+                    loss = lm_loss(eng(x), y)
+                    eng.backward(loss)
+                    losses.append(loss.item())
+                eng.step()
+            with torch.no_grad():
+                logits = eng(data[0][0]).clone()
+            out.append((losses, logits, eng.full_state_dict(), eng.skipped_steps))
+    return out
+
+
+@pytest.mark.parametrize("offload,offload_param,dtype,extra", SIF_CASES,
+                         ids=[f"{o}-{p}-{str(d)[6:]}-{'-'.join(e) or 'plain'}"
+                              for o, p, d, e in SIF_CASES])
+def test_step_in_forward_gives_the_weights_of_the_step(offload, offload_param, dtype, extra,
+                                                       tmp_path, monkeypatch):
+    """Updates decided by step() and applied before each unit's next gather: the losses, the
+    logits of an evaluation forward right after the last step and the final weights are those
+    of the plain step bit for bit, with gradient accumulation (two backward calls per step),
+    clipping, bf16 and fp16 (loss scale), parameter shards on the device, in host memory or on
+    NVMe, and the root's state streamed in chunks."""
+    monkeypatch.setattr(NVMeStore, "CHUNK_NUMEL", 1024)
+    kw = dict(offload=offload, offload_param=offload_param, dtype=dtype, **extra)
+    (l0, g0, w0, s0), (l1, g1, w1, s1) = _run_sif_pair(lambda: big_root_lm(3, vocab_scale=2),
+                                                       kw, tmp_path)
+    assert l0 == l1 and s0 == s1
+    assert torch.equal(g0, g1)
+    assert all(torch.equal(w0[k], w1[k]) for k in w0)
+
+
+def test_step_in_forward_moves_the_state_io_into_the_next_forward(tmp_path):
+    """With the optimizer state on NVMe, step() writes no state: the next forward applies the
+    updates, reading the blocks' whole states ahead into the read-ahead buffers, and writes
+    12 bytes per element of every state back."""
+    torch.manual_seed(0)
+    with OffloadEngine(TinyLM(n_blocks=4), offload="nvme", offload_param="none",
+                       path=str(tmp_path), step_in_forward=True) as eng:
+        x, y = batches(1)[0]
+        eng.backward(lm_loss(eng(x), y))
+        written, read = eng.store.written_bytes, eng.store.read_bytes
+        eng.step()
+        assert (eng.store.written_bytes, eng.store.read_bytes) == (written, read)
+        state = 12 * sum(fp.shard_numel for fp in eng.trainable)
+        eng(x)
+        eng.store.drain()  # (the last write-backs are left in flight)
+        assert eng.store.written_bytes - written == state
+        assert eng.store.read_bytes - read == state
+        ring = eng.memory_report()["pools"]["optimizer_prefetch"]
+        assert ring["buffers"] == 2 and ring["peak_in_use"] == 2
+
+
+def test_step_in_forward_applies_updates_of_units_forward_skipped(tmp_path):
+    """A forward that skips a block leaves its update pending: it is applied before anything
+    else reads that block (the next backward, the next step, a gather), and the weights stay
+    those of the plain step."""
+    def skip_block_1_on_step_2(i, model, eng):
+        model.skip = {1} if i == 2 else set()
+
+    kw = dict(offload="nvme", offload_param="nvme")
+    (l0, _, w0, _), (l1, _, w1, _) = _run_sif_pair(lambda: TinyLM(n_blocks=3), kw, tmp_path,
+                                                   between=skip_block_1_on_step_2)
+    assert l0 == l1 and all(torch.equal(w0[k], w1[k]) for k in w0)
+
+
+def test_step_in_forward_state_reads_apply_pending_updates(tmp_path):
+    """Right after step() (no forward yet), full_state_dict(), a checkpoint and zero_grad() see
+    the updated weights and state, as after the plain step; the learning rate of an update is
+    the one step() ran with, whatever set_lr() says before the forward that applies it."""
+    from safetensors.torch import load_file
+    results = []
+    for sif in (False, True):
+        torch.manual_seed(0)
+        (tmp_path / f"s{sif}").mkdir()
+        with OffloadEngine(TinyLM(n_blocks=3), offload="nvme", path=str(tmp_path / f"s{sif}"),
+                           lr=1e-2, step_in_forward=sif) as eng:
+            for i, (x, y) in enumerate(batches(3)):
+                eng.backward(lm_loss(eng(x), y))
+                eng.step()
+                eng.set_lr(1e-2 / (i + 2))
+            weights = eng.full_state_dict()
+            eng.backward(lm_loss(eng(x), y))
+            eng.step()
+            eng.zero_grad()
+            eng.save_checkpoint(tmp_path / f"ckpt{sif}")
+            results.append((weights, load_file(tmp_path / f"ckpt{sif}" / "rank00000.safetensors")))
+    (w0, c0), (w1, c1) = results
+    assert all(torch.equal(w0[k], w1[k]) for k in w0)
+    assert c0.keys() == c1.keys() and all(torch.equal(c0[k], c1[k]) for k in c0)
+
+
+def test_step_in_forward_skips_what_the_step_skips(tmp_path):
+    """An inf gradient in one flat parameter skips that update only (counted once in
+    skipped_steps), decided in step() as in the plain step; the other updates apply later."""
+    def poison_head_on_step_1(i, model, eng):
+        if i == 1:
+            model.head.register_full_backward_pre_hook(
+                lambda mod, g: (g[0] * float("inf"),) if model.training else None)
+
+    kw = dict(offload="nvme", offload_param="nvme")
+    (l0, _, w0, s0), (l1, _, w1, s1) = _run_sif_pair(lambda: TinyLM(n_blocks=2), kw, tmp_path,
+                                                     micro=1, between=poison_head_on_step_1)
+    assert s0 == s1 >= 1 and l0 == l1
+    assert all(torch.equal(w0[k], w1[k]) for k in w0)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"step_in_forward": True, "stage": 2}, "step_in_forward=True needs stage 3"),
+    ({"step_in_forward": True, "step_in_backward": True}, "exclude each other"),
+    ({"step_in_forward": 1}, "step_in_forward=1 is not valid")])
+def test_step_in_forward_bad_settings_raise(kwargs, match):
     with pytest.raises(ValueError, match=match):
         OffloadEngine(TinyLM(), **kwargs)
 

@@ -247,22 +247,25 @@ def test_format_table_is_readable():
         format_table(estimate_memory(1000), unit="TB")
 
 
+@pytest.mark.parametrize("mode", ["step_in_backward", "step_in_forward"])
 @pytest.mark.parametrize("offload_param", ["none", "nvme"])
-def test_placement_bytes_count_the_step_in_backward_read_ahead(offload_param, tmp_path):
-    """With step_in_backward the engine adds read-ahead buffers of a block's whole state (two,
-    three when fp32 parameter shards on NVMe are gathered from them);
-    the bytes placement_bytes gives (what offload="auto" budgets) equal memory_report's peaks."""
+def test_placement_bytes_count_the_read_ahead(offload_param, mode, tmp_path):
+    """With step_in_backward or step_in_forward the engine adds read-ahead buffers of a
+    block's whole state (two; three when step_in_backward gathers fp32 parameter shards on
+    NVMe from them); the bytes placement_bytes gives (what offload="auto" budgets) equal
+    memory_report's peaks."""
     from offload_zero.estimator import placement_bytes
     torch.manual_seed(0)
     model = WiderLM()
     plain = placement_bytes(model, 3, "nvme", offload_param, dtype=torch.float32, accelerator=False)
     est = placement_bytes(model, 3, "nvme", offload_param, dtype=torch.float32, accelerator=False,
-                          step_in_backward=True)
+                          **{mode: True})
     with OffloadEngine(model, stage=3, offload="nvme", offload_param=offload_param,
-                       path=str(tmp_path), step_in_backward=True) as eng:
+                       path=str(tmp_path), **{mode: True}) as eng:
         for x, y in batches(2):
             eng.backward(lm_loss(eng(x), y))
             eng.step()
+        eng(batches(1)[0][0])  # (step_in_forward: the last step's updates run here)
         rep = eng.memory_report()
         ring = rep["pools"]["optimizer_prefetch"]["capacity_bytes"]
     assert est.extras["host"]["buffers"] - plain.extras["host"]["buffers"] == ring > 0

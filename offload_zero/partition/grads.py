@@ -134,9 +134,12 @@ class GradientShards:
                 total += b.double().pow(2).sum().cpu()
         return total
 
-    def zero(self) -> None:
-        """Forget the accumulated gradients (the next backward overwrites the buffers)."""
-        for fp in self.has_grad:
+    def zero(self, only=None, keep=()) -> None:
+        """Forget the accumulated gradients (the next backward overwrites the buffers): of
+        every flat parameter, or of those in ``only``, except those in ``keep``."""
+        for fp in (self.has_grad if only is None else only):
+            if fp in keep:
+                continue
             if self._adopt and self.has_grad[fp]:
                 b = self.buf.pop(fp)
                 self._acct.sub(self.tier, StateKind.GRADS, b.numel() * b.element_size())

@@ -48,6 +48,8 @@ class UnitScheduler:
             training mode; not a recomputation in backward) at its start, with ``unit=None``
             after ``on_forward`` and the root's gather, and when it reaches each block unit,
             after gathering it and before prefetching the units after it; or None.
+        before_gather: ``f(unit)`` called before anything reads a sharded unit's parameters:
+            its gather, or the start of its prefetch (an NVMe read); or None.
 
     Attributes:
         live_peak: the most units gathered at once since construction.
@@ -58,7 +60,8 @@ class UnitScheduler:
                  pool_for: Optional[Callable] = None, staging: Optional[torch.Tensor] = None,
                  on_unit_backward: Optional[Callable] = None,
                  on_forward: Optional[Callable] = None,
-                 on_unit_forward: Optional[Callable] = None):
+                 on_unit_forward: Optional[Callable] = None,
+                 before_gather: Optional[Callable] = None):
         self.blocks, self.root, self.comm = blocks, root, comm
         self.prefetch = prefetch
         self.reshard_after_forward = reshard_after_forward
@@ -68,6 +71,7 @@ class UnitScheduler:
         self._on_unit_backward = on_unit_backward
         self._on_forward = on_forward
         self._on_unit_forward = on_unit_forward
+        self._before_gather = before_gather
         self._training_forward = False
         self._slots = {}                     # unit -> (pool, slot id)
         self.live_peak = 0
@@ -103,6 +107,8 @@ class UnitScheduler:
         """Gather ``unit``'s flat parameters (no-op if gathered)."""
         if unit.state is UnitState.UNSHARDED:
             return
+        if self._before_gather is not None:
+            self._before_gather(unit)
         pool = self._pool_for(unit)
         memory = None
         if pool is not None and unit.flat_params:
@@ -146,6 +152,8 @@ class UnitScheduler:
         the others are gathered now."""
         if any(fp.home is not None and fp.home.tier.value == "nvme" for fp in unit.flat_params):
             if unit.state is UnitState.SHARDED:
+                if self._before_gather is not None:
+                    self._before_gather(unit)
                 for fp in unit.flat_params:
                     fp.home.fetch(fp)
         else:

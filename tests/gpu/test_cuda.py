@@ -25,16 +25,16 @@ def test_pinned_aligned_host_buffers():
     assert torch.equal(t, d.cpu())
 
 
-@pytest.mark.parametrize("step_in_backward", [False, True])
+@pytest.mark.parametrize("mode", ["plain", "step_in_backward", "step_in_forward"])
 @pytest.mark.parametrize("offload", ["none", "cpu", "nvme"])
-def test_engine_on_cuda_matches_torch_adamw(offload, step_in_backward, tmp_path):
+def test_engine_on_cuda_matches_torch_adamw(offload, mode, tmp_path):
     torch.manual_seed(0)
     model = TinyLM()
     ref = copy.deepcopy(model).to(DEV)
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
     with OffloadEngine(model, offload=offload, path=str(tmp_path) if offload == "nvme" else None,
                        lr=1e-2, weight_decay=0.1,
-                       device=DEV, step_in_backward=step_in_backward) as eng:
+                       device=DEV, **({} if mode == "plain" else {mode: True})) as eng:
         for x, y in batches(5):
             x, y = x.to(DEV), y.to(DEV)
             eng.backward(lm_loss(eng(x), y))
