@@ -443,7 +443,8 @@ class OffloadEngine:
         """Drop the gradients accumulated since the last :meth:`step` (to skip a batch, say
         after an error in backward); the next backward starts afresh. With
         ``step_in_backward`` the weights already changed in backward: this ends the step
-        as :meth:`step` does. Raises RuntimeError if the engine is closed."""
+        as :meth:`step` does; with ``step_in_forward`` the last step's pending updates are
+        applied first. Raises RuntimeError if the engine is closed."""
         self._check_open()
         if self.config.step_in_backward:
             self.step()
@@ -600,11 +601,15 @@ class OffloadEngine:
         self._read_ahead_lazy(self._lazy_order())
 
     def _read_ahead_lazy(self, order: List[FlatParam]) -> None:
-        """Start whole-state reads of the first pending updates in ``order`` that fit the
-        read-ahead buffers, without waiting for the disk (NVMe state only)."""
-        if "optimizer_prefetch" not in self.pools:
+        """Start whole-state reads of the first pending updates in ``order`` while a read-ahead
+        buffer is free, without waiting for the disk (NVMe state only); a state larger than
+        the buffers (an outsized root's) is left to the chunked stream of its update."""
+        ring = self.pools.get("optimizer_prefetch")
+        if ring is None:
             return
         for fp in order:
+            if 3 * fp.shard_numel > ring.numel:
+                continue
             if not (self.store.prefetched(fp) or self.store.prefetch(fp, wait=False)):
                 return
 
@@ -633,8 +638,7 @@ class OffloadEngine:
         self._check_open()
         cfg = self.config
         self.scheduler.reshard_all()  # a training forward without backward leaves the root gathered
-        self._finish_updates()
-        self.apply_pending_updates()  # (a step without a forward since the last one)
+        self._finish_updates()  # (step_in_forward: a step without a forward since the last)
         if cfg.stage == 1:
             self.grads.reduce_all_full(self.trainable)
         coef = self._unscale()  # the gradients carry the loss scale (1.0 without one)
