@@ -53,12 +53,16 @@ fsyncs) its file into the sibling folder ``.<folder name>.saving``; all ranks ag
 write succeeded; rank 0 then writes ``checkpoint.json`` into it and swaps it with ``folder``
 (one atomic exchange of the two names where Linux's ``renameat2(RENAME_EXCHANGE)`` is
 supported, else ``folder`` -> ``.<folder name>.replaced`` and the new folder -> ``folder``), and
-removes the previous checkpoint; the ranks agree once more before returning. If any rank fails,
+removes the previous checkpoint; the ranks agree once more before returning. Rank 0 holds an
+exclusive ``flock`` on the folder's parent meanwhile, and each loading rank a shared one while
+it reads: a second job saving to the same folder waits instead of writing into the same
+temporary folder, and a load waits for a save to end (see :func:`_folder_lock`). If any rank fails,
 every rank raises, the temporary folder is removed and ``folder`` is as it was. A process
 killed mid-save leaves ``.<folder name>.saving`` behind; the next save removes it.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import ctypes
 import errno
@@ -114,6 +118,14 @@ def save_checkpoint(engine, folder, client_state: Optional[dict] = None) -> None
         OSError: this rank could not write (e.g. ENOSPC); ``folder`` is unchanged.
     """
     _prepare(engine, "save_checkpoint")
+    final = _paths(folder)[0]
+    # rank 0 writes the folder: another job's save or load of a checkpoint beside it waits
+    with _folder_lock(final, exclusive=True, take=engine.rank == 0):
+        _save(engine, folder, client_state)
+
+
+def _save(engine, folder, client_state: Optional[dict]) -> None:
+    """:func:`save_checkpoint` once the folder is locked."""
     final, tmp, old = _paths(folder)
     _check_replaceable(final)
     meta = _metadata(engine, client_state)
@@ -176,6 +188,12 @@ def load_checkpoint(engine, folder) -> dict:
     """
     _prepare(engine, "load_checkpoint")
     final = _paths(folder)[0]
+    with _folder_lock(final, exclusive=False, take=True):
+        return _load(engine, final)
+
+
+def _load(engine, final: str) -> dict:
+    """:func:`load_checkpoint` once the folder is locked (shared)."""
     meta = _read_metadata(final)
     _check_matches(meta, engine, os.path.join(final, META_NAME))
     saved_world = meta["world_size"]
@@ -243,6 +261,44 @@ def check_creatable(path, what: str) -> None:
 
 
 # -- preconditions and agreement between ranks ----------------------------------------------------
+
+@contextlib.contextmanager
+def _folder_lock(final: str, exclusive: bool, take: bool):
+    """Hold an advisory lock (``flock``) on the folder that holds checkpoint ``final`` while
+    the body runs: exclusive for a save (taken by rank 0, which creates, swaps and removes
+    folders there), shared for a load (every rank, while it reads). Another process's save
+    next to it waits for the lock instead of mixing its files into the same temporary
+    folder; a load waits for a save to finish instead of reading a folder being swapped. The
+    lock goes with the process: a killed job leaves none behind. Nothing is taken where
+    ``take`` is False, or where the file system has no such locks (a message says so); the
+    parent folder missing is left to the save or load to report."""
+    import fcntl
+    fd = None
+    if take:
+        try:
+            fd = os.open(os.path.dirname(final) or ".", os.O_RDONLY)
+        except OSError:
+            fd = None
+    try:
+        if fd is not None:
+            mode = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH
+            try:
+                try:
+                    fcntl.flock(fd, mode | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    log.info("%s: another process is saving or loading a checkpoint in %s; "
+                             "waiting for it", final, os.path.dirname(final))
+                    fcntl.flock(fd, mode)
+            except OSError as exc:
+                if exc.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+                    raise
+                log.info("%s: this file system has no flock (%s): checkpoints are not locked "
+                         "against other jobs", final, exc.strerror)
+        yield
+    finally:
+        if fd is not None:
+            os.close(fd)  # (releases the lock)
+
 
 def _prepare(engine, what: str) -> None:
     """Check that ``engine`` is open and between steps; finish updates still streaming and free

@@ -627,6 +627,40 @@ def test_a_one_rank_checkpoint_loads_on_three_ranks_and_back(tmp_path):
     assert _same_full_state(_full_state(tmp_path / "back"), _full_state(tmp_path / "one")) == []
 
 
+@pytest.mark.parametrize("what", ["save", "load"])
+def test_a_save_or_load_waits_for_another_jobs_save_of_the_folder(what, tmp_path):
+    """While another process holds the checkpoint folder's lock (as its save does), a save
+    or load here waits for it instead of writing into the same temporary folder or reading a
+    folder being swapped; once released it completes."""
+    import fcntl
+    import threading
+    import time
+    with OffloadEngine(_model(0), offload="cpu") as eng:
+        _train(eng, batches(1))
+        eng.save_checkpoint(tmp_path / "ckpt")
+        before = _snapshot(eng)
+        _train(eng, batches(1, seed=5))
+        fd = os.open(str(tmp_path), os.O_RDONLY)  # another open file description: another job
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        method = eng.save_checkpoint if what == "save" else eng.load_checkpoint
+        done = []
+        worker = threading.Thread(target=lambda: done.append(method(tmp_path / "ckpt")))
+        worker.start()
+        time.sleep(0.5)
+        assert not done and worker.is_alive()
+        assert not os.path.exists(tmp_path / ".ckpt.saving")
+        os.close(fd)
+        worker.join(30)
+        assert done
+        if what == "load":
+            assert _differences(_snapshot(eng), before) == []
+        else:
+            assert _differences(_snapshot(eng), before) != []
+            with OffloadEngine(_model(1), offload="cpu") as other:
+                other.load_checkpoint(tmp_path / "ckpt")
+                assert _differences(_snapshot(other), _snapshot(eng)) == []
+
+
 def test_client_state_travels_with_the_checkpoint(tmp_path):
     """The caller's own dict (a step counter, a data position) is saved in checkpoint.json and
     returned by load_checkpoint; a checkpoint saved without one returns {}; a value JSON cannot
