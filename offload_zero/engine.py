@@ -112,6 +112,7 @@ class OffloadEngine:
         self._deferred: List[tuple] = []  # step_in_backward: (fp, update generator, skipped)
         self._lazy: Dict[FlatParam, None] = {}  # step_in_forward: updates decided, not applied
         self._lazy_step = (1.0, cfg.lr)         # (gradient factor, lr) of those updates
+        self._keep_for_gather: set = set()      # flat params whose gather follows their update
         self._backward_pending = False
         self.skipped_steps = 0
         # fp16: the loss is scaled up before backward, the update scales the gradients down
@@ -191,7 +192,7 @@ class OffloadEngine:
                 # only where it has a buffer per flat parameter, as above)
                 keep_root = keep or (lambda fp: False)
                 keep = lambda fp: (keep_root(fp) if fp.name.startswith("root.")  # noqa: E731
-                                   else True)
+                                   else fp in self._keep_for_gather)
             self.param_home = NVMeParamHome(self.swapper, pool_for, self._acct,
                                             master_is_param=share, keep_after_update=keep)
         self.store = self._build_store(plan)
@@ -576,7 +577,10 @@ class OffloadEngine:
 
     def _apply_lazy_for(self, unit: Unit) -> None:
         """``unit``'s parameters are about to be read (gathered or prefetched): apply its
-        pending updates first, then start reading ahead the state of the units that follow."""
+        pending updates first, then start reading ahead the state of the units that follow.
+        Their new shards on NVMe stay in their buffers for that read (and only theirs: a
+        shard kept for no gather would hold a buffer of the pool until its unit ran again)."""
+        self._keep_for_gather = set(unit.flat_params)
         fps = [fp for fp in unit.flat_params if fp in self._lazy]
         if fps:
             self._apply_lazy(fps)
@@ -587,17 +591,15 @@ class OffloadEngine:
         gradients; the write-backs stay in flight. The whole states of the next pending block
         updates are read ahead (as many as the read-ahead buffers hold), so their reads overlap
         the compute that runs before them."""
-        order = self._lazy_order()
-        for fp in fps:
-            del self._lazy[fp]
         coef, lr = self._lazy_step
-        self._read_ahead_lazy([fp for fp in order if fp not in fps])
-        skipped: set = set()
-        try:
-            for _ in self._iter_updates(fps, coef, True, skipped, lr):
+        self._read_ahead_lazy([fp for fp in self._lazy_order() if fp not in fps])
+        for fp in fps:
+            # one at a time, each forgotten only once applied: an error (an I/O error, a pool
+            # exhausted) leaves the updates not yet made pending, with their gradients
+            for _ in self._iter_updates([fp], coef, True, set(), lr):
                 pass
-        finally:
-            self.grads.zero(only=fps)
+            del self._lazy[fp]
+            self.grads.zero(only=[fp])
         self._read_ahead_lazy(self._lazy_order())
 
     def _read_ahead_lazy(self, order: List[FlatParam]) -> None:
@@ -619,6 +621,7 @@ class OffloadEngine:
         optimizer state as a whole (checkpoints, :meth:`full_state_dict`, the next
         :meth:`step`), and by :meth:`backward` for units the last forward did not run.
         Raises SwapIOError if an NVMe transfer fails (file and offset named)."""
+        self._keep_for_gather = set()
         if self._lazy:
             self._apply_lazy(self._lazy_order())
 
@@ -748,12 +751,13 @@ class OffloadEngine:
                     if not (known_finite or whole) and not _all_finite(self.grads.buf[fp]):
                         skipped.add(fp)  # chunked: check before the first chunk is written
                     else:
-                        self._step_count[fp] += 1
                         if fp.home is not None:
                             # a read of the shard left unused (a backward cut short by an
                             # error) is stale once the update writes: drop it
                             fp.home.done_with(fp)
                         self._targets[fp] = self._update_target(fp)
+                        # (counted once a target is found: an error there leaves the count)
+                        self._step_count[fp] += 1
                 if fp in skipped:
                     continue
                 ok = self._update(fp, lo, hi, master, m, v, coef, lr,

@@ -1801,6 +1801,61 @@ def test_step_in_forward_skips_what_the_step_skips(tmp_path):
     assert all(torch.equal(w0[k], w1[k]) for k in w0)
 
 
+@pytest.mark.parametrize("dtype", [F32, torch.bfloat16])
+def test_step_in_forward_keeps_no_updated_shard_that_no_gather_takes(dtype, tmp_path):
+    """Parameter shards on NVMe: an update applied outside a gather (full_state_dict() or a
+    checkpoint right after step(), blocks a forward skipped) keeps no buffer of the shard
+    pool for a gather that is not coming. With 8 blocks and a pool sized for the units in
+    flight, that used to exhaust the pool; now every case trains as the plain step does."""
+    def layer_drop(i, model, eng):
+        model.skip = {1, 2, 4, 5, 6} if i % 2 else set()
+        if i == 2:
+            eng.full_state_dict()  # right after a step: every update outside a gather
+            eng.save_checkpoint(tmp_path / f"ckpt{eng.config.step_in_forward}")
+
+    kw = dict(offload="nvme", offload_param="nvme", dtype=dtype)
+    (l0, g0, w0, _), (l1, g1, w1, _) = _run_sif_pair(lambda: TinyLM(n_blocks=8), kw, tmp_path,
+                                                     micro=1, between=layer_drop)
+    assert l0 == l1 and torch.equal(g0, g1) and all(torch.equal(w0[k], w1[k]) for k in w0)
+    (tmp_path / "load").mkdir()
+    with OffloadEngine(TinyLM(n_blocks=8), offload="nvme", path=str(tmp_path / "load"),
+                       dtype=dtype, step_in_forward=True) as eng:
+        eng.load_checkpoint(tmp_path / "ckptFalse")
+        eng.load_checkpoint(tmp_path / "ckptTrue")
+
+
+def test_step_in_forward_an_error_applying_updates_loses_none(tmp_path, monkeypatch):
+    """An error while pending updates are applied (here: no buffer for one block's new
+    shard) leaves that update and the ones after it pending, with their gradients and step
+    counts as they were: the call raises, and the next one applies them all, giving the
+    weights of the plain step."""
+    results = []
+    for sif in (False, True):
+        torch.manual_seed(0)
+        (tmp_path / f"s{sif}").mkdir()
+        with OffloadEngine(TinyLM(n_blocks=4), offload="nvme", path=str(tmp_path / f"s{sif}"),
+                           step_in_forward=sif) as eng:
+            x, y = batches(1)[0]
+            eng.backward(lm_loss(eng(x), y))
+            eng.step()
+            if sif:
+                target, calls = eng._update_target, []
+
+                def failing(fp):
+                    calls.append(fp.name)
+                    if fp.name == "unit2.trainable" and calls.count(fp.name) == 1:
+                        raise RuntimeError("host buffer pool 'param_shards' is empty")
+                    return target(fp)
+
+                monkeypatch.setattr(eng, "_update_target", failing)
+                with pytest.raises(RuntimeError, match="is empty"):
+                    eng.full_state_dict()
+                assert [fp.name for fp in eng._lazy] == ["unit2.trainable", "unit3.trainable"]
+            results.append((eng.full_state_dict(), [eng._step_count[fp] for fp in eng.trainable]))
+    (w0, n0), (w1, n1) = results
+    assert n0 == n1 and all(torch.equal(w0[k], w1[k]) for k in w0)
+
+
 @pytest.mark.parametrize("kwargs,match", [
     ({"step_in_forward": True, "stage": 2}, "step_in_forward=True needs stage 3"),
     ({"step_in_forward": True, "step_in_backward": True}, "exclude each other"),
