@@ -127,10 +127,14 @@ def save_checkpoint(engine, folder, client_state: Optional[dict] = None) -> None
 def _save(engine, folder, client_state: Optional[dict]) -> None:
     """:func:`save_checkpoint` once the folder is locked."""
     final, tmp, old = _paths(folder)
-    _check_replaceable(final)
-    meta = _metadata(engine, client_state)
+    error, meta = None, None
+    try:  # (a rank that sees another folder there must not leave the others waiting)
+        _check_replaceable(final)
+        meta = _metadata(engine, client_state)
+    except Exception as exc:
+        error = exc
+    _agree(engine, error, f"save_checkpoint({final!r})", exc_type=ValueError)
     is_root = engine.rank == 0
-    error = None
     if is_root:
         try:
             _fresh_folder(tmp)
@@ -194,16 +198,16 @@ def load_checkpoint(engine, folder) -> dict:
 
 def _load(engine, final: str) -> dict:
     """:func:`load_checkpoint` once the folder is locked (shared)."""
-    meta = _read_metadata(final)
-    _check_matches(meta, engine, os.path.join(final, META_NAME))
-    saved_world = meta["world_size"]
-    sources = _source_ranks(meta, engine)
-    specs = _saved_specs(meta, engine)
-    # every saved file is checked by some rank, also one this rank does not read (a rank
-    # whose shards are padding only): a checkpoint with a file missing or damaged is refused
-    mine = sorted(set(sources) | set(range(engine.rank, saved_world, engine.world_size)))
     error = None
-    try:
+    try:  # every rank checks, then all agree: one that cannot read the folder stops them all
+        meta = _read_metadata(final)
+        _check_matches(meta, engine, os.path.join(final, META_NAME))
+        saved_world = meta["world_size"]
+        sources = _source_ranks(meta, engine)
+        specs = _saved_specs(meta, engine)
+        # every saved file is checked by some rank, also one this rank does not read (a rank
+        # whose shards are padding only): a checkpoint with a file missing or damaged is refused
+        mine = sorted(set(sources) | set(range(engine.rank, saved_world, engine.world_size)))
         for rank in mine:
             _verify_rank_file(os.path.join(final, rank_file_name(rank)), specs, rank,
                               saved_world, meta.get("save_id"))

@@ -661,6 +661,38 @@ def test_a_save_or_load_waits_for_another_jobs_save_of_the_folder(what, tmp_path
                 assert _differences(_snapshot(other), _snapshot(eng)) == []
 
 
+def _one_rank_sees_another_folder(rank, world_size, root):
+    """Rank 1 is given a folder the others do not see (as on a node without the shared file
+    system): its save finds a folder of other files there, its load no checkpoint."""
+    out = {}
+    with OffloadEngine(_model(0), offload="cpu", stage=3, timeout_s=60) as eng:
+        _train(eng, batches(1, batch=4), rank)
+        eng.save_checkpoint(os.path.join(root, "ckpt"))  # seen by both
+        for what in ("save", "load"):
+            folder = os.path.join(root, "ckpt" if rank == 0 else f"elsewhere-{what}")
+            try:
+                (eng.save_checkpoint if what == "save" else eng.load_checkpoint)(folder)
+                out[what] = "ok"
+            except (ValueError, RuntimeError) as exc:
+                out[what] = f"{type(exc).__name__}: {exc}"
+    return out
+
+
+def test_a_rank_that_cannot_use_the_folder_stops_every_rank(tmp_path):
+    """A check that fails on one rank only (the folder it sees holds other files; it sees no
+    checkpoint) raises on every rank, naming that rank's error, instead of leaving the others
+    waiting in a collective."""
+    os.makedirs(tmp_path / "elsewhere-save")
+    (tmp_path / "elsewhere-save" / "notes.txt").write_text("keep")
+    results = run_ranks(_one_rank_sees_another_folder, 2, str(tmp_path), timeout_s=90)
+    assert "is not an offload-zero checkpoint" in results[1]["save"]
+    assert results[0]["save"].startswith("ValueError") and "failed on rank(s) [1]" in results[0]["save"]
+    assert "is not an offload-zero checkpoint" in results[0]["save"]
+    assert "does not exist" in results[1]["load"]
+    assert "failed on rank(s) [1]" in results[0]["load"] and "does not exist" in results[0]["load"]
+    assert (tmp_path / "elsewhere-save" / "notes.txt").read_text() == "keep"
+
+
 def test_client_state_travels_with_the_checkpoint(tmp_path):
     """The caller's own dict (a step counter, a data position) is saved in checkpoint.json and
     returned by load_checkpoint; a checkpoint saved without one returns {}; a value JSON cannot
