@@ -110,7 +110,8 @@ class OffloadEngine:
         self._targets: Dict[FlatParam, Optional[torch.Tensor]] = {}
         self._early: Dict[FlatParam, bool] = {}  # step_in_backward: updated in backward -> ok
         self._deferred: List[tuple] = []  # step_in_backward: (fp, update generator, skipped)
-        self._lazy: Dict[FlatParam, None] = {}  # step_in_forward: updates decided, not applied
+        self._lazy: Dict[FlatParam, None] = {}  # step_in_forward: updates decided, not applied,
+        #                                         in the order the next forward needs them
         self._lazy_step = (1.0, cfg.lr)         # (gradient factor, lr) of those updates
         self._keep_for_gather: set = set()      # flat params whose gather follows their update
         self._backward_pending = False
@@ -227,34 +228,27 @@ class OffloadEngine:
         pool_for = self._build_gather_pools()
         staging = self.grads.scratch if self.device.type != "cpu" else None
         on_grad, on_unit_backward, on_forward = self.grads.on_full_grad, None, None
-        on_unit_forward = None
+        on_unit_forward, before_gather = None, None
         if cfg.step_in_backward:
             on_grad, on_unit_backward = self._grad_ready, self._prefetch_state
             # an update still streaming when backward returns ends before weights are read
             on_forward = self._finish_updates
-            numel = max((fp.shard_numel for u in self.blocks for fp in u.flat_params
-                         if fp.requires_grad), default=0)
-            if isinstance(self.store, NVMeStore) and numel:
-                # read-ahead of a block's whole state: master | exp_avg | exp_avg_sq; a third
-                # buffer when the next unit's parameters are gathered from it (see
-                # _prefetch_state)
-                count = 3 if self._params_from_state() else 2
-                ring = HostBufferPool("optimizer_prefetch", count, 3 * numel, torch.float32,
-                                      self._host_alloc, self._acct)
-                self.pools["optimizer_prefetch"] = ring
-                self.store.enable_prefetch(ring)
-                on_unit_forward = self._read_ahead_in_forward
-        before_gather = None
         if cfg.step_in_forward:
             before_gather = self._apply_lazy_for
-            numel = max((fp.shard_numel for u in self.blocks for fp in u.flat_params
-                         if fp.requires_grad), default=0)
-            if isinstance(self.store, NVMeStore) and numel:
-                # whole states of the next units read while the units before them run
-                ring = HostBufferPool("optimizer_prefetch", 2, 3 * numel, torch.float32,
-                                      self._host_alloc, self._acct)
-                self.pools["optimizer_prefetch"] = ring
-                self.store.enable_prefetch(ring)
+        numel = max((fp.shard_numel for u in self.blocks for fp in u.flat_params
+                     if fp.requires_grad), default=0)
+        if (cfg.step_in_backward or cfg.step_in_forward) and isinstance(self.store, NVMeStore) \
+                and numel:
+            # read-ahead of a block's whole state (master | exp_avg | exp_avg_sq) while other
+            # units run: two buffers; a third when the next unit's parameters are gathered
+            # from it in backward (see _prefetch_state)
+            count = 3 if cfg.step_in_backward and self._params_from_state() else 2
+            ring = HostBufferPool("optimizer_prefetch", count, 3 * numel, torch.float32,
+                                  self._host_alloc, self._acct)
+            self.pools["optimizer_prefetch"] = ring
+            self.store.enable_prefetch(ring)
+            if cfg.step_in_backward:
+                on_unit_forward = self._read_ahead_in_forward
         self.scheduler = UnitScheduler(self.blocks, self.root, self.comm, cfg.prefetch,
                                        reshard_after_forward=cfg.stage == 3,
                                        on_grad=on_grad, pool_for=pool_for, staging=staging,
@@ -568,13 +562,6 @@ class OffloadEngine:
         self.apply_pending_updates()
 
     # -- step_in_forward ----------------------------------------------------------------------
-    def _lazy_order(self) -> List[FlatParam]:
-        """The pending updates in the order the next forward needs them: the root's first
-        (gathered as forward starts), then the blocks' in the recorded forward order."""
-        units = [self.root] + (self.scheduler.order or self.blocks)
-        seen = [fp for u in units for fp in u.flat_params if fp in self._lazy]
-        return seen + [fp for fp in self._lazy if fp not in seen]
-
     def _apply_lazy_for(self, unit: Unit) -> None:
         """``unit``'s parameters are about to be read (gathered or prefetched): apply its
         pending updates first, then start reading ahead the state of the units that follow.
@@ -592,7 +579,7 @@ class OffloadEngine:
         updates are read ahead (as many as the read-ahead buffers hold), so their reads overlap
         the compute that runs before them."""
         coef, lr = self._lazy_step
-        self._read_ahead_lazy([fp for fp in self._lazy_order() if fp not in fps])
+        self._read_ahead_lazy([fp for fp in self._lazy if fp not in fps])
         for fp in fps:
             # one at a time, each forgotten only once applied: an error (an I/O error, a pool
             # exhausted) leaves the updates not yet made pending, with their gradients
@@ -600,7 +587,7 @@ class OffloadEngine:
                 pass
             del self._lazy[fp]
             self.grads.zero(only=[fp])
-        self._read_ahead_lazy(self._lazy_order())
+        self._read_ahead_lazy(list(self._lazy))
 
     def _read_ahead_lazy(self, order: List[FlatParam]) -> None:
         """Start whole-state reads of the first pending updates in ``order`` while a read-ahead
@@ -623,7 +610,7 @@ class OffloadEngine:
         Raises SwapIOError if an NVMe transfer fails (file and offset named)."""
         self._keep_for_gather = set()
         if self._lazy:
-            self._apply_lazy(self._lazy_order())
+            self._apply_lazy(list(self._lazy))
 
     @torch.no_grad()
     def step(self) -> None:
@@ -696,13 +683,13 @@ class OffloadEngine:
         an inf/nan gradient on any rank are skipped, as in the plain step, and counted in
         ``skipped_steps``), with this gradient factor and learning rate; the updates
         themselves run before each unit's next gather (:meth:`_apply_lazy`)."""
-        skipped: set = set()
-        if not known_finite:
-            if self.world_size > 1:
-                skipped = self._nonfinite_on_any_rank(with_grad)
-            else:
-                skipped = {fp for fp in with_grad if not _all_finite(self.grads.buf[fp])}
-        self._lazy = dict.fromkeys(fp for fp in with_grad if fp not in skipped)
+        skipped = set() if known_finite else self._nonfinite_on_any_rank(with_grad)
+        # in the order the next forward needs them: the root's first (gathered as forward
+        # starts), then the blocks' in the recorded forward order
+        units = [self.root] + (self.scheduler.order or self.blocks)
+        ready = dict.fromkeys(fp for fp in with_grad if fp not in skipped)
+        self._lazy = dict.fromkeys(fp for u in units for fp in u.flat_params if fp in ready)
+        self._lazy.update(ready)  # (any the forward order does not hold, after it)
         self._lazy_step = (coef, self.lr)
         if skipped:
             self.skipped_steps += 1
@@ -711,7 +698,7 @@ class OffloadEngine:
         self._backward_pending = False
         self.grads.zero(keep=self._lazy)
         self.comm.end_step()
-        self._read_ahead_lazy(self._lazy_order())
+        self._read_ahead_lazy(list(self._lazy))
 
     def _skip_step(self) -> None:
         """End a step that updates nothing (an inf/nan gradient on some rank): drop the

@@ -478,17 +478,14 @@ def _extras(layout, stage, offload, n, k, padded, prefetch, accelerator, offload
             if tail is not None and ring == 0 and count > 1:
                 count -= 1  # the tail kept in host memory is its own shard: no buffer
             out["host"]["buffers"] += count * root_shard * k
-    if step_in_backward and offload == "nvme" and stage >= 2:
+    if offload == "nvme" and ((step_in_backward and stage >= 2) or (step_in_forward and stage == 3)):
         # read-ahead buffers of a block's whole state (master + moments, fp32): two, three
         # when fp32 parameter shards on NVMe are gathered from them in backward
         trainable_blocks = [sh for sh, u, spec in zip(all_shards, units_of, layout)
                             if u != -1 and spec.trainable]
-        count = 3 if (stage == 3 and offload_param == "nvme" and k == 4) else 2
+        count = 3 if (step_in_backward and stage == 3 and offload_param == "nvme"
+                      and k == 4) else 2
         out["host"]["buffers"] += count * 3 * 4 * max(trainable_blocks, default=0)
-    if step_in_forward and offload == "nvme" and stage == 3:
-        trainable_blocks = [sh for sh, u, spec in zip(all_shards, units_of, layout)
-                            if u != -1 and spec.trainable]
-        out["host"]["buffers"] += 2 * 3 * 4 * max(trainable_blocks, default=0)
     if offload != "none" and offload_param == "none" and accelerator and shards:
         out["host"]["buffers"] += biggest * k
     return out

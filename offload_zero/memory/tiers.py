@@ -80,6 +80,11 @@ class _TensorStore:
     def drain(self) -> None:
         """Resident state has no writes in flight (see :meth:`NVMeStore.drain`)."""
 
+    def master_view(self, fp) -> torch.Tensor:
+        """``fp``'s resident fp32 master weights themselves (not a copy), shape
+        (shard_numel,), on this store's device: updates change it in place."""
+        return self._state[fp][0]
+
     def read_master(self, fp) -> torch.Tensor:
         """This rank's fp32 master shard of ``fp`` (a copy on the CPU), shape (shard_numel,)."""
         return self._state[fp][0].detach().to("cpu", copy=True)
@@ -293,7 +298,7 @@ class NVMeStore:
         read ahead. The view is valid until the update that consumes the read-ahead
         (:meth:`iter_states`). Raises SwapIOError if the read failed (file and offset named)."""
         if self.in_host(fp):
-            return self._host._state[fp][0]
+            return self._host.master_view(fp)
         if fp not in self._whole_reads:
             return None
         buf, handles = self._whole_reads[fp]
