@@ -39,7 +39,7 @@ parameter ``<fp>`` (its name, e.g. ``unit3.trainable``) it holds this rank's sha
 Rank r of N holds elements ``[r * shard_numel, (r + 1) * shard_numel)`` of each flat parameter
 (the last shard padded with zeros), so the files of N ranks also make up the state for any other
 world size: loading on M ranks reads, for each rank, the slices of the saved shards that overlap
-its own (resharding; see :func:`_load_resharded`).
+its own (resharding; see :func:`_load_shards`).
 
 Its safetensors metadata (strings) names the ``rank`` and ``world_size`` it was written by and
 the ``save_id``, and gives a CRC-32 of each tensor's bytes (``crc32/<tensor name>``, 8 hex digits), checked on load.
@@ -171,7 +171,7 @@ def load_checkpoint(engine, folder) -> dict:
     loss scaler's state. The tiers may differ from the saving engine's (saved with
     ``offload="nvme"``, loaded with ``offload="cpu"``, say), and so may the world size and the
     ZeRO stage: a checkpoint of N ranks loads on M ranks, each rank reading the slices of the
-    saved shards that make up its own (see :func:`_load_resharded`); the model's flat
+    saved shards that make up its own (see :func:`_load_shards`); the model's flat
     parameters and the compute dtype may not change.
 
     Every rank first checks its whole file (structure, dtypes, shapes, CRC-32 of every tensor;
@@ -216,10 +216,7 @@ def _load(engine, final: str) -> dict:
     _agree(engine, error, f"load_checkpoint({final!r})", exc_type=ValueError)
     try:
         with torch.no_grad():
-            if saved_world == engine.world_size:
-                _load_rank_file(os.path.join(final, rank_file_name(engine.rank)), engine)
-            else:
-                _load_resharded(final, meta, engine, sources)
+            _load_shards(final, meta, engine, sources)
         engine.set_lr(meta["lr"])
         engine.skipped_steps = meta["skipped_steps"]
         if meta["loss_scaler"] is not None:
@@ -687,23 +684,6 @@ def _verify_rank_file(path: str, specs: List[TensorSpec], rank: int, world_size:
                          f"{exc}") from None
 
 
-def _load_rank_file(path: str, engine) -> None:
-    """Write the state in ``path`` (verified) into the engine's store and parameter shards."""
-    from safetensors import safe_open
-    with safe_open(path, framework="pt") as f:
-        for fp in engine.flat_params:
-            master = None
-            if fp.requires_grad:
-                master, m, v = (f.get_tensor(f"{fp.name}/{key}") for key in _STATE_KEYS)
-                engine.store.write_all(fp, master, m, v)
-                engine._step_count[fp] = int(f.get_tensor(f"{fp.name}/step"))
-            values = f.get_tensor(f"{fp.name}/param") if _saves_param(fp) else master
-            _write_param_shard(fp, values)
-        _load_buffers(f, engine)
-    if engine.param_home is not None:
-        engine.param_home.drain()
-
-
 def _load_buffers(f, engine) -> None:
     """Copy the persistent buffers saved in the open rank file ``f`` (if it has them: files
     written before buffers were saved do not) into the engine's module."""
@@ -713,42 +693,47 @@ def _load_buffers(f, engine) -> None:
             mod._buffers[attr].copy_(f.get_tensor(f"buffers/{name}"))
 
 
+def _saved_range(meta: dict, fp, saved: dict, rank: int) -> Tuple[int, int]:
+    """Elements ``[lo, hi)`` of flat parameter ``fp`` that ``rank`` of this engine holds and
+    the saved files hold too (their padding included): empty past the saved shards' end."""
+    lo = rank * fp.shard_numel
+    return lo, max(lo, min(lo + fp.shard_numel, meta["world_size"] * saved["shard_numel"]))
+
+
 def _source_ranks(meta: dict, engine) -> List[int]:
     """The saving ranks whose files hold some element of this rank's shards: this rank alone
     at the same world size; else those whose shard of some flat parameter overlaps this
-    rank's range of it (see :func:`_load_resharded`)."""
-    world = meta["world_size"]
-    if world == engine.world_size:
-        return [engine.rank]
+    rank's range of it (see :func:`_load_shards`); rank 0 alone if none does (the step counts
+    and buffers are in every file)."""
     ranks = set()
     for saved, fp in zip(meta["flat_params"], engine.flat_params):
-        lo = engine.rank * fp.shard_numel
-        hi = min(lo + fp.shard_numel, fp.numel)
+        lo, hi = _saved_range(meta, fp, saved, engine.rank)
         step = saved["shard_numel"]
         ranks.update(range(lo // step, (hi - 1) // step + 1) if hi > lo else ())
-    ranks.add(0)  # the step counts are read from rank 0's file
-    return sorted(r for r in ranks if r < world)
+    return sorted(ranks) or [0]
 
 
-def _load_resharded(final: str, meta: dict, engine, sources: List[int]) -> None:
-    """Load a checkpoint saved at another world size (or ZeRO stage): reshard it.
+def _load_shards(final: str, meta: dict, engine, sources: List[int]) -> None:
+    """Write this rank's shards of the checkpoint in ``final`` (verified) into the engine's
+    store and parameter shards, at the saving world size or another (resharding).
 
     Every flat parameter is a flat vector of ``numel`` elements cut into equal shards of
     ``shard_numel`` (the last padded with zeros): rank r of N holds elements
-    ``[r * s, (r + 1) * s)``. This rank's new shard is assembled from the slices of the saved
-    shards that overlap its range (safetensors reads only those bytes), one flat parameter at a
-    time (12 bytes per element of its shard in host memory, plus the shard); its padding is
-    zeros, as in a fresh engine (a zero weight with zero gradient and moments stays zero under
-    Adam/AdamW). Step counts are per flat parameter and equal on every rank."""
+    ``[r * s, (r + 1) * s)``. This rank's shard is assembled from the slices of the saved
+    shards that overlap its range (``sources``' files; safetensors reads only those bytes): at
+    the same world size that is its own file, whole. One flat parameter at a time (12 bytes
+    per element of its shard in host memory, plus the shard); elements past the saved shards'
+    end are zeros, as in a fresh engine's padding (a zero weight with zero gradient and moments
+    stays zero under Adam/AdamW). Step counts and buffers are the same in every file."""
     from contextlib import ExitStack
     from safetensors import safe_open
     with ExitStack() as stack:
         files = {r: stack.enter_context(safe_open(os.path.join(final, rank_file_name(r)),
                                                   framework="pt")) for r in sources}
+        first = files[sources[0]]
         for saved, fp in zip(meta["flat_params"], engine.flat_params):
             step_s = saved["shard_numel"]
-            lo = engine.rank * fp.shard_numel
-            hi = min(lo + fp.shard_numel, fp.numel)
+            lo, hi = _saved_range(meta, fp, saved, engine.rank)
 
             def gather(key, dtype):
                 out = torch.zeros(fp.shard_numel, dtype=dtype)
@@ -762,10 +747,10 @@ def _load_resharded(final: str, meta: dict, engine, sources: List[int]) -> None:
             if fp.requires_grad:
                 master, m, v = (gather(key, torch.float32) for key in _STATE_KEYS)
                 engine.store.write_all(fp, master, m, v)
-                engine._step_count[fp] = int(files[0].get_tensor(f"{fp.name}/step"))
+                engine._step_count[fp] = int(first.get_tensor(f"{fp.name}/step"))
             values = gather("param", fp.dtype) if _saves_param(fp) else master
             _write_param_shard(fp, values)
-        _load_buffers(files[0], engine)
+        _load_buffers(first, engine)
     if engine.param_home is not None:
         engine.param_home.drain()
 
