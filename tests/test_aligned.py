@@ -207,3 +207,45 @@ def test_no_check_without_pin(fake_cuda, recwarn):
     t = aligned_empty(10 * ALIGNMENT, torch.uint8)  # pin=False: no limit, no warning
     _check_buffer(t, 10 * ALIGNMENT)
     assert fake_cuda == [] and len(recwarn) == 0
+
+
+def _thp_mode():
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return f.read().split("[")[1].split("]")[0]
+    except (OSError, IndexError):
+        return None
+
+
+def _anon_huge_kb():
+    with open("/proc/self/smaps_rollup") as f:
+        for line in f:
+            if line.startswith("AnonHugePages:"):
+                return int(line.split()[1])
+    return 0
+
+
+def test_large_buffers_start_on_a_huge_page():
+    n = aligned_mod.HUGE_PAGE * 3 + 12345
+    t = aligned_empty(n, torch.uint8)
+    assert t.data_ptr() % aligned_mod.HUGE_PAGE == 0
+    assert t.untyped_storage().nbytes() == n + aligned_mod.HUGE_PAGE - 1
+    small = aligned_empty(aligned_mod.HUGE_PAGE // 2, torch.uint8)
+    assert small.untyped_storage().nbytes() == aligned_mod.HUGE_PAGE // 2 + ALIGNMENT - 1
+
+
+@pytest.mark.skipif(_thp_mode() not in ("madvise", "always"),
+                    reason="transparent huge pages are off on this machine")
+def test_large_buffers_fault_in_as_huge_pages():
+    before = _anon_huge_kb()
+    t = aligned_empty(32 * aligned_mod.HUGE_PAGE, torch.float32)  # 256 MiB
+    t.fill_(1.0)
+    gained = _anon_huge_kb() - before
+    # the kernel may fall back to small pages for some of them when memory is fragmented
+    assert gained >= 128 * 1024, f"only {gained} KiB of huge pages for a 256 MiB buffer"
+
+
+def test_huge_page_advice_never_raises():
+    assert aligned_mod._advise_huge(4096, 100) is False  # no whole huge page inside
+    t = aligned_empty(4 * aligned_mod.HUGE_PAGE, torch.uint8)
+    assert aligned_mod._advise_huge(t.data_ptr(), t.numel()) in (True, False)

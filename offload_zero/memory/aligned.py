@@ -24,6 +24,16 @@ process (a pool of buffers would otherwise repeat it per buffer). CUDA's host ca
 keeps freed pinned blocks for reuse, so the bytes it really holds can exceed ``pinned_bytes()``.
 ``OFFLOAD_ZERO_MEMLOCK_CHECK=0`` skips the limit check (for drivers that do not charge pinned
 allocations to the limit); a failing pinned allocation still falls back.
+
+[Note: huge pages]
+An O_DIRECT transfer pins the pages of its user buffer in the kernel for its duration
+(get_user_pages) and releases them after: per 4 KiB page, so a step that moves gigabytes
+spends a measurable share of its CPU time there (a few percent of the step on a 2-vCPU VM).
+Unpinned buffers of at least ``HUGE_PAGE`` bytes therefore start on a 2 MiB boundary and are
+advised ``MADV_HUGEPAGE`` before their first touch: with transparent huge pages in "madvise"
+or "always" mode they fault in as 2 MiB pages, 512 times fewer for the kernel to pin. Where
+the advice is unavailable or refused (THP "never", not Linux) nothing changes but speed.
+Pinned (CUDA) buffers are left as the driver makes them.
 """
 from __future__ import annotations
 
@@ -36,10 +46,14 @@ from typing import Optional
 
 import torch
 
-__all__ = ["ALIGNMENT", "aligned_empty", "is_aligned", "pinned_bytes"]
+__all__ = ["ALIGNMENT", "HUGE_PAGE", "aligned_empty", "is_aligned", "pinned_bytes"]
 
 ALIGNMENT = 4096
 """Bytes. Required alignment of buffer addresses, file offsets and lengths for O_DIRECT."""
+
+HUGE_PAGE = 2 * 1024 * 1024
+"""Bytes. Unpinned buffers of at least this size start on this boundary and are advised as
+transparent huge pages (see [Note: huge pages])."""
 
 
 def is_aligned(tensor: torch.Tensor, alignment: int = ALIGNMENT) -> bool:
@@ -78,7 +92,9 @@ def aligned_empty(numel: int, dtype: torch.dtype, pin: bool = False) -> torch.Te
     Returns:
         A contiguous tensor of shape ``(numel,)`` and dtype ``dtype`` on the CPU with
         ``data_ptr() % ALIGNMENT == 0``. It is a view of a slightly larger ``uint8`` storage
-        (at most ``ALIGNMENT - 1`` extra bytes) which it keeps alive.
+        (at most ``ALIGNMENT - 1`` extra bytes) which it keeps alive. An unpinned buffer of
+        ``HUGE_PAGE`` bytes or more starts on a ``HUGE_PAGE`` boundary instead (at most
+        ``HUGE_PAGE - 1`` extra bytes) and is advised as huge pages (see [Note: huge pages]).
 
     Raises:
         ValueError: ``numel`` is negative or not an int, or ``dtype`` is not a torch dtype.
@@ -91,9 +107,15 @@ def aligned_empty(numel: int, dtype: torch.dtype, pin: bool = False) -> torch.Te
     nbytes = numel * itemsize
     raw_nbytes = nbytes + ALIGNMENT - 1
     raw = _try_pinned(raw_nbytes) if pin and torch.cuda.is_available() else None
+    align = ALIGNMENT
     if raw is None:
+        if nbytes >= HUGE_PAGE:
+            align = HUGE_PAGE
+            raw_nbytes = nbytes + HUGE_PAGE - 1
         raw = torch.empty(raw_nbytes, dtype=torch.uint8)
-    offset = (-raw.data_ptr()) % ALIGNMENT
+    offset = (-raw.data_ptr()) % align
+    if align == HUGE_PAGE:
+        _advise_huge(raw.data_ptr() + offset, nbytes)
     # Allocators hand out at least 16-byte aligned blocks, so ``offset`` is a multiple of every
     # itemsize and ``view(dtype)`` below is legal.
     flat_bytes = raw[offset: offset + nbytes]
@@ -211,3 +233,29 @@ def _try_pinned(nbytes: int) -> Optional[torch.Tensor]:
     # Storage objects are kept alive by every view, so this fires when the memory is freed.
     weakref.finalize(raw.untyped_storage(), _release_pinned, nbytes)
     return raw
+
+
+# ---- huge pages ------------------------------------------------------------------------------
+
+_MADV_HUGEPAGE = 14  # linux/mman.h
+_libc = None
+
+
+def _advise_huge(address: int, nbytes: int) -> bool:
+    """``madvise(MADV_HUGEPAGE)`` over the whole 2 MiB pages inside ``[address, address +
+    nbytes)``; False where it is not available (not Linux, THP off) or refused. Never raises:
+    the advice only changes speed."""
+    global _libc
+    start = -(-address // HUGE_PAGE) * HUGE_PAGE
+    end = (address + nbytes) // HUGE_PAGE * HUGE_PAGE
+    if end <= start or not os.sys.platform.startswith("linux"):
+        return False
+    try:
+        if _libc is None:
+            import ctypes
+            import ctypes.util
+            _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+            _libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+        return _libc.madvise(start, end - start, _MADV_HUGEPAGE) == 0
+    except (OSError, AttributeError):
+        return False
