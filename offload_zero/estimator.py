@@ -37,7 +37,9 @@ Besides model states this engine holds, at the peak of a step:
   instead, so one block slot plus the root's; with one rank and the shards on the device
   nothing is gathered (the shard is the whole parameter);
 - stages 2 and 3: one unit's full gradient in flight before it is reduce-scattered (the largest
-  trainable flat parameter, ``padded_numel * K`` bytes, device gradients);
+  trainable flat parameter, ``padded_numel * K`` bytes, device gradients; on a CPU device a
+  device buffer kept from step to step, except where one rank's fp32 host shards adopt the
+  gradients);
 - (stage 1 needs no gradient buffer beyond the full gradients: without offload it reduces in
   place and the shard is a window of the full gradient);
 - ``"nvme"``: three pipeline host buffer sets of ``3 * min(largest shard_numel, chunk) * 4``
@@ -452,7 +454,11 @@ def _extras(layout, stage, offload, n, k, padded, prefetch, accelerator, offload
         gathered = 1 if offload_param == "nvme" else ahead + 1
         out["device"]["buffers"] += gathered * largest + full.get(-1, 0)
     if stage >= 2 and grad_full:
-        out["device"]["gradients"] += max(grad_full)
+        # on a CPU device the gradient in flight is one buffer kept from step to step, unless
+        # one rank's fp32 host shards adopt the gradients themselves (see [Note: reused
+        # gradient memory] in offload_zero/partition/grads.py)
+        adopted = n == 1 and offload != "none" and k == 4
+        out["device"]["gradients" if accelerator or adopted else "buffers"] += max(grad_full)
     if n > 1 and shards:  # the reduce-scatter scratch shard, sized at start-up
         out["device"]["buffers"] += max(shards) * k
     biggest = max(shards, default=0)

@@ -91,6 +91,35 @@ class _FreedParam(torch.Tensor):
             "classes with unit_classes= so both share one unit.")
 
 
+class _SplitViews(torch.autograd.Function):
+    """``torch.split(full, sizes)`` whose backward writes the flat gradient into memory from
+    ``target()`` (reused from step to step, see [Note: reused gradient memory] in
+    :mod:`offload_zero.partition.grads`) instead of a fresh allocation; pieces without a
+    gradient (unused parameters, the padding) are zero-filled there. ``target()`` returning
+    None falls back to a fresh tensor. Shapes: full (padded_numel,), pieces (size_i,)."""
+
+    @staticmethod
+    def forward(ctx, full, sizes, target):
+        ctx.sizes, ctx.target = sizes, target
+        ctx.set_materialize_grads(False)  # an unused piece's gradient stays None (no zeros)
+        ctx.meta = (full.numel(), full.dtype, full.device)
+        return tuple(torch.split(full, sizes))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        numel, dtype, device = ctx.meta
+        # (a double backward records the graph through this gradient: no reused memory then)
+        out = None if torch.is_grad_enabled() else ctx.target()
+        if out is None:
+            out = torch.empty(numel, dtype=dtype, device=device)
+        if all(g is not None for g in grads):
+            torch.cat([g.reshape(-1) for g in grads], out=out)
+        else:
+            for piece, g in zip(torch.split(out, ctx.sizes), grads):
+                piece.zero_() if g is None else piece.copy_(g.reshape(-1))
+        return out, None, None
+
+
 def _placeholder(dtype, device, label: str) -> torch.Tensor:
     t = torch.Tensor._make_subclass(_FreedParam, torch.empty(0, dtype=dtype, device=device))
     t._oz_label = label
@@ -118,6 +147,10 @@ class FlatParam:
         sharded: this rank's shard, shape (shard_numel,), compute dtype: on the device, in host
             memory (host home), or None (NVMe home: read into a pool buffer when gathered).
         full: the gathered buffer, shape (padded_numel,), 0 bytes while SHARDED.
+        grad_target: ``f() -> Tensor | None`` giving the memory (shape (padded_numel,), compute
+            dtype) that backward writes ``full``'s next gradient into, or None to allocate it
+            each time (set by :class:`offload_zero.partition.grads.GradientShards`; see
+            [Note: reused gradient memory] there).
     """
 
     def __init__(self, name: str, entries: List[ParamEntry], values: List[torch.Tensor],
@@ -137,6 +170,9 @@ class FlatParam:
         self.padded_numel = self.shard_numel * world_size
         self.itemsize = torch.empty(0, dtype=dtype).element_size()
         self._bound = False  # full's storage borrows gather-pool memory
+        # f() -> Tensor | None: memory the next gradient of ``full`` is written into, or None
+        # to allocate it (see [Note: reused gradient memory] in partition/grads.py)
+        self.grad_target = None
 
         self.full = torch.zeros(self.padded_numel, dtype=dtype, device=device)
         self._full_alias = torch.empty(0, dtype=dtype, device=device).set_(
@@ -232,7 +268,10 @@ class FlatParam:
         if self.padded_numel > self.numel:
             sizes.append(self.padded_numel - self.numel)
         with torch.set_grad_enabled(track):
-            pieces = torch.split(self.full, sizes)
+            if self.grad_target is not None and track and self.full.requires_grad:
+                pieces = _SplitViews.apply(self.full, sizes, self.grad_target)
+            else:
+                pieces = torch.split(self.full, sizes)
             for e, piece in zip(self.entries, pieces):
                 view = piece.view(e.shape)
                 for module, attr, _ in e.refs:

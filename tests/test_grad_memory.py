@@ -1,0 +1,98 @@
+"""The full gradients' memory is reused from step to step on a CPU device (see
+[Note: reused gradient memory] in offload_zero/partition/grads.py)."""
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+from offload_zero import OffloadEngine
+
+# one block: four 1536x1536 layers, each one's gradient (9.4 MB) small enough for malloc to
+# recycle, the block's flat gradient (37.8 MB) not (malloc maps anything over 32 MiB afresh)
+WIDTH, LAYERS = 1536, 4
+
+
+def _block():
+    layers = []
+    for _ in range(LAYERS):
+        layers += [nn.Linear(WIDTH, WIDTH), nn.Tanh()]
+    return nn.Sequential(*layers)
+
+
+class Wide(nn.Module):
+    def __init__(self, n_blocks=2):
+        super().__init__()
+        self.blocks = nn.ModuleList(_block() for _ in range(n_blocks))
+        self.scale = nn.Parameter(torch.ones(WIDTH))
+        self.unused = nn.Linear(4, 4)  # in the root's flat parameter, never called
+        self.repeat_first = False
+
+    def forward(self, x):
+        x = x * self.scale
+        for i, b in enumerate(self.blocks):
+            x = b(x)
+            if i == 0 and self.repeat_first:
+                x = b(x)  # the same unit twice: two gradients to add
+        return x
+
+
+@pytest.mark.parametrize("kw", [
+    dict(stage=3, offload="cpu"),
+    dict(stage=3, offload="cpu", step_in_backward=True),
+    dict(stage=3, offload="cpu", step_in_forward=True),
+    dict(stage=2, offload="cpu"),
+    dict(stage=3, offload="none"),
+], ids=["stage3-cpu", "stage3-cpu-sib", "stage3-cpu-sif", "stage2-cpu", "stage3-none"])
+def test_every_step_writes_the_gradients_into_the_same_memory(kw):
+    """Each block's flat gradient (37.8 MB) was a fresh allocation every backward: mapped by
+    malloc, unmapped at free, so its 9200 pages faulted in again every step. Holding on to
+    every gradient's storage here, a fresh allocation could not reuse an old address."""
+    torch.manual_seed(0)
+    x = torch.randn(2, WIDTH)
+    with OffloadEngine(Wide(), lr=1e-3, **kw) as eng:
+        seen = {fp: [] for fp in eng.trainable}
+        for fp in eng.trainable:
+            # (a hook on the leaf sees each gradient before it is accumulated)
+            fp.full.register_hook(lambda g, fp=fp: seen[fp].append(g.untyped_storage()))
+        for _ in range(4):
+            eng.backward(eng(x).square().mean())
+            eng.step()
+        assert sum(len(sts) == 4 for sts in seen.values()) >= 3  # the blocks and the root
+        for fp, storages in seen.items():
+            # (with step_in_backward the unused layer is a flat parameter of its own: no
+            # gradient at all)
+            assert len(storages) in (0, 4), fp.name
+            assert len({st.data_ptr() for st in storages[1:]}) <= 1, fp.name
+        if kw["offload"] == "none":  # (each reduced at once: all share one buffer)
+            assert len({st.data_ptr() for sts in seen.values() for st in sts[1:]}) == 1
+
+
+@pytest.mark.parametrize("kw", [
+    dict(stage=3, offload="cpu"),
+    dict(stage=3, offload="cpu", step_in_backward=True),
+    dict(stage=2, offload="none"),
+], ids=["stage3-cpu", "stage3-cpu-sib", "stage2-none"])
+def test_reused_gradient_memory_gives_adamw_numbers(kw):
+    """Gradients written into reused memory, with a block run twice in one forward, a unit
+    whose parameters get no gradient, and every buffer reused from the second step: the
+    weights are plain AdamW's."""
+    torch.manual_seed(1)
+    model = Wide()
+    model.repeat_first = True
+    ref = copy.deepcopy(model)
+    # (an unused parameter: no gradient in torch, zeros in its flat parameter here, which
+    # AdamW without weight decay leaves unchanged too)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.0)
+    xs = [torch.randn(2, WIDTH, generator=torch.Generator().manual_seed(i)) for i in range(4)]
+    with OffloadEngine(model, lr=1e-3, weight_decay=0.0, **kw) as eng:
+        for x in xs:
+            eng.backward(eng(x).square().mean())
+            eng.step()
+            opt.zero_grad()
+            ref(x).square().mean().backward()
+            opt.step()
+        state = eng.full_state_dict()
+    assert ref.unused.weight.grad is None
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(state[name], p.detach(), rtol=0, atol=1e-5)
