@@ -519,6 +519,9 @@ class OffloadEngine:
             self._pump()
             return
         self._early[fp] = fp not in self._update_states([fp], self._unscale(), known_finite=False)
+        # its gradient is used up: where one rank's shards adopt the gradients, its memory
+        # serves the next one (see [Note: reused gradient memory])
+        self.grads.zero(only=[fp])
 
     def _unscale(self) -> float:
         """The factor that undoes the loss scale in the update: 1 / S (1.0 without scaling)."""
@@ -550,6 +553,7 @@ class OffloadEngine:
             except StopIteration:
                 self._deferred.pop(0)
                 self._early[fp] = fp not in skipped
+                self.grads.zero(only=[fp])  # (its gradient is used up)
             except BaseException:
                 self._deferred.pop(0)
                 raise

@@ -273,3 +273,26 @@ def test_placement_bytes_count_the_read_ahead(offload_param, mode, tmp_path):
         measured = {k: rep[tier]["by_kind"][k]["peak_bytes"] for k in KINDS}
         assert measured == {k: est.model_states[tier].get(k, 0) + est.extras[tier].get(k, 0)
                             for k in KINDS}, tier
+
+
+@pytest.mark.parametrize("offload_param", ["none", "nvme"])
+def test_step_in_backward_on_one_cpu_rank_holds_one_gradient_of_each_size(offload_param,
+                                                                           tmp_path):
+    """With step_in_backward each gradient is used up by its update in backward, and its
+    memory serves the next gradient of its size: blocks of one size share one buffer. The
+    host gradient bytes equal the estimate (one of each size), below every shard at once."""
+    from offload_zero.estimator import placement_bytes
+    torch.manual_seed(0)
+    model = TinyLM(n_blocks=4)
+    est = placement_bytes(model, 3, "nvme", offload_param, dtype=torch.float32,
+                          accelerator=False, step_in_backward=True)
+    with OffloadEngine(model, stage=3, offload="nvme", offload_param=offload_param,
+                       path=str(tmp_path), step_in_backward=True) as eng:
+        for x, y in batches(3):
+            eng.backward(lm_loss(eng(x), y))
+            eng.step()
+        rep = eng.memory_report()
+        every_shard = 4 * sum(fp.shard_numel for fp in eng.trainable)
+        sizes = {fp.shard_numel for fp in eng.trainable}
+    measured = rep["host"]["by_kind"]["gradients"]["peak_bytes"]
+    assert measured == est.model_states["host"]["gradients"] == 4 * sum(sizes) < every_shard

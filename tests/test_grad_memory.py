@@ -96,3 +96,42 @@ def test_reused_gradient_memory_gives_adamw_numbers(kw):
     assert ref.unused.weight.grad is None
     for name, p in ref.named_parameters():
         torch.testing.assert_close(state[name], p.detach(), rtol=0, atol=1e-5)
+
+
+class _TwoLayers(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.ModuleDict(dict(a=nn.Linear(8, 8), b=nn.Linear(8, 8)))])
+        self.use_b = True
+
+    def forward(self, x):
+        y = self.blocks[0]["a"](x)
+        return (self.blocks[0]["b"](y) if self.use_b else y).pow(2).mean()
+
+
+@pytest.mark.parametrize("kw", [dict(stage=2, offload="cpu"), dict(stage=3, offload="none"),
+                                dict(stage=3, offload="cpu", step_in_backward=True)],
+                         ids=["stage2-cpu", "stage3-none", "stage3-cpu-sib"])
+def test_a_parameter_without_gradient_beside_others_updates_with_zeros(kw):
+    """As documented (README): in a flat parameter whose other parameters get gradients, a
+    parameter without one is updated with a zero gradient (moments decay, weight decay
+    applies), as flat parameters do in FSDP and DeepSpeed; torch.optim would skip it."""
+    torch.manual_seed(0)
+    model = _TwoLayers()
+    ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    x = torch.randn(4, 8)
+    with OffloadEngine(model, lr=1e-2, weight_decay=0.1, **kw) as eng:
+        for step in range(4):
+            model.use_b = ref.use_b = step == 0  # b gets a gradient in the first step only
+            eng.backward(eng(x))
+            eng.step()
+            opt.zero_grad()
+            ref(x).backward()
+            for p in ref.parameters():
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            opt.step()
+        state = eng.full_state_dict()
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(state[name], p.detach(), rtol=0, atol=1e-6)

@@ -24,8 +24,10 @@ tensor as ``full.grad`` without a copy. The buffer returns to the free list once
 is reduced into the shard, or, where one rank's shard adopts the gradient itself, once the
 shard is zeroed after the update; a full :meth:`GradientShards.zero` also takes back any lent
 buffer nothing holds any more (a gradient autograd added into another instead of taking it).
-The free list keeps what was lent at once: a few buffers with ``step_in_backward`` (each
-gradient is consumed by its update in backward), every flat parameter's gradient for a plain
+The free list keeps what was lent at once: with ``step_in_backward`` one buffer of each size
+(each gradient is used up by its update in backward, and the engine zeroes it then, so blocks
+of one size share one buffer; :func:`offload_zero.estimator.placement_bytes` counts one of
+each size), every flat parameter's gradient for a plain
 step at world size 1 (held until the step, as plain torch holds its ``.grad`` until
 ``zero_grad``), where one rank's host shards adopt the gradients; otherwise one buffer of the
 largest flat parameter's size, lent to one gradient at a time (the gradient in flight of
