@@ -49,6 +49,9 @@ Columns:
   ``/proc/self/clear_refs`` once the model and optimizer are built), in GB; this excludes the
   one-off construction peak (the model's own weights plus the engine's copies).
 - ``d torch``: ``train GB`` minus the ``torch`` row's, in GB.
+- ``faults/step``: minor page faults of the process per step (``getrusage`` ``ru_minflt``),
+  median of the same steps, in thousands: memory mapped afresh and touched each step (on a CPU
+  device, each fault is a 4 KiB page the kernel zeroes and maps).
 - ``dev GB`` (``--device cuda`` only): the CUDA allocator's peak over the steps, in GB.
 With several rounds the memory figures are the median over rounds.
 
@@ -289,13 +292,15 @@ def worker(args) -> None:
         torch.cuda.synchronize(dev)
         torch.cuda.reset_peak_memory_stats(dev)
     hwm_ok = _reset_hwm()
-    times, losses = [], []
+    times, losses, faults = [], [], []
     for _ in range(args.steps):
+        f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         t0 = time.perf_counter()
         loss = step(x)
         if cuda:
             torch.cuda.synchronize(dev)
         times.append(time.perf_counter() - t0)
+        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
         losses.append(float(loss.detach().float()))
     train_peak = _hwm_bytes() if hwm_ok else None
     dev_peak = torch.cuda.max_memory_allocated(dev) if cuda else None
@@ -303,6 +308,7 @@ def worker(args) -> None:
         closer()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     print("RESULT " + json.dumps({"config": config, "times": times, "losses": losses,
+                                  "faults": faults,
                                   "peak_rss": peak, "train_peak_rss": train_peak,
                                   "dev_peak": dev_peak,
                                   "params": nparams}), flush=True)
@@ -414,6 +420,7 @@ def main() -> None:
                    "train": statistics.median(train) if train else float("nan"),
                    "dev": (statistics.median(r["dev_peak"] for r in ok)
                            if ok[0].get("dev_peak") is not None else None),
+                   "faults": statistics.median(f for r in ok for f in r["faults"][args.skip:]),
                    "loss": ok[0]["losses"], "params": ok[0]["params"], "n": len(ts)}
 
     nparams = next((r["params"] for r in rows.values() if "params" in r), 0)
@@ -431,7 +438,7 @@ def main() -> None:
           f"{load1[0]:.2f}/{load1[1]:.2f}/{load1[2]:.2f}")
     base = rows.get("torch", {})
     hdr = (f"{'config':<20}{'step s':>8}{'min':>7}{'max':>7}{'vs torch':>10}"
-           f"{'peak RSS GB':>13}{'train GB':>10}{'d torch':>9}"
+           f"{'peak RSS GB':>13}{'train GB':>10}{'d torch':>9}{'faults/step':>12}"
            + (f"{'dev GB':>9}" if args.device == "cuda" else ""))
     print(hdr)
     print("-" * len(hdr))
@@ -444,7 +451,7 @@ def main() -> None:
                 else f"{'':>10}")
         dgb = f"{(r['train'] - base['train']) / GB:+9.2f}" if "train" in base else f"{'':>9}"
         print(f"{c:<20}{r['median']:8.2f}{r['min']:7.2f}{r['max']:7.2f}{over}"
-              f"{r['peak'] / GB:13.2f}{r['train'] / GB:10.2f}{dgb}"
+              f"{r['peak'] / GB:13.2f}{r['train'] / GB:10.2f}{dgb}{r['faults'] / 1e3:11.0f}k"
               + (f"{r['dev'] / GB:9.2f}" if r.get("dev") is not None else ""))
     for c in skipped_ds:
         print(f"{c:<20} skipped: deepspeed not importable")
