@@ -218,7 +218,8 @@ class OffloadEngine:
                     mod._buffers[k] = b.to(self.device)
 
         self.grads = GradientShards(self.trainable, cfg.grad_tier, self.comm, cfg.stage,
-                                    self._acct, self._host_alloc, host_dtype=cfg.grad_dtype)
+                                    self._acct, self._host_alloc, host_dtype=cfg.grad_dtype,
+                                    share_near_sizes=cfg.step_in_backward)
         self._staging = None
         if (self.device.type != "cpu" and cfg.optimizer_tier is not Tier.DEVICE
                 and cfg.param_tier is Tier.DEVICE and self.trainable):

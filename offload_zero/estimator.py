@@ -600,9 +600,10 @@ def placement_bytes(model: nn.Module, stage: int, offload_optimizer: str, offloa
             and k == 4 and not accelerator):
         # one rank on a CPU device: the host shards are the gradients' own memory, each used up
         # by its update in backward and reused by the next gradient of its size (see [Note:
-        # reused gradient memory] in offload_zero/partition/grads.py): one of each size
-        sizes = {_shard_numel(spec.numel, 1, k, True) for spec in layout if spec.trainable}
-        states["host"]["gradients"] = 4 * sum(sizes)
+        # reused gradient memory] in offload_zero/partition/grads.py): one of each size class
+        from offload_zero.partition.grads import size_classes
+        sizes = [_shard_numel(spec.numel, 1, k, True) for spec in layout if spec.trainable]
+        states["host"]["gradients"] = 4 * sum(set(size_classes(sizes).values()))
     extras = _extras(layout, stage, offload_optimizer, world_size, k, True, prefetch, accelerator,
                      offload_param, step_in_backward=step_in_backward, tail=tail,
                      step_in_forward=step_in_forward)

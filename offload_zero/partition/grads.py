@@ -26,8 +26,10 @@ shard is zeroed after the update; a full :meth:`GradientShards.zero` also takes 
 buffer nothing holds any more (a gradient autograd added into another instead of taking it).
 The free list keeps what was lent at once: with ``step_in_backward`` one buffer of each size
 (each gradient is used up by its update in backward, and the engine zeroes it then, so blocks
-of one size share one buffer; :func:`offload_zero.estimator.placement_bytes` counts one of
-each size), every flat parameter's gradient for a plain
+of one size share one buffer, and so do sizes within ``NEAR_SIZE`` of each other, such as an
+LM head with its final norm and the input embeddings: :func:`size_classes`;
+:func:`offload_zero.estimator.placement_bytes` counts the same), every flat parameter's
+gradient for a plain
 step at world size 1 (held until the step, as plain torch holds its ``.grad`` until
 ``zero_grad``), where one rank's host shards adopt the gradients; otherwise one buffer of the
 largest flat parameter's size, lent to one gradient at a time (the gradient in flight of
@@ -49,6 +51,25 @@ from offload_zero.memory.accounting import StateKind, TierAccountant
 from offload_zero.partition.flat_param import FlatParam
 
 
+NEAR_SIZE = 1.0625
+"""Gradients whose sizes differ by at most this factor share lent buffers (with
+``share_near_sizes``): an LM head with its final norm and the input embeddings, say."""
+
+
+def size_classes(sizes: List[int]) -> Dict[int, int]:
+    """``{size: class size}`` for element counts ``sizes``: from the largest down, a size at
+    least ``class size / NEAR_SIZE`` joins the current class, else starts its own. A buffer of
+    the class size serves every gradient of the class (see [Note: reused gradient memory]);
+    the estimator counts the same classes."""
+    out: Dict[int, int] = {}
+    top = None
+    for n in sorted(set(sizes), reverse=True):
+        if top is None or n * NEAR_SIZE < top:
+            top = n
+        out[n] = top
+    return out
+
+
 class GradientShards:
     """Per-flat-parameter gradient shards and their reduction.
 
@@ -60,10 +81,14 @@ class GradientShards:
         accountant: byte accounting.
         host_alloc: ``f(numel, dtype) -> Tensor`` for host buffers (aligned/pinned).
         host_dtype: dtype of host shard buffers (float32 default, or bfloat16).
+        share_near_sizes: lend one buffer to gradients whose sizes are within
+            :data:`NEAR_SIZE` of each other (see :func:`size_classes`); for gradients used up
+            one after the other (``step_in_backward``).
     """
 
     def __init__(self, flat_params: List[FlatParam], tier: Tier, comm, stage: int,
-                 accountant: TierAccountant, host_alloc, host_dtype: torch.dtype = torch.float32):
+                 accountant: TierAccountant, host_alloc, host_dtype: torch.dtype = torch.float32,
+                 share_near_sizes: bool = False):
         self.comm, self.stage, self.tier, self._acct = comm, stage, tier, accountant
         self.buf: Dict[FlatParam, torch.Tensor] = {}
         self.has_grad: Dict[FlatParam, bool] = {}
@@ -96,6 +121,9 @@ class GradientShards:
         self._lent: Dict[int, torch.Tensor] = {}           # adopting: data_ptr -> lent buffer
         self._shared: Optional[torch.Tensor] = None        # otherwise: one buffer for all
         self._shared_lent = False
+        sizes = [fp.padded_numel for fp in flat_params]
+        self._class_of = (size_classes(sizes) if share_near_sizes
+                          else {n: n for n in sizes})      # padded_numel -> buffer numel
         self._lends = stage >= 2 and all(fp.device.type == "cpu" for fp in flat_params)
         if self._lends:
             for fp in flat_params:
@@ -124,14 +152,15 @@ class GradientShards:
                 self._idle(numel * self._shared.element_size())
             self._shared_lent = True
             return self._shared[:fp.padded_numel].detach()
-        free = self._free.get((fp.padded_numel, fp.dtype))
+        numel = self._class_of[fp.padded_numel]
+        free = self._free.get((numel, fp.dtype))
         if free:
             buf = free.pop()
             self._idle(-buf.numel() * buf.element_size())
         else:
-            buf = self._alloc(fp.padded_numel, fp.dtype)
+            buf = self._alloc(numel, fp.dtype)
         self._lent[buf.data_ptr()] = buf
-        return buf.detach()
+        return buf[:fp.padded_numel].detach()
 
     def _give_back(self, t: Optional[torch.Tensor]) -> None:
         """``t`` (a gradient) is done with: if its memory was lent, it is idle again."""
