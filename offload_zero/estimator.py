@@ -423,6 +423,13 @@ def _model_states(layout, stage, offload, n, k, padded, offload_param=None,
     return out
 
 
+def _shards_adopt_grads(stage, offload, n, k, accelerator) -> bool:
+    """Whether the host gradient shards are the full gradients' own memory: one rank on a CPU
+    device at stage 2 or 3, with offload and fp32 gradients (``GradientShards``' adoption; see
+    [Note: reused gradient memory] in offload_zero/partition/grads.py)."""
+    return stage >= 2 and n == 1 and offload != "none" and k == 4 and not accelerator
+
+
 def _extras(layout, stage, offload, n, k, padded, prefetch, accelerator, offload_param=None,
             step_in_backward=False, tail=None, step_in_forward=False):
     """Per-rank bytes of this engine's buffers at the step's peak; see [Note: engine extras].
@@ -457,7 +464,7 @@ def _extras(layout, stage, offload, n, k, padded, prefetch, accelerator, offload
         # on a CPU device the gradient in flight is one buffer kept from step to step, unless
         # one rank's fp32 host shards adopt the gradients themselves (see [Note: reused
         # gradient memory] in offload_zero/partition/grads.py)
-        adopted = n == 1 and offload != "none" and k == 4
+        adopted = _shards_adopt_grads(stage, offload, n, k, accelerator)
         out["device"]["gradients" if accelerator or adopted else "buffers"] += max(grad_full)
     if n > 1 and shards:  # the reduce-scatter scratch shard, sized at start-up
         out["device"]["buffers"] += max(shards) * k
@@ -596,8 +603,8 @@ def placement_bytes(model: nn.Module, stage: int, offload_optimizer: str, offloa
                          tail_state_in_host)
     states = _model_states(layout, stage, offload_optimizer, world_size, k, True, offload_param,
                            accelerator=accelerator, tail=tail)
-    if (step_in_backward and stage >= 2 and world_size == 1 and offload_optimizer != "none"
-            and k == 4 and not accelerator):
+    if step_in_backward and _shards_adopt_grads(stage, offload_optimizer, world_size, k,
+                                                accelerator):
         # one rank on a CPU device: the host shards are the gradients' own memory, each used up
         # by its update in backward and reused by the next gradient of its size (see [Note:
         # reused gradient memory] in offload_zero/partition/grads.py): one of each size class

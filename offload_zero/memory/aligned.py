@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import os
 import resource
+import sys
 import threading
 import warnings
 import weakref
@@ -248,7 +249,7 @@ def _advise_huge(address: int, nbytes: int) -> bool:
     global _libc
     start = -(-address // HUGE_PAGE) * HUGE_PAGE
     end = (address + nbytes) // HUGE_PAGE * HUGE_PAGE
-    if end <= start or not os.sys.platform.startswith("linux"):
+    if end <= start or not sys.platform.startswith("linux"):
         return False
     try:
         if _libc is None:

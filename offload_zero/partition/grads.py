@@ -31,12 +31,12 @@ LM head with its final norm and the input embeddings: :func:`size_classes`;
 :func:`offload_zero.estimator.placement_bytes` counts the same), every flat parameter's
 gradient for a plain
 step at world size 1 (held until the step, as plain torch holds its ``.grad`` until
-``zero_grad``), where one rank's host shards adopt the gradients; otherwise one buffer of the
-largest flat parameter's size, lent to one gradient at a time (the gradient in flight of
-ZeRO's stages 2 and 3), and a gradient that finds it lent gets fresh memory. Idle buffers
-count as host gradients where the shards adopt them (their memory between steps); the one
-shared buffer counts as a device buffer, lent or not (the gradient in flight of stages 2 and
-3 that :mod:`offload_zero.estimator` adds on a CPU device). On CUDA the caching allocator already
+``zero_grad``), where one rank's host shards adopt the gradients; otherwise every size maps to
+one class, the largest flat parameter's, so the gradients (each reduced at once) take turns in
+one buffer: the gradient in flight of ZeRO's stages 2 and 3. Idle buffers count as host
+gradients where the shards adopt them (their memory between steps); otherwise every buffer
+counts as a device buffer, lent or not (the gradient in flight that
+:mod:`offload_zero.estimator` adds on a CPU device). On CUDA the caching allocator already
 recycles device memory, and nothing is lent.
 """
 from __future__ import annotations
@@ -117,62 +117,53 @@ class GradientShards:
             accountant.add(tier, StateKind.GRADS, b.numel() * b.element_size())
         # [Note: reused gradient memory]
         self._alloc = host_alloc
-        self._free: Dict[tuple, List[torch.Tensor]] = {}   # adopting: (numel, dtype) -> idle
-        self._lent: Dict[int, torch.Tensor] = {}           # adopting: data_ptr -> lent buffer
-        self._shared: Optional[torch.Tensor] = None        # otherwise: one buffer for all
-        self._shared_lent = False
+        self._free: Dict[tuple, List[torch.Tensor]] = {}   # (numel, dtype) -> idle buffers
+        self._lent: Dict[int, torch.Tensor] = {}           # data_ptr -> buffer lent out
         sizes = [fp.padded_numel for fp in flat_params]
-        self._class_of = (size_classes(sizes) if share_near_sizes
-                          else {n: n for n in sizes})      # padded_numel -> buffer numel
+        if not self._adopt:  # each reduced at once: one buffer of the largest size serves all
+            self._class_of = dict.fromkeys(sizes, max(sizes, default=0))
+        elif share_near_sizes:
+            self._class_of = size_classes(sizes)
+        else:
+            self._class_of = {n: n for n in sizes}         # padded_numel -> buffer numel
         self._lends = stage >= 2 and all(fp.device.type == "cpu" for fp in flat_params)
         if self._lends:
             for fp in flat_params:
                 fp.grad_target = functools.partial(self._lend, fp)
 
     # -- reused gradient memory ------------------------------------------------------------
-    def _idle(self, nbytes: int) -> None:
-        """Count ``nbytes`` (negative: fewer) of idle gradient memory: host gradients where the
-        shards adopt it (the shards' own memory between steps), else the device buffer of the
-        gradient in flight (counted as a buffer lent or not)."""
+    def _count(self, buf: torch.Tensor, sign: int) -> None:
+        """Add (``sign`` 1) or remove (-1) ``buf``'s bytes in the accounting: idle buffers count
+        as host gradients where the shards adopt the gradients (the shards' own memory between
+        steps; a lent one counts as the shard it became); otherwise every buffer counts as a
+        device buffer, lent or not (the gradient in flight of stages 2 and 3)."""
         tier, kind = (Tier.HOST, StateKind.GRADS) if self._adopt else (Tier.DEVICE, StateKind.BUFFERS)
-        (self._acct.add if nbytes >= 0 else self._acct.sub)(tier, kind, abs(nbytes))
+        (self._acct.add if sign > 0 else self._acct.sub)(tier, kind, buf.numel() * buf.element_size())
 
-    def _lend(self, fp: FlatParam) -> Optional[torch.Tensor]:
-        """Memory for ``fp``'s next full gradient, shape (padded_numel,), ``fp.dtype``, or None
-        (allocate one). Where the shards adopt the gradients (held until the step): an idle
-        buffer of that size or a new one. Otherwise (each gradient reduced at once): one buffer
-        of the largest size, lent to one gradient at a time. Returns a tensor of its own
+    def _lend(self, fp: FlatParam) -> torch.Tensor:
+        """Memory for ``fp``'s next full gradient, shape (padded_numel,), ``fp.dtype``: an idle
+        buffer of its size class (:attr:`_class_of`) or a new one. Returns a tensor of its own
         (autograd takes it as the ``.grad`` only when nothing else holds that tensor)."""
-        if not self._adopt:
-            if self._shared_lent:
-                return None
-            if self._shared is None:
-                numel = max(f.padded_numel for f in self.has_grad)
-                self._shared = self._alloc(numel, fp.dtype)
-                self._idle(numel * self._shared.element_size())
-            self._shared_lent = True
-            return self._shared[:fp.padded_numel].detach()
         numel = self._class_of[fp.padded_numel]
         free = self._free.get((numel, fp.dtype))
         if free:
             buf = free.pop()
-            self._idle(-buf.numel() * buf.element_size())
+            if self._adopt:
+                self._count(buf, -1)
         else:
             buf = self._alloc(numel, fp.dtype)
+            if not self._adopt:
+                self._count(buf, 1)
         self._lent[buf.data_ptr()] = buf
         return buf[:fp.padded_numel].detach()
 
     def _give_back(self, t: Optional[torch.Tensor]) -> None:
         """``t`` (a gradient) is done with: if its memory was lent, it is idle again."""
-        if t is None:
-            return
-        if self._shared_lent and t.data_ptr() == self._shared.data_ptr():
-            self._shared_lent = False
-            return
-        buf = self._lent.pop(t.data_ptr(), None)
+        buf = None if t is None else self._lent.pop(t.data_ptr(), None)
         if buf is not None:
             self._free.setdefault((buf.numel(), buf.dtype), []).append(buf)
-            self._idle(buf.numel() * buf.element_size())
+            if self._adopt:
+                self._count(buf, 1)
 
     def _sweep(self) -> None:
         """Take back every lent buffer no shard holds (a full :meth:`zero`: no gradient is
@@ -180,8 +171,6 @@ class GradientShards:
         held = {b.data_ptr() for b in self.buf.values()}
         for ptr in [p for p in self._lent if p not in held]:
             self._give_back(self._lent[ptr])
-        if self._shared_lent:
-            self._give_back(self._shared)
 
     def on_full_grad(self, fp: FlatParam) -> None:
         """Called when ``fp.full.grad`` has been accumulated in backward."""
@@ -194,9 +183,8 @@ class GradientShards:
                 self._full_grad_held[fp] = nbytes
                 self._acct.add(Tier.DEVICE, StateKind.GRADS, nbytes)
             return
-        # (memory of the shared buffer counts as that buffer's, lent or not)
-        shared = self._shared_lent and g.data_ptr() == self._shared.data_ptr()
-        nbytes = 0 if shared else nbytes
+        # (lent memory counts as its buffer's where the shards do not adopt it)
+        nbytes = 0 if not self._adopt and g.data_ptr() in self._lent else nbytes
         self._acct.add(Tier.DEVICE, StateKind.GRADS, nbytes)
         self._reduce_into_shard(fp, g)
         fp.full.grad = None
@@ -294,8 +282,6 @@ class GradientShards:
             fp.grad_target = None
         self.buf.clear()
         self._sweep()
-        for b in [b for bufs in self._free.values() for b in bufs] + [self._shared]:
-            if b is not None:
-                self._idle(-b.numel() * b.element_size())
+        for b in [b for bufs in self._free.values() for b in bufs]:
+            self._count(b, -1)
         self._free.clear()
-        self._shared = None
