@@ -692,3 +692,47 @@ def test_nvme_store_stream_reads_wait_for_the_same_bytes_still_being_written(tmp
         assert torch.equal(store.read_all(a)[0], torch.full((2048,), 4.0))
         assert torch.equal(store.read_all(b)[0], torch.full((1024,), -2.0))
         store.close()
+
+
+def test_nvme_store_reads_no_state_ahead_while_a_stream_has_part_of_it_updated(tmp_path):
+    """A whole-state read-ahead of a flat parameter whose update is suspended (an update
+    streaming while other units compute) would read bytes updated but not yet written: it is
+    refused until the update has queued its write-back, whether the update streams in chunks
+    or takes the state whole from an earlier read-ahead, and the next update sees every new
+    value."""
+    from offload_zero.memory.accounting import TierAccountant
+    from offload_zero.memory.pool import HostBufferPool
+    from offload_zero.memory.tiers import NVMeStore
+
+    class Flat:
+        def __init__(self, name):
+            self.name = name
+
+    a = Flat("a")
+    acct = TierAccountant()
+    alloc = lambda n, dt: aligned_empty(n, dt)  # noqa: E731
+    with Swapper(str(tmp_path / "swap"), backend="threads") as sw:
+        store = NVMeStore(sw, acct, alloc, 2048, chunk_numel=1024)
+        ring = HostBufferPool("ring", 2, 3 * 2048, torch.float32, alloc, acct)
+        store.enable_prefetch(ring)
+        store.add(a, torch.zeros(2048))
+        stream = store.iter_states([a])
+        fp, lo, hi, master, m, v = next(stream)      # the first chunk, updated, not written
+        master.add_(1.0)
+        assert not store.prefetch(a, wait=False) and not store.prefetch(a)
+        assert not store.prefetched(a)
+        for fp, lo, hi, master, m, v in stream:      # the second chunk: the stream ends
+            master.add_(1.0)
+        assert store.prefetch(a)                     # waits for the stream's writes
+        whole = store.iter_states([a])
+        fp, lo, hi, master, m, v = next(whole)
+        assert (lo, hi) == (0, 2048)                 # whole, from the read-ahead buffer
+        assert torch.equal(master, torch.ones(2048))
+        master.add_(1.0)
+        assert not store.prefetch(a, wait=False) and not store.prefetch(a)
+        assert list(whole) == []                     # its write-back is queued
+        assert store.prefetch(a)
+        for fp, lo, hi, master, m, v in store.iter_states([a]):
+            assert torch.equal(master, torch.full((2048,), 2.0))
+        store.close()
+        ring.close()

@@ -163,6 +163,9 @@ class NVMeStore:
         self._ahead = None                            # a HostBufferPool, or None
         self._whole_reads: Dict[object, tuple] = {}   # fp -> (buffer, read handles)
         self._whole_writes: List[tuple] = []          # (fp, buffer, write handles), oldest first
+        # flat params whose state an iter_states has handed out (whole or in part) and not yet
+        # queued for writing back: their bytes on disk are stale until then
+        self._updating: set = set()
         chunk_numel = chunk_numel or self.CHUNK_NUMEL
         self._acct = accountant
         self.swapper = swapper
@@ -267,9 +270,10 @@ class NVMeStore:
         for first (``wait=False``: the read is not started unless it has finished), so the read
         sees it. Returns True if the read was started; False (and does nothing) without
         read-ahead buffers, for a state larger than they are, when it is already being read
-        ahead, or when no buffer is free."""
+        ahead, while an :meth:`iter_states` has handed out part or all of it and not yet
+        queued its write-back (a read now would be stale), or when no buffer is free."""
         pool = self._ahead
-        if (pool is None or fp in self._whole_reads or self.in_host(fp)
+        if (pool is None or fp in self._whole_reads or self.in_host(fp) or fp in self._updating
                 or 3 * self._numel.get(fp, 0) > pool.numel):
             return False
         if not wait and not all(h.done() for h in self._writes_of(fp)):
@@ -365,6 +369,7 @@ class NVMeStore:
         for fp in ahead:
             buf, handles = self._whole_reads.pop(fp)
             n = self._numel[fp]
+            self._updating.add(fp)
             try:
                 for h in handles:
                     h.wait()
@@ -372,11 +377,15 @@ class NVMeStore:
             except BaseException:
                 self._ahead.release(buf)
                 raise
+            finally:
+                self._updating.discard(fp)
             self._whole_writes.append((fp, buf, self._io(fp, 0, n, 0, write=True,
                                                          views=self._whole_views(buf, n))))
-        items = list(self._chunks([f for f in flat_params if f not in ahead]))
+        streamed = [f for f in flat_params if f not in ahead]
+        items = list(self._chunks(streamed))
         if not items:
             return
+        self._updating.update(streamed)
         reads = {0: self._start_read(0, items[0])}
         try:
             for i, (fp, lo, hi) in enumerate(items):
@@ -387,7 +396,10 @@ class NVMeStore:
                     h.wait()
                 yield (fp, lo, hi, *self._views(slot, hi - lo))
                 self._pending_write[slot] = (fp, self._io(fp, lo, hi, slot, write=True), lo, hi)
+                if hi == self._numel[fp]:
+                    self._updating.discard(fp)  # (its writes are tracked: see wait_writes)
         finally:
+            self._updating.difference_update(streamed)
             for hs in reads.values():
                 for h in hs:
                     h.wait()
