@@ -39,7 +39,10 @@ parameter ``<fp>`` (its name, e.g. ``unit3.trainable``) it holds this rank's sha
 Rank r of N holds elements ``[r * shard_numel, (r + 1) * shard_numel)`` of each flat parameter
 (the last shard padded with zeros), so the files of N ranks also make up the state for any other
 world size: loading on M ranks reads, for each rank, the slices of the saved shards that overlap
-its own (resharding; see :func:`_load_shards`).
+its own (resharding; see :func:`_load_shards`). Each parameter's place in its flat parameter is
+in ``parameters``, so an engine that groups the parameters into flat parameters otherwise (one
+built with or without ``step_in_backward`` or ``step_in_forward``, which split the root's) loads
+them too, parameter by parameter.
 
 Its safetensors metadata (strings) names the ``rank`` and ``world_size`` it was written by and
 the ``save_id``, and gives a CRC-32 of each tensor's bytes (``crc32/<tensor name>``, 8 hex digits), checked on load.
@@ -69,6 +72,7 @@ import errno
 import itertools
 import json
 import logging
+import math
 import os
 import re
 import secrets
@@ -171,8 +175,11 @@ def load_checkpoint(engine, folder) -> dict:
     loss scaler's state. The tiers may differ from the saving engine's (saved with
     ``offload="nvme"``, loaded with ``offload="cpu"``, say), and so may the world size and the
     ZeRO stage: a checkpoint of N ranks loads on M ranks, each rank reading the slices of the
-    saved shards that make up its own (see :func:`_load_shards`); the model's flat
-    parameters and the compute dtype may not change.
+    saved shards that make up its own (see :func:`_load_shards`). So may the grouping of the
+    parameters into flat parameters (``step_in_backward`` and ``step_in_forward`` split the
+    root's in two; ``unit_classes`` cuts units otherwise), as long as the parameters of one
+    flat parameter here share one Adam step count there; the model's parameters (names,
+    shapes, ``requires_grad``) and the compute dtype may not change.
 
     Every rank first checks its whole file (structure, dtypes, shapes, CRC-32 of every tensor;
     when resharding, every saved file it reads from) and the ranks agree before anything in the engine changes, so a bad checkpoint leaves the
@@ -180,9 +187,10 @@ def load_checkpoint(engine, folder) -> dict:
     failing NVMe write) leaves the engine partly loaded.
 
     Raises:
-        ValueError: the metadata does not match this engine (``dtype``, the flat parameters'
-            names, ``numel``, ``shard_numel`` at the same world size,
-            ``requires_grad``, ``parameters``, or ``loss_scaler`` present in one only): the
+        ValueError: the metadata does not match this engine (``dtype``, a parameter missing
+            on either side or with another shape or ``requires_grad``, a flat parameter's
+            ``shard_numel`` too small for its ``numel``, ``loss_scaler`` present in one only,
+            parameters of one flat parameter here with different step counts there): the
             message names the field, the saved value and this engine's; ``folder`` or
             ``checkpoint.json`` missing or unreadable; a rank file missing, truncated,
             corrupt (checksum) or written by another rank (the message names the file; on
@@ -211,6 +219,10 @@ def _load(engine, final: str) -> dict:
         for rank in mine:
             _verify_rank_file(os.path.join(final, rank_file_name(rank)), specs, rank,
                               saved_world, meta.get("save_id"))
+        from safetensors import safe_open
+        with safe_open(os.path.join(final, rank_file_name(sources[0])), framework="pt") as f:
+            _saved_steps({sources[0]: f}, sources[0], _segments(meta, engine),
+                         os.path.join(final, META_NAME))
     except Exception as exc:
         error = exc
     _agree(engine, error, f"load_checkpoint({final!r})", exc_type=ValueError)
@@ -483,34 +495,37 @@ def _check_matches(meta: dict, engine, path: str) -> None:
         raise ValueError(f"{path!r}: world_size is {world!r}; a checkpoint's is a positive "
                          "integer")
     same_world = world == mine["world_size"]
-    saved_fps, my_fps = meta.get("flat_params") or [], mine["flat_params"]
-    saved_names = [f.get("name") for f in saved_fps]
-    my_names = [f["name"] for f in my_fps]
-    if saved_names != my_names:
-        i = next(i for i, (a, b) in enumerate(itertools.zip_longest(saved_names, my_names))
-                 if a != b)
-        pick = lambda names: names[i] if i < len(names) else None  # noqa: E731
-        raise _mismatch(path, f"flat parameter names ({len(saved_names)} in the checkpoint, "
-                        f"{len(my_names)} here) at index {i}", pick(saved_names), pick(my_names))
-    for saved, ours in zip(saved_fps, my_fps):
-        for key in ("requires_grad", "numel") + (("shard_numel",) if same_world else ()):
-            if saved.get(key) != ours[key]:
-                raise _mismatch(path, f"flat parameter {ours['name']!r} {key}", saved.get(key),
-                                ours[key])
-        shard = saved.get("shard_numel")
-        if not (isinstance(shard, int) and shard * world >= ours["numel"]):
-            raise ValueError(f"{path!r}: flat parameter {ours['name']!r} shard_numel is "
-                             f"{shard!r}: {world} shards of it cannot hold its {ours['numel']} "
+    saved_fps = meta.get("flat_params")
+    if not isinstance(saved_fps, list) or not saved_fps:
+        raise ValueError(f"{path!r}: flat_params is {saved_fps!r}; a checkpoint lists its flat "
+                         "parameters")
+    for saved in saved_fps:
+        shard, numel = saved.get("shard_numel"), saved.get("numel")
+        if not (isinstance(shard, int) and isinstance(numel, int) and shard * world >= numel >= 0):
+            raise ValueError(f"{path!r}: flat parameter {saved.get('name')!r} shard_numel is "
+                             f"{shard!r}: {world} shards of it cannot hold its {numel!r} "
                              "elements")
-        entries = saved.get("parameters") or []
-        for i, ours_entry in enumerate(ours["parameters"]):
-            saved_entry = entries[i] if i < len(entries) else None
-            if saved_entry != ours_entry:
-                raise _mismatch(path, f"flat parameter {ours['name']!r} parameters[{i}] "
-                                "([names, shape])", saved_entry, ours_entry)
-        if len(entries) > len(ours["parameters"]):
-            raise _mismatch(path, f"flat parameter {ours['name']!r} parameters count",
-                            len(entries), len(ours["parameters"]))
+    where = _saved_parameters(meta, path)
+    mine_params = {}
+    for fp in engine.flat_params:
+        for e in fp.entries:
+            mine_params[e.names[0]] = (list(e.shape), fp.requires_grad)
+    for name, (shape, trainable) in mine_params.items():
+        if name not in where:
+            raise ValueError(f"{path!r}: parameter {name!r} of this engine is not in the "
+                             f"checkpoint (it holds {len(where)} parameters, this engine "
+                             f"{len(mine_params)})")
+        saved = where[name]
+        if saved[4] != shape:
+            raise _mismatch(path, f"parameter {name!r} shape", saved[4], shape)
+        if saved_fps[saved[0]].get("requires_grad") != trainable:
+            raise _mismatch(path, f"parameter {name!r} requires_grad",
+                            saved_fps[saved[0]].get("requires_grad"), trainable)
+    extra = [name for name in where if name not in mine_params]
+    if extra:
+        raise ValueError(f"{path!r}: parameter {extra[0]!r} of the checkpoint is not in this "
+                         f"engine (it holds {len(where)} parameters, this engine "
+                         f"{len(mine_params)})")
     if "buffers" in meta and meta["buffers"] != mine["buffers"]:
         raise _mismatch(path, "buffers (names)", meta["buffers"], mine["buffers"])
     if "buffers" not in meta and mine["buffers"]:
@@ -534,6 +549,81 @@ def _check_matches(meta: dict, engine, path: str) -> None:
     if changed:
         log.warning("%s: the optimizer settings differ from the saved run's (%s); this engine's "
                     "are used", path, ", ".join(changed))
+
+
+def _saved_parameters(meta: dict, path: str = META_NAME) -> Dict[str, tuple]:
+    """``{first name: (saved flat parameter index, its name, its shard_numel, offset in it,
+    shape)}`` for every model parameter in ``meta``'s flat parameters (offsets in elements, in
+    layout order as :func:`offload_zero.partition.flat_param.build_entries` assigns them).
+    Raises ValueError naming a malformed ``parameters`` entry."""
+    out = {}
+    for j, saved in enumerate(meta["flat_params"]):
+        offset = 0
+        for entry in saved.get("parameters") or []:
+            ok = (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], list)
+                  and entry[0] and all(isinstance(n, str) for n in entry[0])
+                  and isinstance(entry[1], list)
+                  and all(isinstance(d, int) and d >= 0 for d in entry[1]))
+            if not ok:
+                raise ValueError(f"{path!r}: flat parameter {saved.get('name')!r} has a "
+                                 f"parameters entry {entry!r}; each is [[names], [shape]]")
+            out[entry[0][0]] = (j, saved["name"], saved["shard_numel"], offset, entry[1])
+            offset += math.prod(entry[1])
+        if offset > saved["numel"]:
+            raise ValueError(f"{path!r}: flat parameter {saved.get('name')!r} lists parameters "
+                             f"of {offset} elements in all, more than its numel "
+                             f"{saved['numel']}")
+    return out
+
+
+def _segments(meta: dict, engine) -> Dict[object, List[tuple]]:
+    """Where each of ``engine``'s flat parameters lies in the saved ones, parameter by
+    parameter: ``{fp: [(offset in fp, numel, saved flat parameter name, its shard_numel,
+    offset in it)]}`` (elements). The checkpoint may group the parameters differently (a root
+    split by ``step_in_backward`` or ``step_in_forward`` on one side only, say); checked by
+    :func:`_check_matches`."""
+    where = _saved_parameters(meta)
+    out = {}
+    for fp in engine.flat_params:
+        segs = []
+        for e in fp.entries:
+            _, name, shard, offset, _ = where[e.names[0]]
+            segs.append((e.offset, e.numel, name, shard, offset))
+        out[fp] = segs
+    return out
+
+
+def _pieces(segs: List[tuple], lo: int, hi: int) -> Iterator[tuple]:
+    """The saved slices that make up elements ``[lo, hi)`` of a flat parameter whose
+    ``segs`` are from :func:`_segments`: ``(saved rank, saved flat parameter name, [a, b) in
+    that rank's shard, [c, d) in the range)``. Elements no parameter holds (padding) are in no
+    piece."""
+    for offset, n, name, shard, saved_offset in segs:
+        a, b = max(lo, offset), min(hi, offset + n)
+        if a >= b:
+            continue
+        sa, sb = saved_offset + a - offset, saved_offset + b - offset
+        for r in range(sa // shard, (sb - 1) // shard + 1):
+            x, y = max(sa, r * shard), min(sb, (r + 1) * shard)
+            yield r, name, (x - r * shard, y - r * shard), (x - sa + a - lo, y - sa + a - lo)
+
+
+def _saved_steps(files: dict, rank: int, segs: Dict[object, List[tuple]], path: str
+                 ) -> Dict[object, int]:
+    """Each trainable flat parameter's Adam step count, from the saved flat parameters its
+    parameters come from (in the open rank file ``files[rank]``: every file holds them all).
+    Raises ValueError if they differ: one flat parameter has one step count."""
+    steps = {}
+    for fp, parts in segs.items():
+        if not fp.requires_grad:
+            continue
+        found = {name: int(files[rank].get_tensor(f"{name}/step")) for _, _, name, _, _ in parts}
+        if len(set(found.values())) > 1:
+            raise ValueError(f"{path!r}: the parameters of flat parameter {fp.name!r} come from "
+                             f"saved flat parameters with different Adam step counts {found}; "
+                             "load it into an engine that groups them as the saving one did")
+        steps[fp] = next(iter(found.values()), 0)
+    return steps
 
 
 # -- rank files -----------------------------------------------------------------------------------
@@ -560,14 +650,22 @@ def _tensor_specs(engine) -> List[TensorSpec]:
 
 
 def _saved_specs(meta: dict, engine) -> List[TensorSpec]:
-    """:func:`_tensor_specs` of the engine that wrote ``meta`` (its ``shard_numel`` per flat
-    parameter; names, ``requires_grad`` and the compute dtype are checked equal to
-    ``engine``'s by :func:`_check_matches`)."""
-    saved = {f["name"]: f["shard_numel"] for f in meta["flat_params"]}
-    return [(name, dtype, shape if name.startswith("buffers/") or not shape
-             else (saved[name.rsplit("/", 1)[0]],))
-            for name, dtype, shape in _tensor_specs(engine)
-            if "buffers" in meta or not name.startswith("buffers/")]
+    """``(name, dtype, shape)`` of every tensor in a rank file of the engine that wrote
+    ``meta``, in file order (as :func:`_tensor_specs` lists them): its flat parameters from
+    the metadata, the compute dtype and buffers as ``engine``'s (checked equal by
+    :func:`_check_matches`)."""
+    dtype = engine.config.dtype
+    specs: List[TensorSpec] = []
+    for saved in meta["flat_params"]:
+        n, name = saved["shard_numel"], saved["name"]
+        if saved.get("requires_grad"):
+            specs += [(f"{name}/{key}", torch.float32, (n,)) for key in _STATE_KEYS]
+            specs.append((f"{name}/step", torch.int64, ()))
+        if not saved.get("requires_grad") or dtype != torch.float32:
+            specs.append((f"{name}/param", dtype, (n,)))
+    if "buffers" in meta:
+        specs += [spec for spec in _tensor_specs(engine) if spec[0].startswith("buffers/")]
+    return specs
 
 
 def _rank_tensors(engine) -> Iterator[Tuple[str, torch.Tensor]]:
@@ -693,61 +791,57 @@ def _load_buffers(f, engine) -> None:
             mod._buffers[attr].copy_(f.get_tensor(f"buffers/{name}"))
 
 
-def _saved_range(meta: dict, fp, saved: dict, rank: int) -> Tuple[int, int]:
-    """Elements ``[lo, hi)`` of flat parameter ``fp`` that ``rank`` of this engine holds and
-    the saved files hold too (their padding included): empty past the saved shards' end."""
-    lo = rank * fp.shard_numel
-    return lo, max(lo, min(lo + fp.shard_numel, meta["world_size"] * saved["shard_numel"]))
-
-
 def _source_ranks(meta: dict, engine) -> List[int]:
     """The saving ranks whose files hold some element of this rank's shards: this rank alone
-    at the same world size; else those whose shard of some flat parameter overlaps this
-    rank's range of it (see :func:`_load_shards`); rank 0 alone if none does (the step counts
-    and buffers are in every file)."""
+    at the same world size and grouping; else those whose shards overlap this rank's ranges
+    (see :func:`_load_shards`); rank 0 alone if none does (the step counts and buffers are in
+    every file)."""
     ranks = set()
-    for saved, fp in zip(meta["flat_params"], engine.flat_params):
-        lo, hi = _saved_range(meta, fp, saved, engine.rank)
-        step = saved["shard_numel"]
-        ranks.update(range(lo // step, (hi - 1) // step + 1) if hi > lo else ())
+    for fp, segs in _segments(meta, engine).items():
+        lo = engine.rank * fp.shard_numel
+        ranks.update(r for r, _, _, _ in _pieces(segs, lo, lo + fp.shard_numel))
     return sorted(ranks) or [0]
 
 
 def _load_shards(final: str, meta: dict, engine, sources: List[int]) -> None:
     """Write this rank's shards of the checkpoint in ``final`` (verified) into the engine's
-    store and parameter shards, at the saving world size or another (resharding).
+    store and parameter shards, at the saving world size or another (resharding), with the
+    parameters grouped into flat parameters as the saving engine did or otherwise.
 
     Every flat parameter is a flat vector of ``numel`` elements cut into equal shards of
     ``shard_numel`` (the last padded with zeros): rank r of N holds elements
-    ``[r * s, (r + 1) * s)``. This rank's shard is assembled from the slices of the saved
-    shards that overlap its range (``sources``' files; safetensors reads only those bytes): at
-    the same world size that is its own file, whole. One flat parameter at a time (12 bytes
-    per element of its shard in host memory, plus the shard); elements past the saved shards'
-    end are zeros, as in a fresh engine's padding (a zero weight with zero gradient and moments
-    stays zero under Adam/AdamW). Step counts and buffers are the same in every file."""
+    ``[r * s, (r + 1) * s)``. Each parameter lies at an offset of one saved flat vector and
+    one of this engine's (:func:`_segments`); this rank's shard is assembled from the slices of
+    the saved shards that hold its range's parameters (``sources``' files; safetensors reads
+    only those bytes): at the same world size and grouping that is its own file, whole. One
+    flat parameter at a time (12 bytes per element of its shard in host memory, plus the
+    shard); the padding is zeros, as in a fresh engine's (a zero weight with zero gradient and
+    moments stays zero under Adam/AdamW). Step counts and buffers are the same in every file.
+    Raises ValueError, before anything changes, when the parameters of one flat parameter
+    come from saved ones with different step counts."""
     from contextlib import ExitStack
     from safetensors import safe_open
+    segments = _segments(meta, engine)
     with ExitStack() as stack:
         files = {r: stack.enter_context(safe_open(os.path.join(final, rank_file_name(r)),
                                                   framework="pt")) for r in sources}
         first = files[sources[0]]
-        for saved, fp in zip(meta["flat_params"], engine.flat_params):
-            step_s = saved["shard_numel"]
-            lo, hi = _saved_range(meta, fp, saved, engine.rank)
+        steps = _saved_steps(files, sources[0], segments, os.path.join(final, META_NAME))
+        for fp in engine.flat_params:
+            lo = engine.rank * fp.shard_numel
+            pieces = list(_pieces(segments[fp], lo, lo + fp.shard_numel))
 
             def gather(key, dtype):
                 out = torch.zeros(fp.shard_numel, dtype=dtype)
-                for r in range(lo // step_s, (hi - 1) // step_s + 1) if hi > lo else ():
-                    a, b = max(lo, r * step_s), min(hi, (r + 1) * step_s)
-                    part = files[r].get_slice(f"{fp.name}/{key}")[a - r * step_s:b - r * step_s]
-                    out[a - lo:b - lo] = part
+                for r, name, (a, b), (c, d) in pieces:
+                    out[c:d] = files[r].get_slice(f"{name}/{key}")[a:b]
                 return out
 
             master = None
             if fp.requires_grad:
                 master, m, v = (gather(key, torch.float32) for key in _STATE_KEYS)
                 engine.store.write_all(fp, master, m, v)
-                engine._step_count[fp] = int(first.get_tensor(f"{fp.name}/step"))
+                engine._step_count[fp] = steps[fp]
             values = gather("param", fp.dtype) if _saves_param(fp) else master
             _write_param_shard(fp, values)
         _load_buffers(first, engine)
