@@ -103,13 +103,18 @@ class EngineConfig:
             overlaps the next forward's compute instead of stalling between backward and
             forward. Works with ``max_grad_norm`` and gradient accumulation (unlike
             ``step_in_backward``); the updated parameter shards stay in their read buffers for
-            the gather. Same numbers as the plain step. Needs stage 3 and
-            ``step_in_backward=False``. Default False.
-        tail_state_in_host: with ``step_in_backward`` and the optimizer state on NVMe, keep the
-            state (fp32 master weights, moments) of the flat parameter updated last in backward
-            (the root's parameters used before the blocks: the input embeddings) in host memory
-            instead of NVMe. Its gradient is final only when backward ends, so its reads and
-            writes have no compute left to hide behind; kept in memory it moves no bytes. Costs
+            the gather. The root's trainable parameters are two flat parameters, as with
+            ``step_in_backward``: the input embeddings, updated as forward starts (their state in
+            host memory by default, see ``tail_state_in_host``), and those used after the
+            blocks (LM head, final norm), whose update streams in chunks while the blocks run
+            and which are gathered only when the LM head runs. Same numbers as the plain step.
+            Needs stage 3 and ``step_in_backward=False``. Default False.
+        tail_state_in_host: with ``step_in_backward`` or ``step_in_forward`` and the optimizer
+            state on NVMe, keep the state (fp32 master weights, moments) of the flat parameter
+            updated last in backward (the root's parameters used before the blocks: the input
+            embeddings) in host memory instead of NVMe. Its gradient is final only when
+            backward ends, and the next forward needs it first, so its reads and writes have no
+            compute to hide behind; kept in memory it moves no bytes. Costs
             12 bytes per element of its shard in host RAM (8 when its fp32 master is the
             parameter shard itself, on a CPU device). ``None`` (default): on when that state is
             at most a quarter of the model's (so the NVMe tier still holds most of it); True or

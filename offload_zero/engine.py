@@ -109,7 +109,7 @@ class OffloadEngine:
         self._step_count: Dict[FlatParam, int] = {}
         self._targets: Dict[FlatParam, Optional[torch.Tensor]] = {}
         self._early: Dict[FlatParam, bool] = {}  # step_in_backward: updated in backward -> ok
-        self._deferred: List[tuple] = []  # step_in_backward: (fp, update generator, skipped)
+        self._deferred: List[tuple] = []  # streaming updates: (fp, update generator, on end)
         self._lazy: Dict[FlatParam, None] = {}  # step_in_forward: updates decided, not applied,
         #                                         in the order the next forward needs them
         self._lazy_step = (1.0, cfg.lr)         # (gradient factor, lr) of those updates
@@ -200,7 +200,8 @@ class OffloadEngine:
         if self._tail is not None:
             self.store.keep_in_host(self._tail)
         elif cfg.tail_state_in_host:
-            warnings.warn("tail_state_in_host=True has no effect: it needs step_in_backward=True, "
+            warnings.warn("tail_state_in_host=True has no effect: it needs step_in_backward=True "
+                          "or step_in_forward=True, "
                           f"the optimizer state on NVMe (it is on {cfg.offload_optimizer!r}) "
                           "and trainable root parameters", UserWarning, stacklevel=3)
         if isinstance(self.param_home, NVMeParamHome) and self.param_home.master_is_param:
@@ -209,6 +210,10 @@ class OffloadEngine:
         self.units: List[Unit] = self.blocks + [self.root]
         self.flat_params = [fp for u in self.units for fp in u.flat_params]
         self.trainable = [fp for fp in self.flat_params if fp.requires_grad]
+        # the root's trainable parameters split by gradient order (step_in_backward,
+        # step_in_forward) come as [used after the blocks (LM head), the rest]
+        root_trainable = [fp for fp in self.root.flat_params if fp.requires_grad]
+        self._after_blocks = set(root_trainable[:1]) if len(root_trainable) == 2 else set()
         # whether forward reads block parameter shards from NVMe (see _read_ahead_in_forward)
         self._forward_reads_params = any(fp.home is not None and fp.home.tier is Tier.NVME
                                          for u in self.blocks for fp in u.flat_params)
@@ -234,8 +239,10 @@ class OffloadEngine:
             on_grad, on_unit_backward = self._grad_ready, self._prefetch_state
             # an update still streaming when backward returns ends before weights are read
             on_forward = self._finish_updates
+        gather_late = before_late_gather = None
         if cfg.step_in_forward:
             before_gather = self._apply_lazy_for
+            gather_late, before_late_gather = self._streaming, self._finish_streaming
         numel = max((fp.shard_numel for u in self.blocks for fp in u.flat_params
                      if fp.requires_grad), default=0)
         if (cfg.step_in_backward or cfg.step_in_forward) and isinstance(self.store, NVMeStore) \
@@ -255,7 +262,8 @@ class OffloadEngine:
                                        on_grad=on_grad, pool_for=pool_for, staging=staging,
                                        on_unit_backward=on_unit_backward, on_forward=on_forward,
                                        on_unit_forward=on_unit_forward,
-                                       before_gather=before_gather)
+                                       before_gather=before_gather, gather_late=gather_late,
+                                       before_late_gather=before_late_gather)
         if cfg.activation_checkpointing:
             # a key/value cache filled in forward and again in the recomputation would make the
             # two passes differ (Hugging Face models turn it off for checkpointing the same way)
@@ -269,8 +277,8 @@ class OffloadEngine:
     def _plan_units(self, model: nn.Module):
         """Units and, per unit, its trainable and frozen parameter groups (nothing built yet)."""
         cfg = self.config
-        block_mods, planned, users = plan_flat_params(model, cfg.unit_classes,
-                                                      cfg.step_in_backward)
+        block_mods, planned, users = plan_flat_params(
+            model, cfg.unit_classes, split_root=cfg.step_in_backward or cfg.step_in_forward)
         blocks = [Unit(i, n, m, is_root=False) for i, (n, m) in enumerate(block_mods)]
         root = Unit(len(blocks), "", model, is_root=True)
         units = blocks + [root]
@@ -320,10 +328,11 @@ class OffloadEngine:
 
     def _tail_in_host(self, plan) -> Optional[str]:
         """The name of the flat parameter whose optimizer state stays in host memory
-        (``tail_state_in_host``, with step_in_backward and the state on NVMe; see
-        :func:`offload_zero.partition.units.host_tail_index`), or None."""
+        (``tail_state_in_host``, with step_in_backward or step_in_forward and the state on
+        NVMe; see :func:`offload_zero.partition.units.host_tail_index`), or None."""
         cfg = self.config
-        if not (cfg.step_in_backward and cfg.optimizer_tier is Tier.NVME):
+        if not ((cfg.step_in_backward or cfg.step_in_forward)
+                and cfg.optimizer_tier is Tier.NVME):
             return None
         entries = plan[2]
         flat = [(u.is_root, trainable,
@@ -515,7 +524,12 @@ class OffloadEngine:
             skipped: set = set()
             # (the learning rate of this backward, whatever set_lr() does before it ends)
             update = self._iter_updates([fp], self._unscale(), False, skipped, self.lr)
-            self._deferred.append((fp, update, skipped))
+
+            def done(fp=fp, skipped=skipped):
+                self._early[fp] = fp not in skipped
+                self.grads.zero(only=[fp])  # (its gradient is used up)
+
+            self._deferred.append((fp, update, done))
             self._early[fp] = False  # until its last chunk is updated (see _pump)
             self._pump()
             return
@@ -541,20 +555,20 @@ class OffloadEngine:
         return {fp for fp, f in zip(fps, flags) if f > 0}
 
     def _pump(self, all_of_them: bool = False) -> None:
-        """Advance the oldest deferred update by one chunk (every deferred update to its end
-        with ``all_of_them``). The updates go one after the other: they share the store's
+        """Advance the oldest streaming update (``_deferred``: ``(flat param, generator of
+        :meth:`_iter_updates`, f() run once it ends)``) by one chunk, or every one to its end
+        with ``all_of_them``. The updates go one after the other: they share the store's
         pipeline buffers. Each chunk's read was started one chunk earlier, so a call rarely
         waits for the disk."""
         while self._deferred:
-            fp, gen, skipped = self._deferred[0]
+            fp, gen, done = self._deferred[0]
             try:
                 next(gen)
                 if not all_of_them:
                     return
             except StopIteration:
                 self._deferred.pop(0)
-                self._early[fp] = fp not in skipped
-                self.grads.zero(only=[fp])  # (its gradient is used up)
+                done()
             except BaseException:
                 self._deferred.pop(0)
                 raise
@@ -571,11 +585,41 @@ class OffloadEngine:
         """``unit``'s parameters are about to be read (gathered or prefetched): apply its
         pending updates first, then start reading ahead the state of the units that follow.
         Their new shards on NVMe stay in their buffers for that read (and only theirs: a
-        shard kept for no gather would hold a buffer of the pool until its unit ran again)."""
+        shard kept for no gather would hold a buffer of the pool until its unit ran again).
+
+        When a training forward gathers the root, the pending update of its part used after
+        the blocks (the LM head; see ``_after_blocks``) is not applied but started as a stream
+        (:meth:`_pump`): each block's gather advances it by one chunk, so its reads and writes
+        run while the blocks compute, and the root gathers that part only when its first module
+        runs (:meth:`_finish_streaming`)."""
         self._keep_for_gather = set(unit.flat_params)
-        fps = [fp for fp in unit.flat_params if fp in self._lazy]
+        stream = []
+        if unit.is_root and self.scheduler.training_forward:
+            stream = [fp for fp in unit.flat_params
+                      if fp in self._after_blocks and fp in self._lazy and not self._streaming(fp)]
+        elif self._deferred:
+            self._pump()
+        fps = [fp for fp in unit.flat_params
+               if fp in self._lazy and not self._streaming(fp) and fp not in stream]
         if fps:
             self._apply_lazy(fps)
+        coef, lr = self._lazy_step
+        for fp in stream:  # (after the others: they may stream through the same buffers)
+            def done(fp=fp):
+                del self._lazy[fp]
+                self.grads.zero(only=[fp])
+
+            self._deferred.append((fp, self._iter_updates([fp], coef, True, set(), lr), done))
+
+    def _streaming(self, fp: FlatParam) -> bool:
+        """Whether ``fp``'s update is streaming (see :meth:`_pump`): it has begun or is queued,
+        and has not ended."""
+        return any(entry[0] is fp for entry in self._deferred)
+
+    def _finish_streaming(self, fp: FlatParam) -> None:
+        """``fp`` is about to be gathered: end its streaming update (and any queued before it)."""
+        while self._streaming(fp):
+            self._pump()
 
     @torch.no_grad()
     def _apply_lazy(self, fps: List[FlatParam]) -> None:
@@ -584,6 +628,10 @@ class OffloadEngine:
         updates are read ahead (as many as the read-ahead buffers hold), so their reads overlap
         the compute that runs before them."""
         coef, lr = self._lazy_step
+        if self._deferred and isinstance(self.store, NVMeStore) and not all(
+                self.store.prefetched(fp) for fp in fps):
+            # these stream through the pipeline buffers too: the streaming update ends first
+            self._pump(all_of_them=True)
         self._read_ahead_lazy([fp for fp in self._lazy if fp not in fps])
         for fp in fps:
             # one at a time, each forgotten only once applied: an error (an I/O error, a pool
@@ -614,6 +662,7 @@ class OffloadEngine:
         :meth:`step`), and by :meth:`backward` for units the last forward did not run.
         Raises SwapIOError if an NVMe transfer fails (file and offset named)."""
         self._keep_for_gather = set()
+        self._pump(all_of_them=True)  # (a streaming update: its flat parameter leaves _lazy)
         if self._lazy:
             self._apply_lazy(list(self._lazy))
 

@@ -21,9 +21,9 @@ step whatever the offload. With fp32 compute the master weights are the paramete
 when both sit on the device (no offload, or ``"cpu"`` when the CPU itself is the device) or
 both in NVMe files (``"nvme"`` at stage 3: the parameter shard is read from the master's
 bytes), so they cost 0 bytes beyond the parameters.
-With ``step_in_backward`` and ``"nvme"``, the flat parameter updated last in backward (the
-root's part used before the blocks: input embeddings) may keep its master weights and moments
-in host memory (``tail_state_in_host``; by default when its shard is at most a quarter of all
+With ``step_in_backward`` or ``step_in_forward`` and ``"nvme"``, the flat parameter updated
+last in backward and needed first by the next forward (the root's part used before the blocks:
+input embeddings) may keep its master weights and moments in host memory (``tail_state_in_host``; by default when its shard is at most a quarter of all
 trainable shards): 12 bytes per element there, its fp32 parameter shard then being that
 host master (0 on NVMe), and 8 when its master is the CPU device's shard itself.
 Frozen parameters (``requires_grad=False``) cost only their compute-dtype copy.
@@ -266,17 +266,19 @@ def _param_count(value) -> int:
 
 
 def model_layout(model: nn.Module, unit_classes: Sequence[type] = (),
-                 step_in_backward: bool = False) -> List[FlatSpec]:
+                 step_in_backward: bool = False, step_in_forward: bool = False) -> List[FlatSpec]:
     """The engine's flat parameters of ``model``: one :class:`FlatSpec` per unit and
     ``requires_grad`` value, units found as :class:`offload_zero.OffloadEngine` finds them
-    (``step_in_backward``: the root's trainable parameters in two, by gradient order, as the
-    engine splits them; see :func:`offload_zero.partition.units.split_by_gradient_order`).
+    (``step_in_backward`` or ``step_in_forward``: the root's trainable parameters in two, by
+    gradient order, as the engine splits them; see
+    :func:`offload_zero.partition.units.split_by_gradient_order`).
 
     A parameter shared by several modules (tied embeddings) is counted once. Works on models on
     the ``meta`` device (nothing is allocated). Units: elements.
     """
     from offload_zero.partition.units import plan_flat_params
-    block_mods, planned, _ = plan_flat_params(model, tuple(unit_classes), step_in_backward)
+    block_mods, planned, _ = plan_flat_params(model, tuple(unit_classes),
+                                              split_root=step_in_backward or step_in_forward)
     specs = [FlatSpec(sum(p.numel() for p, _ in members), -1 if i == len(block_mods) else i,
                       trainable) for i, trainable, members in planned]
     if not specs:
@@ -370,11 +372,13 @@ def default_offload_param(offload: str, stage: int) -> str:
     return "nvme" if (offload == "nvme" and stage == 3) else "none"
 
 
-def _tail_in_host(layout, stage, offload, n, k, padded, step_in_backward, setting):
+def _tail_in_host(layout, stage, offload, n, k, padded, step_in_backward, setting,
+                  step_in_forward=False):
     """Index in ``layout`` of the flat parameter whose optimizer state the engine keeps in host
     memory (``tail_state_in_host``; see :func:`offload_zero.partition.units.host_tail_index`),
     or None."""
-    if not (step_in_backward and offload == "nvme" and stage >= 2):
+    if not (offload == "nvme" and ((step_in_backward and stage >= 2)
+                                   or (step_in_forward and stage == 3))):
         return None
     from offload_zero.partition.units import host_tail_index
     return host_tail_index([(spec.unit == -1, spec.trainable, _shard_numel(spec.numel, n, k, padded))
@@ -598,9 +602,10 @@ def placement_bytes(model: nn.Module, stage: int, offload_optimizer: str, offloa
     dt = _resolve_dtype(dtype)
     k = torch.empty(0, dtype=dt).element_size()
     if layout is None:
-        layout = model_layout(model, unit_classes, step_in_backward=step_in_backward)
+        layout = model_layout(model, unit_classes, step_in_backward=step_in_backward,
+                              step_in_forward=step_in_forward)
     tail = _tail_in_host(layout, stage, offload_optimizer, world_size, k, True, step_in_backward,
-                         tail_state_in_host)
+                         tail_state_in_host, step_in_forward)
     states = _model_states(layout, stage, offload_optimizer, world_size, k, True, offload_param,
                            accelerator=accelerator, tail=tail)
     if step_in_backward and _shards_adopt_grads(stage, offload_optimizer, world_size, k,

@@ -85,7 +85,8 @@ def choose_placement(model: nn.Module, stage: int, world_size: int, dtype: torch
     """
     from offload_zero.estimator import model_layout, placement_bytes
     budgets = measure_budgets(device, path, max_device_bytes, max_host_bytes)
-    layout = model_layout(model, unit_classes, step_in_backward=step_in_backward)
+    layout = model_layout(model, unit_classes, step_in_backward=step_in_backward,
+                          step_in_forward=step_in_forward)
     accelerator = device.type != "cpu"
     tried: List[str] = []
     last = None

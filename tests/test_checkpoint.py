@@ -782,14 +782,16 @@ def test_files_of_two_saves_are_not_loaded_together(tmp_path):
         b.load_checkpoint(tmp_path / "two")
 
 
-REGROUPINGS = [({"step_in_backward": True}, {}), ({}, {"step_in_backward": True, "offload": "cpu"})]
+REGROUPINGS = [({}, {"step_in_forward": True}), ({"step_in_forward": True}, {}),
+               ({"step_in_backward": True}, {}), ({}, {"step_in_backward": True, "offload": "cpu"})]
 
 
-@pytest.mark.parametrize("save_kw,load_kw", REGROUPINGS, ids=["sib-to-plain", "plain-to-sib-cpu"])
+@pytest.mark.parametrize("save_kw,load_kw", REGROUPINGS,
+                         ids=["plain-to-sif", "sif-to-plain", "sib-to-plain", "plain-to-sib-cpu"])
 def test_a_checkpoint_loads_into_an_engine_that_groups_the_root_otherwise(save_kw, load_kw,
                                                                           tmp_path):
-    """step_in_backward splits the root's trainable parameters into two flat parameters (the
-    LM head with the final norm, the embeddings); the plain step keeps one.
+    """step_in_backward and step_in_forward split the root's trainable parameters into two
+    flat parameters (the LM head with the final norm, the embeddings); the plain step keeps one.
     A checkpoint of one grouping loads into the other parameter by parameter: the weights are
     the saved ones, and one more step on both engines gives the same weights bit for bit (the
     moments and step counts came along)."""

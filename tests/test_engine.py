@@ -2,6 +2,7 @@
 from tensor storages, NVMe files, memory accounting, awkward model structures, bad input."""
 import copy
 import gc
+import math
 import os
 import re
 import stat
@@ -1729,22 +1730,72 @@ def test_step_in_forward_gives_the_weights_of_the_step(offload, offload_param, d
 def test_step_in_forward_moves_the_state_io_into_the_next_forward(tmp_path):
     """With the optimizer state on NVMe, step() writes no state: the next forward applies the
     updates, reading the blocks' whole states ahead into the read-ahead buffers, and writes
-    12 bytes per element of every state back."""
+    12 bytes per element of every state back, except the input embeddings', kept in host
+    memory (``tail_state_in_host``: forward needs their update first)."""
     torch.manual_seed(0)
     with OffloadEngine(TinyLM(n_blocks=4), offload="nvme", offload_param="none",
                        path=str(tmp_path), step_in_forward=True) as eng:
+        in_host = [fp for fp in eng.trainable if eng.store.in_host(fp)]
+        assert [e.refs[0][2] for fp in in_host for e in fp.entries] == ["emb.weight"]
         x, y = batches(1)[0]
         eng.backward(lm_loss(eng(x), y))
         written, read = eng.store.written_bytes, eng.store.read_bytes
         eng.step()
         assert (eng.store.written_bytes, eng.store.read_bytes) == (written, read)
-        state = 12 * sum(fp.shard_numel for fp in eng.trainable)
+        state = 12 * sum(fp.shard_numel for fp in eng.trainable if fp not in in_host)
         eng(x)
         eng.store.drain()  # (the last write-backs are left in flight)
         assert eng.store.written_bytes - written == state
         assert eng.store.read_bytes - read == state
         ring = eng.memory_report()["pools"]["optimizer_prefetch"]
         assert ring["buffers"] == 2 and ring["peak_in_use"] == 2
+
+
+def test_step_in_forward_streams_the_lm_head_update_while_the_blocks_run(tmp_path,
+                                                                         monkeypatch):
+    """The root's parameters used after the blocks (LM head, final norm) are a flat parameter
+    of their own: the next forward gathers the embeddings' part at its start, after their
+    update, and streams the LM head's update chunk by chunk while the blocks run, gathering it
+    only when the LM head runs. The weights stay those of the plain step."""
+    monkeypatch.setattr(NVMeStore, "CHUNK_NUMEL", 1024)
+    torch.manual_seed(0)
+    model = big_root_lm(4, vocab_scale=6)
+    events = []
+    with OffloadEngine(model, offload="nvme", path=str(tmp_path), stage=3, lr=1e-2,
+                       step_in_forward=True) as eng:
+        head, emb = [fp for fp in eng.root.flat_params if fp.requires_grad]
+        assert {e.names[0] for e in head.entries} == {"norm.weight", "norm.bias", "head.weight"}
+        assert [e.names[0] for e in emb.entries] == ["emb.weight"]
+        chunks = math.ceil(head.shard_numel / 1024)
+        assert chunks > 4  # more chunks than blocks: some are left for the head's own gather
+        update = eng._update
+
+        def logged(fp, lo, *args, **kw):
+            events.append((fp.name, lo))
+            return update(fp, lo, *args, **kw)
+
+        def mark(label):
+            return lambda mod, args: events.append((label, head.state.value, emb.state.value))
+
+        for i, block in enumerate(model.blocks):
+            block.register_forward_pre_hook(mark(f"block{i}"), prepend=True)
+        model.head.register_forward_pre_hook(mark("head"), prepend=True)
+        x, y = batches(1)[0]
+        eng.backward(lm_loss(eng(x), y))
+        eng.step()
+        monkeypatch.setattr(eng, "_update", logged)
+        events.clear()
+        eng(x)
+        at = {e[0]: i for i, e in enumerate(events) if e[0].startswith(("block", "head"))}
+        emb_updates = [i for i, e in enumerate(events) if e[0] == emb.name]
+        head_updates = [i for i, e in enumerate(events) if e[0] == head.name]
+        assert len(head_updates) == chunks and len(emb_updates) >= 1
+        assert max(emb_updates) < at["block0"]         # before the root's gather
+        assert events[at["block0"]][1:] == ("sharded", "unsharded")
+        # one chunk as each block is gathered (the next block's prefetch gathers it early)
+        assert sum(at["block0"] < i < at["block3"] for i in head_updates) >= 3
+        assert all(i < at["head"] for i in head_updates)  # and the rest just before the head
+        assert events[at["head"]][1:] == ("unsharded", "unsharded")
 
 
 def test_step_in_forward_applies_updates_of_units_forward_skipped(tmp_path):
@@ -1780,10 +1831,32 @@ def test_step_in_forward_state_reads_apply_pending_updates(tmp_path):
             eng.step()
             eng.zero_grad()
             eng.save_checkpoint(tmp_path / f"ckpt{sif}")
-            results.append((weights, load_file(tmp_path / f"ckpt{sif}" / "rank00000.safetensors")))
+            results.append((weights, _per_parameter(tmp_path / f"ckpt{sif}")))
     (w0, c0), (w1, c1) = results
     assert all(torch.equal(w0[k], w1[k]) for k in w0)
     assert c0.keys() == c1.keys() and all(torch.equal(c0[k], c1[k]) for k in c0)
+
+
+def _per_parameter(folder) -> dict:
+    """A one-rank checkpoint's optimizer state by parameter, ``{"<name>/<key>": tensor}``
+    (master, exp_avg, exp_avg_sq sliced out of each flat parameter by the metadata's layout;
+    ``step`` per flat parameter copied to each of its parameters): comparable across engines
+    that group the parameters differently."""
+    from offload_zero.checkpoint import read_metadata
+    from safetensors.torch import load_file
+    meta = read_metadata(folder)
+    tensors = load_file(os.path.join(folder, "rank00000.safetensors"))
+    out = {}
+    for fp in meta["flat_params"]:
+        offset = 0
+        for names, shape in fp["parameters"]:
+            n = math.prod(shape)
+            for key in ("master", "exp_avg", "exp_avg_sq", "step"):
+                t = tensors.get(f"{fp['name']}/{key}")
+                if t is not None:
+                    out[f"{names[0]}/{key}"] = t if key == "step" else t[offset:offset + n]
+            offset += n
+    return out
 
 
 def test_step_in_forward_skips_what_the_step_skips(tmp_path):
@@ -1851,7 +1924,9 @@ def test_step_in_forward_an_error_applying_updates_loses_none(tmp_path, monkeypa
                 with pytest.raises(RuntimeError, match="is empty"):
                     eng.full_state_dict()
                 assert [fp.name for fp in eng._lazy] == ["unit2.trainable", "unit3.trainable"]
-            results.append((eng.full_state_dict(), [eng._step_count[fp] for fp in eng.trainable]))
+            # (by parameter: step_in_forward splits the root's in two flat parameters)
+            results.append((eng.full_state_dict(), {e.names[0]: eng._step_count[fp]
+                                                    for fp in eng.trainable for e in fp.entries}))
     (w0, n0), (w1, n1) = results
     assert n0 == n1 and all(torch.equal(w0[k], w1[k]) for k in w0)
 

@@ -15,8 +15,11 @@ The root unit (everything outside the blocks) is gathered from the start of a tr
 to the end of its backward (an evaluation forward frees it at its end). Each of its flat
 parameters gets fresh views when the first module using it runs: autograd runs ready nodes
 newest first, so views made at the start of forward would hold back an LM head's gradient to the
-end of backward. The forward order is recorded on the first training
-forward and replayed for prefetch; it is re-recorded if a later forward runs another order.
+end of backward. A root flat parameter that ``gather_late`` names when a training forward starts
+(one whose pending update, ``step_in_forward``, runs while the blocks compute) is gathered only
+then, into its part of the root's slot, after ``before_late_gather``. The forward order is
+recorded on the first training forward and replayed for prefetch; it is re-recorded if a later
+forward runs another order.
 """
 from __future__ import annotations
 
@@ -50,6 +53,10 @@ class UnitScheduler:
             after gathering it and before prefetching the units after it; or None.
         before_gather: ``f(unit)`` called before anything reads a sharded unit's parameters:
             its gather, or the start of its prefetch (an NVMe read); or None.
+        gather_late: ``f(flat_param) -> bool``, asked for each root flat parameter after
+            ``before_gather(root)`` in a training forward: True leaves it sharded until the
+            first module using it runs (see the note above); or None (never).
+        before_late_gather: ``f(flat_param)`` called just before such a late gather, or None.
 
     Attributes:
         live_peak: the most units gathered at once since construction.
@@ -61,7 +68,9 @@ class UnitScheduler:
                  on_unit_backward: Optional[Callable] = None,
                  on_forward: Optional[Callable] = None,
                  on_unit_forward: Optional[Callable] = None,
-                 before_gather: Optional[Callable] = None):
+                 before_gather: Optional[Callable] = None,
+                 gather_late: Optional[Callable] = None,
+                 before_late_gather: Optional[Callable] = None):
         self.blocks, self.root, self.comm = blocks, root, comm
         self.prefetch = prefetch
         self.reshard_after_forward = reshard_after_forward
@@ -72,6 +81,13 @@ class UnitScheduler:
         self._on_forward = on_forward
         self._on_unit_forward = on_unit_forward
         self._before_gather = before_gather
+        self._gather_late = gather_late
+        self._before_late_gather = before_late_gather
+        self._late = {}                      # root flat param -> its part of the root's slot
+        # root flat parameters a late gather can serve: used only by modules other than the
+        # model itself (their first user's pre-forward hook gathers them)
+        self._may_gather_late = {fp for fp in root.flat_params
+                                 if all(m is not root.module for e in fp.entries for m, _, _ in e.refs)}
         self._training_forward = False
         self._slots = {}                     # unit -> (pool, slot id)
         self.live_peak = 0
@@ -99,6 +115,12 @@ class UnitScheduler:
                         self._make_grad_hook(unit, fp)))
 
     # -- gathering ---------------------------------------------------------------------------
+    @property
+    def training_forward(self) -> bool:
+        """Whether a training forward is running (grad enabled, model in training mode, not a
+        recomputation in backward); set when the root's forward starts, before its gather."""
+        return self._training_forward
+
     def live_units(self) -> int:
         """Units whose parameters are gathered now (root included)."""
         return sum(u.state is UnitState.UNSHARDED for u in self.blocks + [self.root])
@@ -114,14 +136,25 @@ class UnitScheduler:
         if pool is not None and unit.flat_params:
             slot, memory = pool.acquire()
             self._slots[unit] = (pool, slot)
+        late = unit.is_root and self._training_forward and self._gather_late is not None
         offset = 0
         for fp in unit.flat_params:
             nbytes = fp.padded_numel * fp.itemsize
             part = None if memory is None else memory[offset:offset + nbytes]
-            fp.to_unsharded(self.comm, memory=part, staging=self._staging)
+            if late and fp in self._may_gather_late and self._gather_late(fp):
+                self._late[fp] = part
+            else:
+                fp.to_unsharded(self.comm, memory=part, staging=self._staging)
             offset += nbytes
         unit.state = UnitState.UNSHARDED
         self.live_peak = max(self.live_peak, self.live_units())
+
+    def _unshard_late(self, fp) -> None:
+        """Gather root flat parameter ``fp`` left sharded when the root was gathered."""
+        if self._before_late_gather is not None:
+            self._before_late_gather(fp)
+        fp.to_unsharded(self.comm, memory=self._late[fp], staging=self._staging)
+        del self._late[fp]
 
     def reshard(self, unit: Unit) -> None:
         """Free ``unit``'s gathered parameters (stage 3 only; no-op otherwise or if sharded)."""
@@ -129,6 +162,8 @@ class UnitScheduler:
             return
         for fp in unit.flat_params:
             fp.to_sharded()
+        if unit.is_root:
+            self._late.clear()
         if unit in self._slots:
             pool, slot = self._slots.pop(unit)
             pool.release(slot)
@@ -144,7 +179,8 @@ class UnitScheduler:
         for u in [unit] + unit.deps:
             self.unshard(u)
             for fp in u.flat_params:
-                fp.set_views()
+                if fp not in self._late:  # (views once gathered, by its first user)
+                    fp.set_views()
 
     def prefetch_unit(self, unit: Unit) -> None:
         """Get ``unit`` ready ahead of use: units whose shards live on NVMe start their
@@ -190,6 +226,9 @@ class UnitScheduler:
 
     def _make_fresh_views(self, fp):
         def hook(module, args):
+            if fp in self._late:
+                self._unshard_late(fp)
+                fp.set_views()
             if (fp in self._fresh_views or self._in_backward or not torch.is_grad_enabled()
                     or self.root.state is not UnitState.UNSHARDED):
                 return

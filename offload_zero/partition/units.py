@@ -123,13 +123,14 @@ def group_parameters(model: nn.Module, block_names: List[str]
 def split_by_gradient_order(model: nn.Module, members: List[Tuple[nn.Parameter, list]],
                             block_names: List[str]) -> List[List[Tuple[nn.Parameter, list]]]:
     """Split the root unit's ``members`` (``(param, refs)`` pairs from :func:`group_parameters`)
-    by when backward finishes their gradients, for updates in backward (``step_in_backward``).
+    by when backward finishes their gradients and forward first uses them, for updates in
+    backward (``step_in_backward``) or before the next use in forward (``step_in_forward``).
 
     Returns ``[late]`` or ``[early, late]``: ``early`` holds the parameters that only modules
     registered after the first block use (an LM head, a final norm: backward reaches them
-    first), ``late`` the rest (input embeddings, and any parameter also used before the blocks,
-    such as an embedding tied to the LM head: its gradient is final only at the end of
-    backward). Module registration order stands for execution order here; if a model runs its
+    first, forward last), ``late`` the rest (input embeddings, and any parameter also used
+    before the blocks, such as an embedding tied to the LM head: its gradient is final only at
+    the end of backward, and forward needs it first). Module registration order stands for execution order here; if a model runs its
     modules in another order, only the timing of the updates changes, never their result.
     Without blocks, or when either part is empty, the members stay one group.
     """
@@ -151,11 +152,13 @@ def split_by_gradient_order(model: nn.Module, members: List[Tuple[nn.Parameter, 
 def host_tail_index(flat: Sequence[Tuple[bool, bool, int]],
                     setting: Optional[bool] = None) -> Optional[int]:
     """Which flat parameter keeps its optimizer state in host memory (``tail_state_in_host``,
-    with ``step_in_backward`` and the state on NVMe; the caller checks those two).
+    with ``step_in_backward`` or ``step_in_forward`` and the state on NVMe; the caller checks
+    those).
 
     ``flat``: ``(is_root, trainable, shard_numel)`` per flat parameter, in construction order
     (shard_numel in elements). The candidate is the root's last trainable one: the part of its
-    parameters :func:`split_by_gradient_order` finds final last in backward (the embeddings).
+    parameters :func:`split_by_gradient_order` finds final last in backward and needed first in
+    forward (the embeddings).
     ``setting`` True takes it, False none, None takes it when its shard is at most a quarter
     of all trainable shards. Returns its index in ``flat``, or None.
     """
@@ -168,15 +171,16 @@ def host_tail_index(flat: Sequence[Tuple[bool, bool, int]],
 
 
 def plan_flat_params(model: nn.Module, unit_classes: Sequence[type] = (),
-                     step_in_backward: bool = False):
+                     split_root: bool = False):
     """The flat parameters ``model`` is cut into, before anything is built (the engine builds
     them; the estimator counts them).
 
     Returns ``(block_modules, planned, users)``: ``block_modules`` from
     :func:`find_unit_modules`; ``planned`` lists ``(unit index, trainable, members)`` in
     construction order, one entry per unit and ``requires_grad`` value (the root unit's index
-    is ``len(block_modules)``; with ``step_in_backward`` its trainable members are split by
-    :func:`split_by_gradient_order`); ``users`` as from :func:`group_parameters`.
+    is ``len(block_modules)``; with ``split_root`` (the engine's ``step_in_backward`` or
+    ``step_in_forward``) its trainable members are split by :func:`split_by_gradient_order`);
+    ``users`` as from :func:`group_parameters`.
     """
     block_mods = find_unit_modules(model, unit_classes)
     names = [n for n, _ in block_mods]
@@ -188,9 +192,10 @@ def plan_flat_params(model: nn.Module, unit_classes: Sequence[type] = (),
             if not members:
                 continue
             parts = [members]
-            if index == len(names) and trainable and step_in_backward:
+            if index == len(names) and trainable and split_root:
                 # the LM head's gradient is final at the start of backward, the embeddings'
-                # at its end: two flat parameters, updated when each is ready
+                # at its end; forward needs the embeddings first, the LM head last: two flat
+                # parameters, each updated when it is ready or needed
                 parts = split_by_gradient_order(model, members, names)
             planned.extend((index, trainable, part) for part in parts)
     return block_mods, planned, users
