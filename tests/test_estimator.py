@@ -267,6 +267,8 @@ def test_placement_bytes_count_the_read_ahead(offload_param, mode, tmp_path):
             eng.step()
         eng(batches(1)[0][0])  # (step_in_forward: the last step's updates run here)
         rep = eng.memory_report()
+        # (both keep the embeddings' state in host memory here: counted the same)
+        assert [fp.name for fp in eng.trainable if eng.store.in_host(fp)] == ["root.trainable.1"]
         ring = rep["pools"]["optimizer_prefetch"]["capacity_bytes"]
     assert est.extras["host"]["buffers"] - plain.extras["host"]["buffers"] == ring > 0
     for tier in TIERS:
