@@ -249,8 +249,10 @@ class OffloadEngine:
                 and numel:
             # read-ahead of a block's whole state (master | exp_avg | exp_avg_sq) while other
             # units run: two buffers; a third when the next unit's parameters are gathered
-            # from it in backward (see _prefetch_state)
-            count = 3 if cfg.step_in_backward and self._params_from_state() else 2
+            # from it in backward (see _prefetch_state), and with step_in_forward, where the
+            # next forward's compute is all there is to hide the state's reads and writes
+            # behind: a block's read then need not wait for the write-back two blocks before
+            count = 3 if cfg.step_in_forward or self._params_from_state() else 2
             ring = HostBufferPool("optimizer_prefetch", count, 3 * numel, torch.float32,
                                   self._host_alloc, self._acct)
             self.pools["optimizer_prefetch"] = ring

@@ -52,8 +52,8 @@ Besides model states this engine holds, at the peak of a step:
   shard's whole state, ``2 * 12 * shard_numel`` bytes (three when fp32 parameter shards on NVMe
   are gathered from them); the outsized root's buffers then hold one shard fewer when its tail
   state is in host memory (see above);
-- with ``step_in_forward`` and ``"nvme"`` (stage 3): two read-ahead buffers of the largest
-  trainable block shard's whole state, ``2 * 12 * shard_numel`` bytes;
+- with ``step_in_forward`` and ``"nvme"`` (stage 3): three read-ahead buffers of the largest
+  trainable block shard's whole state, ``3 * 12 * shard_numel`` bytes;
 - with an accelerator and any offload: one host staging buffer of ``largest shard_numel * K``;
 - with N > 1: one reduce-scatter scratch shard on the device, ``largest shard_numel * K``.
 Activations, the allocator's fragmentation and the framework's own workspace are not counted.
@@ -497,11 +497,12 @@ def _extras(layout, stage, offload, n, k, padded, prefetch, accelerator, offload
             out["host"]["buffers"] += count * root_shard * k
     if offload == "nvme" and ((step_in_backward and stage >= 2) or (step_in_forward and stage == 3)):
         # read-ahead buffers of a block's whole state (master + moments, fp32): two, three
-        # when fp32 parameter shards on NVMe are gathered from them in backward
+        # when fp32 parameter shards on NVMe are gathered from them in backward, and with
+        # step_in_forward
         trainable_blocks = [sh for sh, u, spec in zip(all_shards, units_of, layout)
                             if u != -1 and spec.trainable]
-        count = 3 if (step_in_backward and stage == 3 and offload_param == "nvme"
-                      and k == 4) else 2
+        count = 3 if (step_in_forward or (step_in_backward and stage == 3
+                                          and offload_param == "nvme" and k == 4)) else 2
         out["host"]["buffers"] += count * 3 * 4 * max(trainable_blocks, default=0)
     if offload != "none" and offload_param == "none" and accelerator and shards:
         out["host"]["buffers"] += biggest * k

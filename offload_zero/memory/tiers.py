@@ -247,7 +247,9 @@ class NVMeStore:
         elements (master | exp_avg | exp_avg_sq of a shard of up to ``numel`` elements) owned
         and closed by the caller. Two buffers suffice for updates in backward: unit k's state is
         read while unit k+1's is written; a third lets unit k-1's state be read while unit k
-        runs (its parameters are then gathered from it, see :meth:`master_view`)."""
+        runs (its parameters are then gathered from it, see :meth:`master_view`), or, for
+        updates applied in the next forward, a block's read start before the write-back of
+        the block two before it has ended."""
         self._ahead = pool
 
     def _whole_views(self, buf: torch.Tensor, n: int):
