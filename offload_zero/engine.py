@@ -598,9 +598,13 @@ class OffloadEngine:
         stream = []
         if unit.is_root and self.scheduler.training_forward:
             stream = [fp for fp in unit.flat_params
-                      if fp in self._after_blocks and fp in self._lazy and not self._streaming(fp)]
-        elif self._deferred:
-            self._pump()
+                      if fp in self._after_blocks and fp in self._lazy and not self._streaming(fp)
+                      and self.scheduler.may_gather_late(fp)]
+        else:
+            for fp in unit.flat_params:  # gathered now, not late: its update ends first
+                self._finish_streaming(fp)
+            if self._deferred:
+                self._pump()
         fps = [fp for fp in unit.flat_params
                if fp in self._lazy and not self._streaming(fp) and fp not in stream]
         if fps:

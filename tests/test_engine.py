@@ -1798,6 +1798,35 @@ def test_step_in_forward_streams_the_lm_head_update_while_the_blocks_run(tmp_pat
         assert events[at["head"]][1:] == ("unsharded", "unsharded")
 
 
+def test_step_in_forward_an_error_while_the_lm_head_streams_then_evaluation(tmp_path,
+                                                                             monkeypatch):
+    """A training forward that fails in a block, after the LM head's update began streaming,
+    then an evaluation forward (the loop skips the batch and evaluates): the evaluation sees
+    the weights of the last step (the LM head's update ends before its gather), and training on
+    gives the plain step's numbers."""
+    monkeypatch.setattr(NVMeStore, "CHUNK_NUMEL", 1024)
+    seen = []
+
+    def fail_then_evaluate(i, model, eng):
+        if i != 2:
+            return
+        boom = model.blocks[1].register_forward_pre_hook(
+            lambda mod, args: (_ for _ in ()).throw(KeyError("injected")))
+        with pytest.raises(KeyError, match="injected"):
+            eng(batches(1, seed=9)[0][0])
+        boom.remove()
+        eng.eval()
+        with torch.no_grad():
+            seen.append(eng(batches(1, seed=9)[0][0]).clone())
+        eng.train()
+
+    kw = dict(offload="nvme", offload_param="nvme")
+    (l0, g0, w0, _), (l1, g1, w1, _) = _run_sif_pair(lambda: big_root_lm(3, vocab_scale=6), kw,
+                                                     tmp_path, between=fail_then_evaluate)
+    assert torch.equal(seen[0], seen[1])
+    assert l0 == l1 and torch.equal(g0, g1) and all(torch.equal(w0[k], w1[k]) for k in w0)
+
+
 def test_step_in_forward_applies_updates_of_units_forward_skipped(tmp_path):
     """A forward that skips a block leaves its update pending: it is applied before anything
     else reads that block (the next backward, the next step, a gather), and the weights stay

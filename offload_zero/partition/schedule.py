@@ -121,6 +121,11 @@ class UnitScheduler:
         recomputation in backward); set when the root's forward starts, before its gather."""
         return self._training_forward
 
+    def may_gather_late(self, fp) -> bool:
+        """Whether root flat parameter ``fp`` can be gathered late (see ``gather_late``): only
+        modules other than the model itself use it, so its first user's hook can gather it."""
+        return fp in self._may_gather_late
+
     def live_units(self) -> int:
         """Units whose parameters are gathered now (root included)."""
         return sum(u.state is UnitState.UNSHARDED for u in self.blocks + [self.root])
