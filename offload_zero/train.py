@@ -678,21 +678,16 @@ def resumed_step(args: argparse.Namespace, saved: Optional[Dict[str, Any]] = Non
 
     ``saved``: :func:`read_resume_state`'s dict (read here if None). Raises ``ValueError`` (see
     :func:`read_resume_state`), or naming the flag and both values if the saved run's
-    ``--seed``, ``--batch-size``, ``--seq-len`` (its data order), ``--stage``, ``--dtype`` or
-    ``--[no-]step-in-backward`` (its layout) differ from this one's, or if it already did
-    ``--steps`` steps or more. Another ``--steps``, ``--lr`` or ``--warmup`` is allowed (to train
-    longer, say); with ``warn`` a warning says that the learning-rate schedule changes."""
+    ``--seed``, ``--batch-size``, ``--seq-len`` (its data order), ``--stage`` or ``--dtype``
+    differ from this one's, or if it already did ``--steps`` steps or more. Another ``--steps``,
+    ``--lr`` or ``--warmup`` is allowed (to train longer, say); with ``warn`` a warning says that
+    the learning-rate schedule changes. So is another ``--[no-]step-in-backward``: the same
+    numbers either way, and the checkpoint loads into either layout (see
+    :func:`offload_zero.checkpoint.load_checkpoint`)."""
     saved = read_resume_state(args) if saved is None else saved
     mine = {**_run_identity(args), "stage": args.stage, "dtype": args.dtype}
-    if args.step_in_backward is not None:
-        mine["step_in_backward"] = args.step_in_backward
     for key, value in mine.items():
         if key in saved and saved[key] != value:
-            if key == "step_in_backward":
-                flag = {True: "--step-in-backward", False: "--no-step-in-backward"}
-                raise ValueError(f"--resume {args.resume!r}: the saved run used "
-                                 f"{flag[saved[key]]}, this one {flag[value]}; give "
-                                 f"{flag[saved[key]]} (or neither) to continue it")
             flag = "--" + key.replace("_", "-")
             raise ValueError(f"--resume {args.resume!r}: the saved run used {flag} "
                              f"{saved[key]!r}, this one {value!r}; give {flag} "
@@ -916,7 +911,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     check_args(args)  # fail now, not after the whole run
     saved = read_resume_state(args) if args.resume else None
     if saved is not None and args.step_in_backward is None and "step_in_backward" in saved:
-        args.step_in_backward = saved["step_in_backward"]  # the layout of the saved run
+        args.step_in_backward = saved["step_in_backward"]  # (as the saved run: fp16's default)
     step_in_backward = _step_in_backward(args)
     start_step = resumed_step(args, saved) if saved is not None else 0
     files = data_lib.find_text_files(args.data) if args.data else data_lib.stdlib_files()

@@ -716,8 +716,6 @@ def test_resume_for_more_steps_warns_that_the_schedule_changes(tmp_path, caplog)
     (["--resume", "{api}"], "its checkpoint was not written by offload-zero train --checkpoint"),
     (["--resume", "{ckpt}", "--stage", "2"], "the saved run used --stage 3, this one 2"),
     (["--resume", "{ckpt}", "--dtype", "bf16"], "the saved run used --dtype 'fp32', this one 'bf16'"),
-    (["--resume", "{ckpt}", "--no-step-in-backward"],
-     "the saved run used --step-in-backward, this one --no-step-in-backward"),
     (["--resume", "{ckpt}", "--data", "{text}"], "the saved run trained on other text"),
     (["--checkpoint", "{ckpt}"], "already holds a checkpoint, which this run would overwrite"),
     (["--checkpoint", "{other}"], "is not an offload-zero checkpoint (it holds ['notes.txt'])"),
@@ -777,8 +775,38 @@ def test_resume_on_another_world_size_names_both(tmp_path, capsys):
     assert "the saved run had world size 2, this one 1" in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize("first,then", [([], ["--no-step-in-backward"]),
+                                         (["--no-step-in-backward"], ["--step-in-backward"])])
+def test_resume_with_the_other_step_in_backward_continues_the_same_run(first, then, tmp_path,
+                                                                      monkeypatch):
+    """The two layouts (the root in one flat parameter or split in two) give the same numbers
+    and a checkpoint loads into either: a run that died after its step-2 checkpoint, resumed
+    with the other --[no-]step-in-backward, has the losses of the run that never stopped."""
+    from offload_zero import OffloadEngine
+    whole = train.run(_parse("--preset", "tiny", "--steps", 4, "--no-progress", *first, *FAST))
+    ckpt = tmp_path / "ckpt"
+    original_step, calls = OffloadEngine.step, []
+
+    def dies_in_step_3(self):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        original_step(self)
+
+    monkeypatch.setattr(OffloadEngine, "step", dies_in_step_3)
+    with pytest.raises(KeyboardInterrupt):
+        train.run(_parse("--preset", "tiny", "--steps", 4, "--checkpoint", ckpt,
+                         "--checkpoint-every", 2, "--no-progress", *first, *FAST))
+    monkeypatch.setattr(OffloadEngine, "step", original_step)
+    summary = train.run(_parse("--preset", "tiny", "--steps", 4, "--resume", ckpt,
+                               "--no-progress", *then, *FAST))
+    assert summary["resumed_from"] == 2
+    assert summary["step_in_backward"] is (then == ["--step-in-backward"])
+    assert summary["losses"] == whole["losses"][2:]
+
+
 def test_resume_takes_the_saved_runs_step_in_backward(tmp_path):
-    """Without --[no-]step-in-backward a resumed run keeps the saved run's layout (the default
+    """Without --[no-]step-in-backward a resumed run keeps the saved run's choice (the default
     differs between fp16 and the other dtypes)."""
     ckpt = tmp_path / "ckpt"
     first = train.run(_parse("--preset", "tiny", "--steps", 2, "--checkpoint", ckpt,
