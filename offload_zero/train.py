@@ -211,18 +211,38 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "hiding NVMe optimizer I/O behind backward (this loop runs one "
                              "backward per step and does not clip; default: on at stages 2-3, "
                              "off with --dtype fp16, whose overflowed steps are then skipped "
-                             "whole)")
+                             "whole, and with --step-in-forward)")
+    engine.add_argument("--step-in-forward", action=argparse.BooleanOptionalAction, default=None,
+                        help="apply each unit's update just before its next gather, hiding the "
+                             "NVMe optimizer I/O behind the next forward (same numbers as the "
+                             "plain step; stage 3; default: on with --offload nvme at stage 3 "
+                             "when --step-in-backward is off, as with --dtype fp16)")
 
 
 def _step_in_backward(args) -> bool:
     """``--step-in-backward``: on by default at stages 2-3 except with ``--dtype fp16`` (an
-    overflow there would skip only the units whose gradients overflowed, not the whole step);
+    overflow there would skip only the units whose gradients overflowed, not the whole step)
+    or ``--step-in-forward``;
     asked for at stage 1 is an error (gradients are reduced only in step() there)."""
     if args.step_in_backward and args.stage < 2:
         raise ValueError(f"--step-in-backward needs --stage 2 or 3, got --stage {args.stage}")
-    if args.step_in_backward is None:
-        return args.stage >= 2 and args.dtype != "fp16"
+    if args.step_in_backward is None:  # (an explicit --step-in-forward turns it off)
+        return args.stage >= 2 and args.dtype != "fp16" and not args.step_in_forward
     return args.step_in_backward
+
+
+def _step_in_forward(args, step_in_backward: bool) -> bool:
+    """``--step-in-forward``: on by default with ``--offload nvme`` at stage 3 when the step
+    does not run in backward (``step_in_backward`` False: fp16, or ``--no-step-in-backward``);
+    asked for with ``--step-in-backward`` or below stage 3 it is an error."""
+    if args.step_in_forward and args.stage != 3:
+        raise ValueError(f"--step-in-forward needs --stage 3, got --stage {args.stage}")
+    if args.step_in_forward and step_in_backward:
+        raise ValueError("--step-in-forward and --step-in-backward exclude each other (give "
+                         "--no-step-in-backward with --step-in-forward)")
+    if args.step_in_forward is None:
+        return args.stage == 3 and args.offload == "nvme" and not step_in_backward
+    return args.step_in_forward
 
 
 def lr_at(step: int, steps: int, peak_lr: float, warmup: int) -> float:
@@ -371,7 +391,8 @@ def format_summary(s: Dict[str, Any]) -> str:
         f"  model        {s['model']}, {s['params'] / 1e6:.2f}M params, tokenizer {s['tokenizer']}",
         f"  engine       offload {s['offload']}, stage {s['stage']}, dtype {s['dtype']}, "
         f"world size {s['world_size']}"
-        + (", step in backward" if s.get("step_in_backward") else ""),
+        + (", step in backward" if s.get("step_in_backward") else "")
+        + (", step in forward" if s.get("step_in_forward") else ""),
         f"  loss         first {s['first_loss']:.4f} -> last {s['last_loss']:.4f} "
         f"(mean of {k} step(s) each)" + _skipped_note(s),
         f"  peak memory  device {_fmt_bytes(peak['device'])} | host {_fmt_bytes(peak['host'])}"
@@ -910,9 +931,11 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     setup_start = time.perf_counter()
     check_args(args)  # fail now, not after the whole run
     saved = read_resume_state(args) if args.resume else None
-    if saved is not None and args.step_in_backward is None and "step_in_backward" in saved:
+    if (saved is not None and args.step_in_backward is None and not args.step_in_forward
+            and "step_in_backward" in saved):
         args.step_in_backward = saved["step_in_backward"]  # (as the saved run: fp16's default)
     step_in_backward = _step_in_backward(args)
+    step_in_forward = _step_in_forward(args, step_in_backward)
     start_step = resumed_step(args, saved) if saved is not None else 0
     files = data_lib.find_text_files(args.data) if args.data else data_lib.stdlib_files()
     data_id = data_fingerprint(files)
@@ -932,7 +955,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
             model, offload=args.offload, path=path, stage=args.stage, lr=args.lr,
             weight_decay=args.weight_decay, dtype=_DTYPES[args.dtype],
             activation_checkpointing=args.activation_checkpointing,
-            step_in_backward=step_in_backward) as engine:
+            step_in_backward=step_in_backward, step_in_forward=step_in_forward) as engine:
         rank, world_size = engine.rank, engine.world_size
         offload_shown = args.offload
         if args.offload == "auto":  # say what was chosen
@@ -980,7 +1003,8 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
                             checkpoint=args.checkpoint, seq_len=args.seq_len,
                             batch_size=args.batch_size, world_size=world_size, rank=rank,
                             lr=args.lr, warmup=warmup, seed=args.seed, setup_s=setup_s,
-                            step_in_backward=step_in_backward, skipped_steps=skipped,
+                            step_in_backward=step_in_backward,
+                            step_in_forward=step_in_forward, skipped_steps=skipped,
                             loss_scale=loss_scale, saved=saved))
     if rank == 0:
         print(format_summary(summary), flush=True)

@@ -117,6 +117,37 @@ def test_step_in_backward_is_on_by_default_and_changes_no_number(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
+def test_step_in_forward_is_on_where_the_nvme_step_is_not_in_backward(tmp_path, capsys):
+    """With --offload nvme at stage 3 a run whose step does not run in backward (--dtype fp16
+    by default) applies its updates just before the next forward's gathers; the losses and the
+    skipped steps are those of --no-step-in-forward. With --offload cpu there is no disk I/O to
+    hide and it stays off. Asked for where it cannot work: one line, exit 2."""
+    runs = []
+    for flag in ([], ["--no-step-in-forward"]):
+        path = tmp_path / f"swap{len(flag)}"
+        path.mkdir()
+        summary = train.run(_parse("--preset", "tiny", "--steps", 6, "--offload", "nvme",
+                                   "--path", path, "--dtype", "fp16", "--no-progress", *flag,
+                                   *FAST))
+        assert summary["step_in_forward"] is (not flag) and not summary["step_in_backward"]
+        assert ("step in forward" in train.format_summary(summary)) is (not flag)
+        runs.append((summary["losses"], summary["skipped_steps"]))
+    assert runs[0] == runs[1]
+    cpu = train.run(_parse("--preset", "tiny", "--steps", 1, "--dtype", "fp16", "--no-progress",
+                           *FAST))
+    assert not cpu["step_in_forward"]
+    asked = train.run(_parse("--preset", "tiny", "--steps", 1, "--step-in-forward",
+                             "--no-progress", *FAST))  # fp32: step_in_backward's default yields
+    assert asked["step_in_forward"] and not asked["step_in_backward"]
+    capsys.readouterr()
+    for flags, message in ((["--step-in-forward", "--step-in-backward"], "exclude each other"),
+                           (["--step-in-forward", "--stage", "2"],
+                            "--step-in-forward needs --stage 3, got --stage 2")):
+        assert cli.main(["train", "--preset", "tiny", "--steps", "2", *flags, *FAST]) == 2
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err
+
+
 def test_finetune_local_checkpoint_with_its_tokenizer(tmp_path):
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(Path(argparse.__file__).read_text()[:60_000])
