@@ -506,26 +506,26 @@ def _check_matches(meta: dict, engine, path: str) -> None:
                              f"{shard!r}: {world} shards of it cannot hold its {numel!r} "
                              "elements")
     where = _saved_parameters(meta, path)
-    mine_params = {}
-    for fp in engine.flat_params:
-        for e in fp.entries:
-            mine_params[e.names[0]] = (list(e.shape), fp.requires_grad)
-    for name, (shape, trainable) in mine_params.items():
-        if name not in where:
-            raise ValueError(f"{path!r}: parameter {name!r} of this engine is not in the "
-                             f"checkpoint (it holds {len(where)} parameters, this engine "
-                             f"{len(mine_params)})")
-        saved = where[name]
+    count = len({saved[5] for saved in where.values()})
+    params = [(e.names, list(e.shape), fp.requires_grad) for fp in engine.flat_params
+            for e in fp.entries]
+    found = set()
+    for names, shape, trainable in params:
+        saved = _match(where, names)
+        if saved is None:
+            raise ValueError(f"{path!r}: parameter {names[0]!r} of this engine is not in the "
+                             f"checkpoint (it holds {count} parameters, this engine "
+                             f"{len(params)})")
+        found.add(saved[5])
         if saved[4] != shape:
-            raise _mismatch(path, f"parameter {name!r} shape", saved[4], shape)
+            raise _mismatch(path, f"parameter {names[0]!r} shape", saved[4], shape)
         if saved_fps[saved[0]].get("requires_grad") != trainable:
-            raise _mismatch(path, f"parameter {name!r} requires_grad",
+            raise _mismatch(path, f"parameter {names[0]!r} requires_grad",
                             saved_fps[saved[0]].get("requires_grad"), trainable)
-    extra = [name for name in where if name not in mine_params]
+    extra = [saved[5] for saved in where.values() if saved[5] not in found]
     if extra:
         raise ValueError(f"{path!r}: parameter {extra[0]!r} of the checkpoint is not in this "
-                         f"engine (it holds {len(where)} parameters, this engine "
-                         f"{len(mine_params)})")
+                         f"engine (it holds {count} parameters, this engine {len(params)})")
     if "buffers" in meta and meta["buffers"] != mine["buffers"]:
         raise _mismatch(path, "buffers (names)", meta["buffers"], mine["buffers"])
     if "buffers" not in meta and mine["buffers"]:
@@ -552,10 +552,11 @@ def _check_matches(meta: dict, engine, path: str) -> None:
 
 
 def _saved_parameters(meta: dict, path: str = META_NAME) -> Dict[str, tuple]:
-    """``{first name: (saved flat parameter index, its name, its shard_numel, offset in it,
-    shape)}`` for every model parameter in ``meta``'s flat parameters (offsets in elements, in
-    layout order as :func:`offload_zero.partition.flat_param.build_entries` assigns them).
-    Raises ValueError naming a malformed ``parameters`` entry."""
+    """``{name: (saved flat parameter index, its name, its shard_numel, offset in it, shape,
+    first name)}`` for every model parameter in ``meta``'s flat parameters, under each of its
+    names (a tied parameter has several), offsets in elements, in layout order as
+    :func:`offload_zero.partition.flat_param.build_entries` assigns them. Raises ValueError
+    naming a malformed ``parameters`` entry."""
     out = {}
     for j, saved in enumerate(meta["flat_params"]):
         offset = 0
@@ -567,13 +568,21 @@ def _saved_parameters(meta: dict, path: str = META_NAME) -> Dict[str, tuple]:
             if not ok:
                 raise ValueError(f"{path!r}: flat parameter {saved.get('name')!r} has a "
                                  f"parameters entry {entry!r}; each is [[names], [shape]]")
-            out[entry[0][0]] = (j, saved["name"], saved["shard_numel"], offset, entry[1])
+            for name in entry[0]:
+                out[name] = (j, saved["name"], saved["shard_numel"], offset, entry[1],
+                             entry[0][0])
             offset += math.prod(entry[1])
         if offset > saved["numel"]:
             raise ValueError(f"{path!r}: flat parameter {saved.get('name')!r} lists parameters "
                              f"of {offset} elements in all, more than its numel "
                              f"{saved['numel']}")
     return out
+
+
+def _match(where: Dict[str, tuple], names: List[str]) -> Optional[tuple]:
+    """The saved parameter (from :func:`_saved_parameters`) known by any of ``names`` (one
+    parameter's names here: a tied one may list them in another order), or None."""
+    return next((where[name] for name in names if name in where), None)
 
 
 def _segments(meta: dict, engine) -> Dict[object, List[tuple]]:
@@ -587,7 +596,7 @@ def _segments(meta: dict, engine) -> Dict[object, List[tuple]]:
     for fp in engine.flat_params:
         segs = []
         for e in fp.entries:
-            _, name, shard, offset, _ = where[e.names[0]]
+            _, name, shard, offset, _, _ = _match(where, e.names)
             segs.append((e.offset, e.numel, name, shard, offset))
         out[fp] = segs
     return out

@@ -833,3 +833,25 @@ def test_parameters_whose_step_counts_differ_cannot_share_a_flat_parameter(tmp_p
                                              r"flat parameters with different Adam step counts"):
             b.load_checkpoint(tmp_path / "ckpt")
         assert _differences(_snapshot(b), before) == []
+
+
+def test_a_tied_parameter_is_found_by_any_of_its_names(tmp_path):
+    """A tied weight is one parameter known by several names, listed in module order: a model
+    that registers its modules in another order names it otherwise first. The load finds it
+    by any of its names, and the weights are the saved ones."""
+    a_model = _model(0)
+    a_model.head.weight = a_model.emb.weight
+    b_model = _model(1)
+    b_model.head.weight = b_model.emb.weight
+    b_model._modules = {"head": b_model._modules.pop("head"), **b_model._modules}
+    with OffloadEngine(a_model, stage=3, offload="cpu") as a, \
+            OffloadEngine(b_model, stage=3, offload="cpu") as b:
+        names = lambda eng: [e.names for fp in eng.flat_params for e in fp.entries  # noqa: E731
+                             if "emb.weight" in e.names][0]
+        assert names(a) == ["emb.weight", "head.weight"]
+        assert names(b) == ["head.weight", "emb.weight"]
+        _train(a, batches(2))
+        a.save_checkpoint(tmp_path / "ckpt")
+        b.load_checkpoint(tmp_path / "ckpt")
+        wa, wb = a.full_state_dict(), b.full_state_dict()
+        assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
