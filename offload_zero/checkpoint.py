@@ -628,9 +628,18 @@ def _saved_steps(files: dict, rank: int, segs: Dict[object, List[tuple]], path: 
             continue
         found = {name: int(files[rank].get_tensor(f"{name}/step")) for _, _, name, _, _ in parts}
         if len(set(found.values())) > 1:
-            raise ValueError(f"{path!r}: the parameters of flat parameter {fp.name!r} come from "
-                             f"saved flat parameters with different Adam step counts {found}; "
-                             "load it into an engine that groups them as the saving one did")
+            names = {}
+            for e, (_, _, name, _, _) in zip(fp.entries, parts):
+                names.setdefault(name, []).append(e.names[0])
+            told = "; ".join(f"{', '.join(ps[:3])}{', ...' if len(ps) > 3 else ''}: "
+                             f"{found[name]} steps" for name, ps in names.items())
+            raise ValueError(f"{path!r}: parameters that this engine keeps in one flat "
+                             f"parameter ({fp.name!r}) have different Adam step counts in the "
+                             f"checkpoint ({told}; the saving engine skipped a step "
+                             "for some only, as step_in_backward or step_in_forward do for a "
+                             "part without a gradient or with an overflow); load it into an "
+                             "engine that groups them as the saving one did (the same "
+                             "step_in_backward / step_in_forward)")
         steps[fp] = next(iter(found.values()), 0)
     return steps
 

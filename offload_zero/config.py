@@ -92,7 +92,9 @@ class EngineConfig:
             are gathered for backward from the state read. The root unit's trainable
             parameters become two flat parameters, the ones after the blocks (LM head, final
             norm: final early in backward) and the rest (embeddings). Same numbers as the plain
-            step. Needs stage >= 2, no
+            step, except in a step where only one of those two gets gradients: the other is
+            skipped (as ``torch.optim`` skips a parameter without gradient) where the plain
+            step's single root flat parameter updates it with zeros. Needs stage >= 2, no
             ``max_grad_norm`` (the norm is known only after backward) and one ``backward`` per
             ``step`` (no gradient accumulation). Default False.
         step_in_forward: at stage 3, :meth:`OffloadEngine.step` decides the update (gradient
@@ -107,7 +109,9 @@ class EngineConfig:
             ``step_in_backward``: the input embeddings, updated as forward starts (their state in
             host memory by default, see ``tail_state_in_host``), and those used after the
             blocks (LM head, final norm), whose update streams in chunks while the blocks run
-            and which are gathered only when the LM head runs. Same numbers as the plain step.
+            and which are gathered only when the LM head runs (or a computation first reads
+            their weights). Same numbers as the plain step (but see ``step_in_backward`` on a
+            root part without gradients).
             Needs stage 3 and ``step_in_backward=False``. Default False.
         tail_state_in_host: with ``step_in_backward`` or ``step_in_forward`` and the optimizer
             state on NVMe, keep the state (fp32 master weights, moments) of the flat parameter

@@ -1827,6 +1827,29 @@ def test_step_in_forward_an_error_while_the_lm_head_streams_then_evaluation(tmp_
     assert l0 == l1 and torch.equal(g0, g1) and all(torch.equal(w0[k], w1[k]) for k in w0)
 
 
+class _ReadsHeadEarly(TinyLM):
+    """A forward that reads the LM head's and final norm's weights before the blocks run."""
+
+    def forward(self, x):
+        assert self.head.weight.shape == (self.head.out_features, self.head.in_features)
+        h = self.emb(x) * (1 + self.norm.weight.mean() + 0.01 * self.head.weight.norm())
+        for b in self.blocks:
+            h = b(h)
+        return self.head(self.norm(h))
+
+
+def test_step_in_forward_a_forward_reading_the_lm_head_early_gets_it(tmp_path, monkeypatch):
+    """The LM head's flat parameter is gathered when its first module runs; a forward that
+    reads its weights earlier (their shape, a computation) gathers it then, ending its streaming
+    update first: the numbers are the plain step's."""
+    monkeypatch.setattr(NVMeStore, "CHUNK_NUMEL", 1024)
+
+    kw = dict(offload="nvme", offload_param="nvme")
+    (l0, g0, w0, _), (l1, g1, w1, _) = _run_sif_pair(lambda: _ReadsHeadEarly(n_blocks=3), kw,
+                                                     tmp_path)
+    assert l0 == l1 and torch.equal(g0, g1) and all(torch.equal(w0[k], w1[k]) for k in w0)
+
+
 def test_step_in_forward_applies_updates_of_units_forward_skipped(tmp_path):
     """A forward that skips a block leaves its update pending: it is applied before anything
     else reads that block (the next backward, the next step, a gather), and the weights stay

@@ -91,6 +91,33 @@ class _FreedParam(torch.Tensor):
             "classes with unit_classes= so both share one unit.")
 
 
+class _LateParam(_FreedParam):
+    """Placeholder for a parameter whose flat parameter is gathered late (see
+    :class:`offload_zero.partition.schedule.UnitScheduler`'s ``gather_late``): it has the
+    parameter's shape (a stride-0 view of one element), and the first computation that touches
+    it gathers its flat parameter (``_oz_gather()``) and runs on the gathered view the module
+    attribute then holds (``_oz_ref``: ``(module, attribute name)``)."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "") or ""
+        owner = getattr(getattr(func, "__self__", None), "__name__", "")
+        if name in cls._ALLOWED or owner in cls._ALLOWED or name == "__get__":
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {}))
+
+        def real(x):
+            if isinstance(x, _LateParam):
+                x._oz_gather()
+                module, attr = x._oz_ref
+                return getattr(module, attr)
+            return x
+
+        args = tuple(real(a) for a in args)
+        kwargs = {k: real(v) for k, v in (kwargs or {}).items()}
+        return func(*args, **kwargs)
+
+
 class _SplitViews(torch.autograd.Function):
     """``torch.split(full, sizes)`` whose backward writes the flat gradient into memory from
     ``target()`` (reused from step to step, see [Note: reused gradient memory] in
@@ -277,11 +304,20 @@ class FlatParam:
                 for module, attr, _ in e.refs:
                     setattr(module, attr, view)
 
-    def set_placeholders(self) -> None:
-        """Point every module attribute at a zero-element placeholder naming the parameter."""
+    def set_placeholders(self, gather=None) -> None:
+        """Point every module attribute at a zero-element placeholder naming the parameter; with
+        ``gather`` (``f()`` that gathers this flat parameter and sets its views), at a
+        placeholder of the parameter's shape whose first computation calls it and then runs on
+        the gathered view (see :class:`_LateParam`)."""
         for e in self.entries:
             for module, attr, fqn in e.refs:
-                setattr(module, attr, _placeholder(self.dtype, self.device, f"parameter {fqn!r}"))
+                if gather is None:
+                    t = _placeholder(self.dtype, self.device, f"parameter {fqn!r}")
+                else:
+                    one = torch.empty(1, dtype=self.dtype, device=self.device)
+                    t = torch.Tensor._make_subclass(_LateParam, one.expand(e.shape))
+                    t._oz_label, t._oz_gather, t._oz_ref = f"parameter {fqn!r}", gather, (module, attr)
+                setattr(module, attr, t)
 
     def full_values(self) -> torch.Tensor:
         """The gathered compute-dtype values (must be UNSHARDED), shape (padded_numel,), no grad."""

@@ -148,18 +148,25 @@ class UnitScheduler:
             part = None if memory is None else memory[offset:offset + nbytes]
             if late and fp in self._may_gather_late and self._gather_late(fp):
                 self._late[fp] = part
+                # (a forward that reads its weights before their modules run gathers it then)
+                fp.set_placeholders(gather=lambda fp=fp: self._late_gather(fp))
             else:
                 fp.to_unsharded(self.comm, memory=part, staging=self._staging)
             offset += nbytes
         unit.state = UnitState.UNSHARDED
         self.live_peak = max(self.live_peak, self.live_units())
 
-    def _unshard_late(self, fp) -> None:
-        """Gather root flat parameter ``fp`` left sharded when the root was gathered."""
+    def _late_gather(self, fp) -> None:
+        """Gather root flat parameter ``fp`` left sharded when the root was gathered (no-op
+        once gathered) and point its modules at it: by its first user's pre-forward hook, or
+        by the first computation on one of its placeholders."""
+        if fp not in self._late:
+            return
         if self._before_late_gather is not None:
             self._before_late_gather(fp)
         fp.to_unsharded(self.comm, memory=self._late[fp], staging=self._staging)
         del self._late[fp]
+        fp.set_views()
 
     def reshard(self, unit: Unit) -> None:
         """Free ``unit``'s gathered parameters (stage 3 only; no-op otherwise or if sharded)."""
@@ -231,9 +238,7 @@ class UnitScheduler:
 
     def _make_fresh_views(self, fp):
         def hook(module, args):
-            if fp in self._late:
-                self._unshard_late(fp)
-                fp.set_views()
+            self._late_gather(fp)
             if (fp in self._fresh_views or self._in_backward or not torch.is_grad_enabled()
                     or self.root.state is not UnitState.UNSHARDED):
                 return
