@@ -82,6 +82,11 @@ class _FreedParam(torch.Tensor):
         if name in cls._ALLOWED or owner in cls._ALLOWED or name == "__get__":
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **(kwargs or {}))
+        return cls._compute(func, name, args, kwargs or {})
+
+    @classmethod
+    def _compute(cls, func, name: str, args, kwargs):
+        """A computation (not a metadata read) on a placeholder: an error naming it."""
         freed = next((a for a in args if isinstance(a, _FreedParam)), None)
         label = getattr(freed, "_oz_label", "a parameter")
         raise RuntimeError(
@@ -99,13 +104,8 @@ class _LateParam(_FreedParam):
     attribute then holds (``_oz_ref``: ``(module, attribute name)``)."""
 
     @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        name = getattr(func, "__name__", "") or ""
-        owner = getattr(getattr(func, "__self__", None), "__name__", "")
-        if name in cls._ALLOWED or owner in cls._ALLOWED or name == "__get__":
-            with torch._C.DisableTorchFunctionSubclass():
-                return func(*args, **(kwargs or {}))
-
+    def _compute(cls, func, name: str, args, kwargs):
+        """Gather, then run ``func`` on the gathered views instead of the placeholders."""
         def real(x):
             if isinstance(x, _LateParam):
                 x._oz_gather()
@@ -113,9 +113,7 @@ class _LateParam(_FreedParam):
                 return getattr(module, attr)
             return x
 
-        args = tuple(real(a) for a in args)
-        kwargs = {k: real(v) for k, v in (kwargs or {}).items()}
-        return func(*args, **kwargs)
+        return func(*(real(a) for a in args), **{k: real(v) for k, v in kwargs.items()})
 
 
 class _SplitViews(torch.autograd.Function):
