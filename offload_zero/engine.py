@@ -243,6 +243,7 @@ class OffloadEngine:
         if cfg.step_in_forward:
             before_gather = self._apply_lazy_for
             gather_late, before_late_gather = self._streaming, self._finish_streaming
+            on_unit_backward = self._read_ahead_in_backward
         numel = max((fp.shard_numel for u in self.blocks for fp in u.flat_params
                      if fp.requires_grad), default=0)
         if (cfg.step_in_backward or cfg.step_in_forward) and isinstance(self.store, NVMeStore) \
@@ -514,6 +515,28 @@ class OffloadEngine:
                 if (fp.requires_grad and not self.store.prefetched(fp)
                         and not self.store.prefetch(fp, wait=False)):
                     return  # no free buffer: the rest keep backward's order, tried later
+
+    def _read_ahead_in_backward(self, unit: Unit) -> None:
+        """step_in_forward: backward reached ``unit``. Start reading into the read-ahead ring
+        the whole state of the first blocks in forward order (as many as the ring holds), whose
+        updates the next forward applies first, each when backward is ``prefetch`` units (at
+        least one) from it: its parameter read for backward would start then, and the gather
+        takes the parameters from this read instead when fp32 shards on NVMe are their master's
+        bytes (see :meth:`_params_from_state`). The reads run while backward computes; the
+        states are not written before those updates, so they stay current. A read starts only
+        when a buffer is free without waiting for the disk."""
+        order = self.scheduler.order
+        ring = self.pools.get("optimizer_prefetch")
+        if not order or ring is None:
+            return
+        i = len(order) if unit.is_root else (order.index(unit) if unit in order else None)
+        if i is None:
+            return
+        for j in reversed(range(max(0, i - max(1, self.config.prefetch)), min(i, ring.count))):
+            for fp in order[j].flat_params:
+                if (fp.requires_grad and not self.store.prefetched(fp)
+                        and not self.store.prefetch(fp, wait=False)):
+                    return
 
     def _grad_ready(self, fp: FlatParam) -> None:
         """``fp``'s gradient is accumulated: reduce it to the shard and update ``fp`` now, or

@@ -1729,19 +1729,21 @@ def test_step_in_forward_gives_the_weights_of_the_step(offload, offload_param, d
 
 def test_step_in_forward_moves_the_state_io_into_the_next_forward(tmp_path):
     """With the optimizer state on NVMe, step() writes no state: the next forward applies the
-    updates, reading the blocks' whole states ahead into the read-ahead buffers, and writes
-    12 bytes per element of every state back, except the input embeddings', kept in host
-    memory (``tail_state_in_host``: forward needs their update first)."""
+    updates, reading the blocks' whole states ahead into the read-ahead buffers (the first
+    blocks' already during backward), and writes 12 bytes per element of every state back,
+    except the input embeddings', kept in host memory (``tail_state_in_host``: forward needs
+    their update first)."""
     torch.manual_seed(0)
     with OffloadEngine(TinyLM(n_blocks=4), offload="nvme", offload_param="none",
                        path=str(tmp_path), step_in_forward=True) as eng:
         in_host = [fp for fp in eng.trainable if eng.store.in_host(fp)]
         assert [e.refs[0][2] for fp in in_host for e in fp.entries] == ["emb.weight"]
         x, y = batches(1)[0]
-        eng.backward(lm_loss(eng(x), y))
+        loss = lm_loss(eng(x), y)
         written, read = eng.store.written_bytes, eng.store.read_bytes
+        eng.backward(loss)
         eng.step()
-        assert (eng.store.written_bytes, eng.store.read_bytes) == (written, read)
+        assert eng.store.written_bytes == written
         state = 12 * sum(fp.shard_numel for fp in eng.trainable if fp not in in_host)
         eng(x)
         eng.store.drain()  # (the last write-backs are left in flight)
@@ -1848,6 +1850,38 @@ def test_step_in_forward_a_forward_reading_the_lm_head_early_gets_it(tmp_path, m
     (l0, g0, w0, _), (l1, g1, w1, _) = _run_sif_pair(lambda: _ReadsHeadEarly(n_blocks=3), kw,
                                                      tmp_path)
     assert l0 == l1 and torch.equal(g0, g1) and all(torch.equal(w0[k], w1[k]) for k in w0)
+
+
+def test_step_in_forward_reads_the_first_blocks_state_during_backward(tmp_path):
+    """The next forward updates the first blocks first: their whole states are read into the
+    read-ahead ring while backward runs (their fp32 parameter shards on NVMe are gathered for
+    backward from that read, one read less each), so the forward reads only the other blocks'
+    states and the LM head's. Bytes read per phase, from the second step on."""
+    torch.manual_seed(0)
+    with OffloadEngine(TinyLM(n_blocks=6), offload="nvme", path=str(tmp_path),
+                       step_in_forward=True) as eng:
+        x, y = batches(1)[0]
+        phases = []
+        for _ in range(3):
+            r0 = eng.store.read_bytes
+            loss = lm_loss(eng(x), y)
+            r1 = eng.store.read_bytes
+            eng.backward(loss)
+            for _, handles in list(eng.store._whole_reads.values()):
+                for h in handles:  # (bytes count once read: the reads backward started)
+                    h.wait()
+            r2 = eng.store.read_bytes
+            eng.step()
+            phases.append((r1 - r0, r2 - r1, eng.store.read_bytes - r2))
+        ring = eng.pools["optimizer_prefetch"].count
+        blocks = [u.flat_params[0].shard_numel for u in eng.scheduler.order]
+        head = next(fp for fp in eng.trainable if fp.name == "root.trainable").shard_numel
+        first, rest = sum(blocks[:ring]), sum(blocks[ring:])
+        # backward: the first blocks' states whole (12 bytes an element), the others' fp32
+        # parameter shards (4); forward: the other blocks' states and the LM head's, and the
+        # LM head's shard for its gather (a root no larger than a block has no buffer to keep
+        # its updated shard in); step(): nothing
+        assert phases[1] == phases[2] == (12 * (rest + head) + 4 * head, 12 * first + 4 * rest, 0)
 
 
 def test_step_in_forward_applies_updates_of_units_forward_skipped(tmp_path):
