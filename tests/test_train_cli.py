@@ -692,32 +692,37 @@ def test_fp16_trains_with_a_dynamic_loss_scale(capsys):
 
 # --- --checkpoint / --resume -----------------------------------------------------------------------
 
+def _run_dying_in_step(monkeypatch, n: int, args) -> None:
+    """Run the main job with ``args`` (plus --no-progress and FAST) and kill it with
+    KeyboardInterrupt in its ``n``-th ``OffloadEngine.step`` (1-based), as a run killed mid-way."""
+    from offload_zero import OffloadEngine
+    original_step, calls = OffloadEngine.step, []
+
+    def dies(self):
+        calls.append(1)
+        if len(calls) == n:
+            raise KeyboardInterrupt
+        original_step(self)
+
+    monkeypatch.setattr(OffloadEngine, "step", dies)
+    with pytest.raises(KeyboardInterrupt):
+        train.run(_parse(*args, "--no-progress", *FAST))
+    monkeypatch.setattr(OffloadEngine, "step", original_step)
+
+
 @pytest.mark.parametrize("offload", ["cpu", "nvme"])
 def test_resume_continues_the_run_bit_for_bit(offload, tmp_path, monkeypatch):
     """A run checkpointed every 3 steps dies in step 5; --resume from its checkpoint (step 3)
     trains steps 4-8 on the batches the dead run had not seen, with the same learning rates:
     its final weights equal an uninterrupted 8-step run's, bit for bit."""
     import torch
-    from offload_zero import OffloadEngine
 
     common = ["--preset", "tiny", "--steps", 8, "--offload", offload, "--lr", "3e-3"]
     _, whole = _run_capturing_weights(monkeypatch, [*common, "--save", tmp_path / "w"])
     whole = {k: v.clone() for k, v in whole.items()}
 
     ckpt = tmp_path / "ckpt"
-    original_step, calls = OffloadEngine.step, []
-
-    def dies_in_step_5(self):
-        calls.append(1)
-        if len(calls) == 5:
-            raise KeyboardInterrupt
-        original_step(self)
-
-    monkeypatch.setattr(OffloadEngine, "step", dies_in_step_5)
-    with pytest.raises(KeyboardInterrupt):
-        train.run(_parse(*common, "--checkpoint", ckpt, "--checkpoint-every", 3,
-                         "--no-progress", *FAST))
-    monkeypatch.setattr(OffloadEngine, "step", original_step)
+    _run_dying_in_step(monkeypatch, 5, [*common, "--checkpoint", ckpt, "--checkpoint-every", 3])
     meta = json.loads((ckpt / "checkpoint.json").read_text())
     assert meta["client_state"]["step"] == 3
 
@@ -813,22 +818,10 @@ def test_resume_with_the_other_step_in_backward_continues_the_same_run(first, th
     """The two layouts (the root in one flat parameter or split in two) give the same numbers
     and a checkpoint loads into either: a run that died after its step-2 checkpoint, resumed
     with the other --[no-]step-in-backward, has the losses of the run that never stopped."""
-    from offload_zero import OffloadEngine
     whole = train.run(_parse("--preset", "tiny", "--steps", 4, "--no-progress", *first, *FAST))
     ckpt = tmp_path / "ckpt"
-    original_step, calls = OffloadEngine.step, []
-
-    def dies_in_step_3(self):
-        calls.append(1)
-        if len(calls) == 3:
-            raise KeyboardInterrupt
-        original_step(self)
-
-    monkeypatch.setattr(OffloadEngine, "step", dies_in_step_3)
-    with pytest.raises(KeyboardInterrupt):
-        train.run(_parse("--preset", "tiny", "--steps", 4, "--checkpoint", ckpt,
-                         "--checkpoint-every", 2, "--no-progress", *first, *FAST))
-    monkeypatch.setattr(OffloadEngine, "step", original_step)
+    _run_dying_in_step(monkeypatch, 3, ["--preset", "tiny", "--steps", 4, "--checkpoint", ckpt,
+                                        "--checkpoint-every", 2, *first])
     summary = train.run(_parse("--preset", "tiny", "--steps", 4, "--resume", ckpt,
                                "--no-progress", *then, *FAST))
     assert summary["resumed_from"] == 2
