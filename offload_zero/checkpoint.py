@@ -211,7 +211,8 @@ def _load(engine, final: str) -> dict:
         meta = _read_metadata(final)
         _check_matches(meta, engine, os.path.join(final, META_NAME))
         saved_world = meta["world_size"]
-        sources = _source_ranks(meta, engine)
+        segments = _segments(meta, engine)
+        sources = _source_ranks(segments, engine)
         specs = _saved_specs(meta, engine)
         # every saved file is checked by some rank, also one this rank does not read (a rank
         # whose shards are padding only): a checkpoint with a file missing or damaged is refused
@@ -221,14 +222,13 @@ def _load(engine, final: str) -> dict:
                               saved_world, meta.get("save_id"))
         from safetensors import safe_open
         with safe_open(os.path.join(final, rank_file_name(sources[0])), framework="pt") as f:
-            _saved_steps({sources[0]: f}, sources[0], _segments(meta, engine),
-                         os.path.join(final, META_NAME))
+            steps = _saved_steps(f, segments, os.path.join(final, META_NAME))
     except Exception as exc:
         error = exc
     _agree(engine, error, f"load_checkpoint({final!r})", exc_type=ValueError)
     try:
         with torch.no_grad():
-            _load_shards(final, meta, engine, sources)
+            _load_shards(final, engine, segments, sources, steps)
         engine.set_lr(meta["lr"])
         engine.skipped_steps = meta["skipped_steps"]
         if meta["loss_scaler"] is not None:
@@ -617,16 +617,16 @@ def _pieces(segs: List[tuple], lo: int, hi: int) -> Iterator[tuple]:
             yield r, name, (x - r * shard, y - r * shard), (x - sa + a - lo, y - sa + a - lo)
 
 
-def _saved_steps(files: dict, rank: int, segs: Dict[object, List[tuple]], path: str
-                 ) -> Dict[object, int]:
+def _saved_steps(f, segs: Dict[object, List[tuple]], path: str) -> Dict[object, int]:
     """Each trainable flat parameter's Adam step count, from the saved flat parameters its
-    parameters come from (in the open rank file ``files[rank]``: every file holds them all).
-    Raises ValueError if they differ: one flat parameter has one step count."""
+    parameters come from (``segs``: :func:`_segments`), in the open rank file ``f`` (every
+    file holds them all). Raises ValueError if they differ: one flat parameter has one step
+    count."""
     steps = {}
     for fp, parts in segs.items():
         if not fp.requires_grad:
             continue
-        found = {name: int(files[rank].get_tensor(f"{name}/step")) for _, _, name, _, _ in parts}
+        found = {name: int(f.get_tensor(f"{name}/step")) for _, _, name, _, _ in parts}
         if len(set(found.values())) > 1:
             names = {}
             for e, (_, _, name, _, _) in zip(fp.entries, parts):
@@ -648,42 +648,48 @@ def _saved_steps(files: dict, rank: int, segs: Dict[object, List[tuple]], path: 
 
 def _saves_param(fp) -> bool:
     """Whether a rank file holds ``<fp>/param`` (see [Note: checkpoint layout])."""
-    return not fp.requires_grad or fp.dtype != torch.float32
+    return _holds_param(fp.requires_grad, fp.dtype)
+
+
+def _holds_param(requires_grad: bool, dtype: torch.dtype) -> bool:
+    """Whether a flat parameter's entry in a rank file has a ``param`` tensor: frozen ones, and
+    any whose compute dtype is not fp32 (an fp32 trainable shard is its master weights)."""
+    return not requires_grad or dtype != torch.float32
+
+
+def _flat_specs(flat: List[Tuple[str, bool, int]], dtype: torch.dtype) -> List[TensorSpec]:
+    """``(name, dtype, shape)`` of the rank-file tensors of flat parameters ``flat`` (``(name,
+    requires_grad, shard_numel)`` each, in file order) in compute dtype ``dtype``."""
+    specs: List[TensorSpec] = []
+    for name, requires_grad, n in flat:
+        if requires_grad:
+            specs += [(f"{name}/{key}", torch.float32, (n,)) for key in _STATE_KEYS]
+            specs.append((f"{name}/step", torch.int64, ()))
+        if _holds_param(requires_grad, dtype):
+            specs.append((f"{name}/param", dtype, (n,)))
+    return specs
+
+
+def _buffer_specs(engine) -> List[TensorSpec]:
+    """``(name, dtype, shape)`` of the persistent buffers in a rank file of ``engine``."""
+    return [(f"buffers/{name}", mod._buffers[attr].dtype, tuple(mod._buffers[attr].shape))
+            for name, mod, attr in _persistent_buffers(engine.module)]
 
 
 def _tensor_specs(engine) -> List[TensorSpec]:
     """(name, dtype, shape) of every tensor in a rank file of ``engine``, in file order."""
-    specs: List[TensorSpec] = []
-    for fp in engine.flat_params:
-        n = fp.shard_numel
-        if fp.requires_grad:
-            specs += [(f"{fp.name}/{key}", torch.float32, (n,)) for key in _STATE_KEYS]
-            specs.append((f"{fp.name}/step", torch.int64, ()))
-        if _saves_param(fp):
-            specs.append((f"{fp.name}/param", fp.dtype, (n,)))
-    for name, mod, attr in _persistent_buffers(engine.module):
-        buf = mod._buffers[attr]
-        specs.append((f"buffers/{name}", buf.dtype, tuple(buf.shape)))
-    return specs
+    flat = [(fp.name, fp.requires_grad, fp.shard_numel) for fp in engine.flat_params]
+    return _flat_specs(flat, engine.config.dtype) + _buffer_specs(engine)
 
 
 def _saved_specs(meta: dict, engine) -> List[TensorSpec]:
     """``(name, dtype, shape)`` of every tensor in a rank file of the engine that wrote
-    ``meta``, in file order (as :func:`_tensor_specs` lists them): its flat parameters from
-    the metadata, the compute dtype and buffers as ``engine``'s (checked equal by
-    :func:`_check_matches`)."""
-    dtype = engine.config.dtype
-    specs: List[TensorSpec] = []
-    for saved in meta["flat_params"]:
-        n, name = saved["shard_numel"], saved["name"]
-        if saved.get("requires_grad"):
-            specs += [(f"{name}/{key}", torch.float32, (n,)) for key in _STATE_KEYS]
-            specs.append((f"{name}/step", torch.int64, ()))
-        if not saved.get("requires_grad") or dtype != torch.float32:
-            specs.append((f"{name}/param", dtype, (n,)))
-    if "buffers" in meta:
-        specs += [spec for spec in _tensor_specs(engine) if spec[0].startswith("buffers/")]
-    return specs
+    ``meta``, in file order: its flat parameters from the metadata, the compute dtype and
+    buffers as ``engine``'s (checked equal by :func:`_check_matches`)."""
+    flat = [(f["name"], bool(f.get("requires_grad")), f["shard_numel"])
+            for f in meta["flat_params"]]
+    return _flat_specs(flat, engine.config.dtype) + (
+        _buffer_specs(engine) if "buffers" in meta else [])
 
 
 def _rank_tensors(engine) -> Iterator[Tuple[str, torch.Tensor]]:
@@ -809,19 +815,20 @@ def _load_buffers(f, engine) -> None:
             mod._buffers[attr].copy_(f.get_tensor(f"buffers/{name}"))
 
 
-def _source_ranks(meta: dict, engine) -> List[int]:
-    """The saving ranks whose files hold some element of this rank's shards: this rank alone
-    at the same world size and grouping; else those whose shards overlap this rank's ranges
-    (see :func:`_load_shards`); rank 0 alone if none does (the step counts and buffers are in
-    every file)."""
+def _source_ranks(segments: Dict[object, List[tuple]], engine) -> List[int]:
+    """The saving ranks whose files hold some element of this rank's shards (``segments``:
+    :func:`_segments`): this rank alone at the same world size and grouping; else those whose
+    shards overlap this rank's ranges (see :func:`_load_shards`); rank 0 alone if none does
+    (the step counts and buffers are in every file)."""
     ranks = set()
-    for fp, segs in _segments(meta, engine).items():
+    for fp, segs in segments.items():
         lo = engine.rank * fp.shard_numel
         ranks.update(r for r, _, _, _ in _pieces(segs, lo, lo + fp.shard_numel))
     return sorted(ranks) or [0]
 
 
-def _load_shards(final: str, meta: dict, engine, sources: List[int]) -> None:
+def _load_shards(final: str, engine, segments: Dict[object, List[tuple]], sources: List[int],
+                 steps: Dict[object, int]) -> None:
     """Write this rank's shards of the checkpoint in ``final`` (verified) into the engine's
     store and parameter shards, at the saving world size or another (resharding), with the
     parameters grouped into flat parameters as the saving engine did or otherwise.
@@ -834,17 +841,14 @@ def _load_shards(final: str, meta: dict, engine, sources: List[int]) -> None:
     only those bytes): at the same world size and grouping that is its own file, whole. One
     flat parameter at a time (12 bytes per element of its shard in host memory, plus the
     shard); the padding is zeros, as in a fresh engine's (a zero weight with zero gradient and
-    moments stays zero under Adam/AdamW). Step counts and buffers are the same in every file.
-    Raises ValueError, before anything changes, when the parameters of one flat parameter
-    come from saved ones with different step counts."""
+    moments stays zero under Adam/AdamW). Buffers are the same in every file; ``steps`` are
+    the step counts :func:`_saved_steps` read (and checked) before anything changed."""
     from contextlib import ExitStack
     from safetensors import safe_open
-    segments = _segments(meta, engine)
     with ExitStack() as stack:
         files = {r: stack.enter_context(safe_open(os.path.join(final, rank_file_name(r)),
                                                   framework="pt")) for r in sources}
         first = files[sources[0]]
-        steps = _saved_steps(files, sources[0], segments, os.path.join(final, META_NAME))
         for fp in engine.flat_params:
             lo = engine.rank * fp.shard_numel
             pieces = list(_pieces(segments[fp], lo, lo + fp.shard_numel))
