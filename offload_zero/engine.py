@@ -511,10 +511,15 @@ class OffloadEngine:
         for j in reversed(range(first, len(order))):  # backward's order
             if reads_params and j - self.config.prefetch > at:
                 continue  # not yet: its parameter read would not have started yet either
-            for fp in order[j].flat_params:
-                if (fp.requires_grad and not self.store.prefetched(fp)
-                        and not self.store.prefetch(fp, wait=False)):
-                    return  # no free buffer: the rest keep backward's order, tried later
+            if not self._read_ahead(order[j].flat_params):
+                return  # no free buffer: the rest keep backward's order, tried later
+
+    def _read_ahead(self, fps: List[FlatParam]) -> bool:
+        """Start whole-state reads (NVMe) of the trainable flat parameters in ``fps`` not yet
+        read ahead, in order, while a read-ahead buffer is free without waiting for the disk.
+        Returns False at the first one that could not start (the caller stops there)."""
+        return all(self.store.prefetched(fp) or self.store.prefetch(fp, wait=False)
+                   for fp in fps if fp.requires_grad)
 
     def _read_ahead_in_backward(self, unit: Unit) -> None:
         """step_in_forward: backward reached ``unit``. Start reading into the read-ahead ring
@@ -533,10 +538,8 @@ class OffloadEngine:
         if i is None:
             return
         for j in reversed(range(max(0, i - max(1, self.config.prefetch)), min(i, ring.count))):
-            for fp in order[j].flat_params:
-                if (fp.requires_grad and not self.store.prefetched(fp)
-                        and not self.store.prefetch(fp, wait=False)):
-                    return
+            if not self._read_ahead(order[j].flat_params):
+                return
 
     def _grad_ready(self, fp: FlatParam) -> None:
         """``fp``'s gradient is accumulated: reduce it to the shard and update ``fp`` now, or
@@ -678,11 +681,7 @@ class OffloadEngine:
         ring = self.pools.get("optimizer_prefetch")
         if ring is None:
             return
-        for fp in order:
-            if 3 * fp.shard_numel > ring.numel:
-                continue
-            if not (self.store.prefetched(fp) or self.store.prefetch(fp, wait=False)):
-                return
+        self._read_ahead([fp for fp in order if 3 * fp.shard_numel <= ring.numel])
 
     def apply_pending_updates(self) -> None:
         """Apply every update that :meth:`step` decided and ``step_in_forward`` left for the
