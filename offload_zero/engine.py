@@ -191,9 +191,9 @@ class OffloadEngine:
                 # a block's update runs just before its gather: the new shard stays in its
                 # buffer for that gather instead of being written and read back (the root's
                 # only where it has a buffer per flat parameter, as above)
-                keep_root = keep or (lambda fp: False)
+                keep_root, kept = keep or (lambda fp: False), self._keep_for_gather
                 keep = lambda fp: (keep_root(fp) if fp.name.startswith("root.")  # noqa: E731
-                                   else fp in self._keep_for_gather)
+                                   else fp in kept)
             self.param_home = NVMeParamHome(self.swapper, pool_for, self._acct,
                                             master_is_param=share, keep_after_update=keep)
         self.store = self._build_store(plan)
@@ -233,17 +233,19 @@ class OffloadEngine:
             self._acct.add(Tier.HOST, StateKind.BUFFERS, n * self._staging.element_size())
         pool_for = self._build_gather_pools()
         staging = self.grads.scratch if self.device.type != "cpu" else None
+        # (the scheduler's callbacks hold the engine weakly: the finalizer holds the scheduler)
         on_grad, on_unit_backward, on_forward = self.grads.on_full_grad, None, None
         on_unit_forward, before_gather = None, None
         if cfg.step_in_backward:
-            on_grad, on_unit_backward = self._grad_ready, self._prefetch_state
+            on_grad, on_unit_backward = _weakly(self._grad_ready), _weakly(self._prefetch_state)
             # an update still streaming when backward returns ends before weights are read
-            on_forward = self._finish_updates
+            on_forward = _weakly(self._finish_updates)
         gather_late = before_late_gather = None
         if cfg.step_in_forward:
-            before_gather = self._apply_lazy_for
-            gather_late, before_late_gather = self._streaming, self._finish_streaming
-            on_unit_backward = self._read_ahead_in_backward
+            before_gather = _weakly(self._apply_lazy_for)
+            gather_late = _weakly(self._streaming)
+            before_late_gather = _weakly(self._finish_streaming)
+            on_unit_backward = _weakly(self._read_ahead_in_backward)
         numel = max((fp.shard_numel for u in self.blocks for fp in u.flat_params
                      if fp.requires_grad), default=0)
         if (cfg.step_in_backward or cfg.step_in_forward) and isinstance(self.store, NVMeStore) \
@@ -259,7 +261,7 @@ class OffloadEngine:
             self.pools["optimizer_prefetch"] = ring
             self.store.enable_prefetch(ring)
             if cfg.step_in_backward:
-                on_unit_forward = self._read_ahead_in_forward
+                on_unit_forward = _weakly(self._read_ahead_in_forward)
         self.scheduler = UnitScheduler(self.blocks, self.root, self.comm, cfg.prefetch,
                                        reshard_after_forward=cfg.stage == 3,
                                        on_grad=on_grad, pool_for=pool_for, staging=staging,
@@ -620,7 +622,8 @@ class OffloadEngine:
         (:meth:`_pump`): each block's gather advances it by one chunk, so its reads and writes
         run while the blocks compute, and the root gathers that part only when its first module
         runs (:meth:`_finish_streaming`)."""
-        self._keep_for_gather = set(unit.flat_params)
+        self._keep_for_gather.clear()
+        self._keep_for_gather.update(unit.flat_params)
         stream = []
         if unit.is_root and self.scheduler.training_forward:
             stream = [fp for fp in unit.flat_params
@@ -689,7 +692,7 @@ class OffloadEngine:
         optimizer state as a whole (checkpoints, :meth:`full_state_dict`, the next
         :meth:`step`), and by :meth:`backward` for units the last forward did not run.
         Raises SwapIOError if an NVMe transfer fails (file and offset named)."""
-        self._keep_for_gather = set()
+        self._keep_for_gather.clear()
         self._pump(all_of_them=True)  # (a streaming update: its flat parameter leaves _lazy)
         if self._lazy:
             self._apply_lazy(list(self._lazy))
@@ -1014,6 +1017,19 @@ class OffloadEngine:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _weakly(method):
+    """``method`` (bound to the engine) as a function that holds the engine weakly, for the
+    parts the engine's finalizer keeps alive: a strong reference there would keep the engine
+    from ever being collected. Once the engine is gone it does nothing and returns None."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args, **kwargs):
+        bound = ref()
+        return None if bound is None else bound(*args, **kwargs)
+    call.__name__ = call.__qualname__ = method.__name__
+    return call
 
 
 def _release(store, param_home, swapper, pools, scheduler, grads, flat_params) -> None:

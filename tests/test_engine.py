@@ -194,9 +194,17 @@ def test_nvme_swap_files(dtype, tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_swap_files_removed_on_garbage_collection_and_on_error(tmp_path):
-    eng = OffloadEngine(TinyLM(), offload="nvme", path=str(tmp_path))
+@pytest.mark.parametrize("mode", [{"step_in_forward": False}, {"step_in_forward": True},
+                                  {"step_in_backward": True}])
+@pytest.mark.parametrize("steps", [0, 2])
+def test_swap_files_removed_on_garbage_collection_and_on_error(mode, steps, tmp_path):
+    # every step mode's hooks and callbacks: none may keep the engine alive (its finalizer
+    # holds the scheduler, the stores and the pools)
+    eng = OffloadEngine(TinyLM(), offload="nvme", path=str(tmp_path), **mode)
     assert (tmp_path / "rank0").exists()
+    for batch in batches(steps):
+        eng.backward(lm_loss(eng(batch[0]), batch[1]))
+        eng.step()
     del eng
     gc.collect()
     assert not (tmp_path / "rank0").exists()
