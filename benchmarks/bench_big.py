@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from offload_zero import OffloadEngine  # noqa: E402
 from offload_zero import data as data_lib  # noqa: E402
-from offload_zero.estimator import model_layout, placement_bytes  # noqa: E402
+from offload_zero.estimator import placement_bytes  # noqa: E402
 
 
 class RssSampler(threading.Thread):
@@ -81,8 +81,8 @@ def main(argv=None):
         meta = LlamaForCausalLM(cfg)
     psi = sum(p.numel() for p in meta.parameters())
     ram = psutil.virtual_memory().total
-    need = placement_bytes(meta, 3, "nvme", "nvme", dtype=torch.bfloat16, accelerator=False,
-                           layout=model_layout(meta)).tier_bytes("nvme")
+    need = placement_bytes(meta, 3, "nvme", "nvme", dtype=torch.bfloat16,
+                           accelerator=False).tier_bytes("nvme")
     del meta
     own_tmp = args.path is None
     path = args.path or tempfile.mkdtemp(prefix="oz-big-", dir="/tmp")

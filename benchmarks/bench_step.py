@@ -19,14 +19,17 @@ Rows (a step = forward + backward + optimizer step, AdamW lr 1e-4, wd 0.01):
   keeps the optimizer state on this disk: the same compute, the same bytes, perfect overlap.
 - ``ours-cpu``: ``OffloadEngine(model, stage=3, offload="cpu")``.
 - ``ours-nvme``: ``OffloadEngine(model, stage=3, offload="nvme", path=--path)``: at stage 3
-  this puts both the optimizer state and the parameter shards on NVMe.
+  this puts both the optimizer state and the parameter shards on NVMe, and the engine's
+  default there is ``step_in_forward`` (the step decides the update, each unit gets it just
+  before its next gather, the state's I/O overlaps the next forward).
 - ``ours-nvme-opt``: the same with ``offload_param="none"``: optimizer state on NVMe, parameter
   shards in RAM (the device is the CPU here).
 - ``ours-nvme+sib``, ``ours-nvme-opt+sib``: the two above with ``step_in_backward=True`` (each
-  unit updated as soon as its gradient is final; the main job's default). Same losses.
-- ``ours-nvme+sif``, ``ours-nvme-opt+sif``: the same with ``step_in_forward=True`` (the step
-  decides the update, each unit gets it just before its next gather, the state's I/O overlaps
-  the next forward; works with clipping and accumulation, unlike ``+sib``). Same losses.
+  unit updated as soon as its gradient is final; the main job's default; no clipping, no
+  accumulation). Same losses.
+- ``ours-nvme+plain``, ``ours-nvme-opt+plain``: the same with ``step_in_forward=False``: the
+  whole update in ``step()``, its state I/O between backward and the next forward. Same
+  losses.
 - ``ds-cpu``, ``ds-nvme-opt``, ``ds-nvme-opt+param``: DeepSpeed ZeRO-3 (only when
   ``import deepspeed`` works), with optimizer and parameters offloaded to the CPU; optimizer to
   NVMe (parameters on the CPU); both to NVMe. Model built under ``deepspeed.zero.Init``;
@@ -77,8 +80,9 @@ import time
 from typing import Dict, List
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CONFIGS = ["torch", "torch+io", "ours-cpu", "ours-nvme", "ours-nvme-opt", "ours-nvme+sib", "ours-nvme-opt+sib",
-           "ours-nvme+sif", "ours-nvme-opt+sif", "ds-cpu", "ds-nvme-opt", "ds-nvme-opt+param"]
+CONFIGS = ["torch", "torch+io", "ours-cpu", "ours-nvme", "ours-nvme-opt", "ours-nvme+sib",
+           "ours-nvme-opt+sib", "ours-nvme+plain", "ours-nvme-opt+plain", "ds-cpu", "ds-nvme-opt",
+           "ds-nvme-opt+param"]
 LR, BETAS, EPS, WD = 1e-4, (0.9, 0.999), 1e-8, 0.01
 GB = 1e9
 
@@ -264,13 +268,13 @@ def worker(args) -> None:
     elif config.startswith("ours-"):
         from offload_zero import OffloadEngine
         model = _build_model(args, dtype)
-        base = config.replace("+sib", "").replace("+sif", "")
+        base = config.replace("+sib", "").replace("+plain", "")
         offload = base.split("-")[1]
         extra = {"offload_param": "none"} if base == "ours-nvme-opt" else {}
         if config.endswith("+sib"):
             extra["step_in_backward"] = True
-        if config.endswith("+sif"):
-            extra["step_in_forward"] = True
+        if config.endswith("+plain"):
+            extra["step_in_forward"] = False
         engine = OffloadEngine(model, stage=3, offload=offload,
                                path=args.path if offload == "nvme" else None, **extra,
                                lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, dtype=dtype,

@@ -111,8 +111,14 @@ class EngineConfig:
             blocks (LM head, final norm), whose update streams in chunks while the blocks run
             and which are gathered only when the LM head runs (or a computation first reads
             their weights). Same numbers as the plain step (but see ``step_in_backward`` on a
-            root part without gradients).
-            Needs stage 3 and ``step_in_backward=False``. Default False.
+            root part without gradients). Costs host memory: the gradient shards of the units
+            not yet updated are held into the next forward, the read-ahead ring has three
+            buffers of a block's whole state, and the embeddings' state stays in host memory
+            by default. Needs stage 3 and ``step_in_backward=False``. ``None`` (default): on at
+            stage 3 with the optimizer state on NVMe (``offload_optimizer="nvme"``) unless
+            ``step_in_backward``, where the plain step's state I/O would stall between backward
+            and forward (:func:`default_step_in_forward`); off otherwise. False forces the plain
+            step.
         tail_state_in_host: with ``step_in_backward`` or ``step_in_forward`` and the optimizer
             state on NVMe, keep the state (fp32 master weights, moments) of the flat parameter
             updated last in backward (the root's parameters used before the blocks: the input
@@ -160,7 +166,7 @@ class EngineConfig:
     max_host_bytes: Optional[int] = None
     grad_dtype: torch.dtype = torch.float32
     step_in_backward: bool = False
-    step_in_forward: bool = False
+    step_in_forward: Optional[bool] = None
     tail_state_in_host: Optional[bool] = None
     loss_scale: Optional[object] = None
     initial_loss_scale: float = 2.0 ** 16
@@ -218,8 +224,12 @@ class EngineConfig:
             raise ValueError(f"step_in_backward=True cannot clip: max_grad_norm={self.max_grad_norm!r} "
                              "needs every gradient before the first update; set max_grad_norm=None "
                              "or step_in_backward=False")
-        if not isinstance(self.step_in_forward, bool):
-            raise ValueError(f"step_in_forward={self.step_in_forward!r} is not valid; use True or False")
+        if self.step_in_forward is not None and not isinstance(self.step_in_forward, bool):
+            raise ValueError(f"step_in_forward={self.step_in_forward!r} is not valid; use None "
+                             "(automatic), True or False")
+        if self.step_in_forward is None and self.offload_optimizer is not None:
+            object.__setattr__(self, "step_in_forward", default_step_in_forward(
+                self.stage, self.offload_optimizer, self.step_in_backward))
         if self.step_in_forward and self.stage != 3:
             raise ValueError(f"step_in_forward=True needs stage 3 (units gathered before each "
                              f"forward); got stage={self.stage}")
@@ -305,6 +315,16 @@ class EngineConfig:
 
 
 _TIERS = {"none": Tier.DEVICE, "cpu": Tier.HOST, "nvme": Tier.NVME}
+
+
+def default_step_in_forward(stage: int, offload_optimizer: str, step_in_backward: bool) -> bool:
+    """``step_in_forward=None``'s choice: on at stage 3 with the optimizer state on NVMe
+    (``offload_optimizer="nvme"``) unless the step runs in backward (``step_in_backward``).
+    There the plain step's NVMe reads and writes of the whole optimizer state (12 bytes per
+    parameter each way) have no compute to hide behind; deferred to the next forward they
+    overlap it. The numbers are the plain step's; the cost is host memory (see
+    :class:`EngineConfig`'s ``step_in_forward``)."""
+    return stage == 3 and offload_optimizer == "nvme" and not step_in_backward
 
 
 def _check_float(name, value, low, low_inclusive=True):

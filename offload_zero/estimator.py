@@ -82,6 +82,8 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 import torch
 import torch.nn as nn
 
+from offload_zero.config import default_step_in_forward
+
 STAGES = (0, 1, 2, 3)
 OFFLOADS = ("none", "cpu", "nvme")
 TIERS = ("device", "host", "nvme")
@@ -518,7 +520,8 @@ def estimate_memory(model_or_num_params, world_size: int = 1, gpus_per_node: int
                     stage: int = 3, offload: str = "none", dtype=torch.bfloat16,
                     prefetch: int = 1, unit_classes: Sequence[type] = (),
                     largest_unit_numel: Optional[int] = None, root_numel: Optional[int] = None,
-                    accelerator: bool = True) -> MemoryEstimate:
+                    accelerator: bool = True,
+                    step_in_forward: Optional[bool] = None) -> MemoryEstimate:
     """Estimate training memory in bytes per device, per node (host) and on NVMe.
 
     Accounting from Rajbhandari et al., 2019 (ZeRO), sec. 5: KΨ parameters + KΨ gradients +
@@ -543,6 +546,11 @@ def estimate_memory(model_or_num_params, world_size: int = 1, gpus_per_node: int
             only for a parameter count (default: :func:`assumed_layout`).
         accelerator: whether the device is an accelerator (False: the CPU-only engine, which
             needs no host staging buffer).
+        step_in_forward: the engine's option of that name for the stage-3 rows; None (its
+            default) counts it where the engine turns it on, the optimizer state on NVMe (see
+            :func:`offload_zero.config.default_step_in_forward`): the root split in two, the
+            embeddings' state in host memory when small, three read-ahead buffers. For a
+            parameter count the split assumes the root's two embeddings of equal size.
 
     Returns:
         :class:`MemoryEstimate` with the selected placement and the 12-row table (bytes).
@@ -563,14 +571,23 @@ def estimate_memory(model_or_num_params, world_size: int = 1, gpus_per_node: int
                          f"gpus_per_node={gpus_per_node}")
     dt = _resolve_dtype(dtype)
     itemsize = torch.empty(0, dtype=dt).element_size()
-    layout, padded, source = _layout_of(model_or_num_params, unit_classes,
-                                        largest_unit_numel, root_numel)
+    if step_in_forward is not None and not isinstance(step_in_forward, bool):
+        raise ValueError(f"step_in_forward={step_in_forward!r} is not valid; use None "
+                         "(the engine's default), True or False")
+    layout_for, padded, source = _layout_of(model_or_num_params, unit_classes,
+                                            largest_unit_numel, root_numel)
+    layout = layout_for(False)
     rows = []
     for s in STAGES:
         for o in OFFLOADS:
-            states = _model_states(layout, s, o, world_size, itemsize, padded,
-                                   accelerator=accelerator)
-            extras = _extras(layout, s, o, world_size, itemsize, padded, prefetch, accelerator)
+            sif = s == 3 and (default_step_in_forward(s, o, False) if step_in_forward is None
+                              else step_in_forward)
+            lay = layout_for(True) if sif else layout
+            tail = _tail_in_host(lay, s, o, world_size, itemsize, padded, False, None, sif)
+            states = _model_states(lay, s, o, world_size, itemsize, padded,
+                                   accelerator=accelerator, tail=tail)
+            extras = _extras(lay, s, o, world_size, itemsize, padded, prefetch, accelerator,
+                             tail=tail, step_in_forward=sif)
             rows.append(Placement(s, o, _to_bytes(states), _to_bytes(extras), gpus_per_node,
                                   engine_supported=s > 0))
     selected = next(p for p in rows if p.stage == stage and p.offload == offload)
@@ -591,15 +608,20 @@ def placement_bytes(model: nn.Module, stage: int, offload_optimizer: str, offloa
                     unit_classes: Sequence[type] = (), accelerator: bool = True,
                     layout=None, step_in_backward: bool = False,
                     tail_state_in_host: Optional[bool] = None,
-                    step_in_forward: bool = False) -> "Placement":
+                    step_in_forward: Optional[bool] = None) -> "Placement":
     """Bytes per rank for one placement with the optimizer and parameter tiers set apart.
 
     ``offload_optimizer`` / ``offload_param``: "none", "cpu" or "nvme" (parameters off the
     device only at stage 3). ``layout``: a precomputed :func:`model_layout` (saves a walk of
     the model). ``step_in_backward``, ``tail_state_in_host``, ``step_in_forward``: the engine's
-    options of those names (its NVMe read-ahead buffers; the state it keeps in host memory). Returns a :class:`Placement` whose ``offload`` reads ``"<optimizer>+<param>"``.
-    Used by ``offload="auto"`` (:mod:`offload_zero.placement`).
+    options of those names (its NVMe read-ahead buffers; the state it keeps in host memory;
+    ``step_in_forward=None``: the engine's default for this placement, see
+    :func:`offload_zero.config.default_step_in_forward`). Returns a :class:`Placement` whose
+    ``offload`` reads ``"<optimizer>+<param>"``. Used by ``offload="auto"``
+    (:mod:`offload_zero.placement`).
     """
+    if step_in_forward is None:
+        step_in_forward = default_step_in_forward(stage, offload_optimizer, step_in_backward)
     dt = _resolve_dtype(dtype)
     k = torch.empty(0, dtype=dt).element_size()
     if layout is None:
@@ -625,7 +647,9 @@ def placement_bytes(model: nn.Module, stage: int, offload_optimizer: str, offloa
 
 
 def _layout_of(obj, unit_classes, largest_unit_numel, root_numel):
-    """``(layout, padded, source)`` for any accepted model input."""
+    """``(layout_for, padded, source)`` for any accepted model input: ``layout_for(split)``
+    is the layout with the root's trainable parameters whole, or split in two as
+    ``step_in_forward`` splits them (for a parameter count: two equal halves)."""
     if isinstance(obj, (str, os.PathLike)):
         obj, source = _preset_or_checkpoint(os.fspath(obj))
     else:
@@ -634,14 +658,24 @@ def _layout_of(obj, unit_classes, largest_unit_numel, root_numel):
         if largest_unit_numel is not None or root_numel is not None:
             raise ValueError("largest_unit_numel/root_numel are only for a parameter count; "
                              "with a model they come from its units")
-        layout = model_layout(obj, unit_classes)
-        return layout, True, source or f"model {type(obj).__name__}"
+        layouts = {}
+
+        def layout_for(split: bool) -> List[FlatSpec]:
+            if split not in layouts:
+                layouts[split] = model_layout(obj, unit_classes, step_in_forward=split)
+            return layouts[split]
+        layout_for(False)  # (a model without parameters raises here)
+        return layout_for, True, source or f"model {type(obj).__name__}"
     num = _param_count(obj)
     for name, v in (("largest_unit_numel", largest_unit_numel), ("root_numel", root_numel)):
         if v is not None:
             _check_int(name, v, 1 if name == "largest_unit_numel" else 0)
     layout = assumed_layout(num, largest_unit_numel, root_numel)
-    return layout, False, "parameter count"
+    split = [half for spec in layout
+             for half in ([spec] if spec.unit != -1 or spec.numel < 2 else
+                          [FlatSpec(spec.numel - spec.numel // 2, -1, True),
+                           FlatSpec(spec.numel // 2, -1, True)])]
+    return (lambda s: split if s else layout), False, "parameter count"
 
 
 # -- command line: offload-zero estimate -----------------------------------------------------
@@ -683,6 +717,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--unit", default="GB", choices=tuple(_UNITS),
                         help="unit of the table, one decimal (default GB = 1e9 bytes)")
     parser.add_argument("--json", action="store_true", help="print JSON (bytes) instead of a table")
+    parser.add_argument("--step-in-forward", action=argparse.BooleanOptionalAction, default=None,
+                        help="count the engine's step_in_forward in the stage-3 rows (default: "
+                             "as the engine, on with the optimizer state on NVMe)")
     parser.add_argument("--cpu-device", action="store_true",
                         help="the CPU plays the device (no accelerator): device and host are one "
                              "memory, so an fp32 master offloaded to the host is the shard itself "
@@ -697,7 +734,8 @@ def run(args: argparse.Namespace) -> MemoryEstimate:
     est = estimate_memory(args.params if args.params is not None else args.model,
                           world_size=args.gpus * args.nodes, gpus_per_node=args.gpus,
                           stage=args.stage, offload=args.offload, dtype=args.dtype,
-                          prefetch=args.prefetch, accelerator=not args.cpu_device)
+                          prefetch=args.prefetch, accelerator=not args.cpu_device,
+                          step_in_forward=args.step_in_forward)
     print(json.dumps(est.to_dict(), indent=2) if args.json else format_table(est, args.unit))
     return est
 

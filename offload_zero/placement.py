@@ -74,19 +74,21 @@ def choose_placement(model: nn.Module, stage: int, world_size: int, dtype: torch
                      max_host_bytes: Optional[int] = None,
                      step_in_backward: bool = False,
                      tail_state_in_host: Optional[bool] = None,
-                     step_in_forward: bool = False) -> PlacementChoice:
+                     step_in_forward: Optional[bool] = False) -> PlacementChoice:
     """Pick the first of :data:`CANDIDATES` whose bytes fit the budgets (``step_in_backward``,
-    ``step_in_forward``: count their NVMe read-ahead buffers too).
+    ``step_in_forward``: count their NVMe read-ahead buffers too; ``step_in_forward=None``
+    counts them where the engine would turn it on, see
+    :func:`offload_zero.config.default_step_in_forward`).
 
     Raises:
         ValueError: nothing fits; the message names, for the placement that needs the least
             device memory, each tier that is short and by how many bytes. Raised before the
             engine allocates anything.
     """
+    from offload_zero.config import default_step_in_forward
     from offload_zero.estimator import model_layout, placement_bytes
     budgets = measure_budgets(device, path, max_device_bytes, max_host_bytes)
-    layout = model_layout(model, unit_classes, step_in_backward=step_in_backward,
-                          step_in_forward=step_in_forward)
+    layouts = {}  # step_in_forward -> the model's layout (its root split, or not)
     accelerator = device.type != "cpu"
     tried: List[str] = []
     last = None
@@ -96,10 +98,14 @@ def choose_placement(model: nn.Module, stage: int, world_size: int, dtype: torch
         if "nvme" in (opt, param) and path is None:
             tried.append(f"{opt}+{param}: skipped, needs path= for NVMe files")
             continue
+        sif = (default_step_in_forward(stage, opt, step_in_backward)
+               if step_in_forward is None else step_in_forward)
+        if sif not in layouts:
+            layouts[sif] = model_layout(model, unit_classes, step_in_backward=step_in_backward,
+                                        step_in_forward=sif)
         p = placement_bytes(model, stage, opt, param, world_size, dtype, prefetch, unit_classes,
-                            accelerator, layout=layout, step_in_backward=step_in_backward,
-                            tail_state_in_host=tail_state_in_host,
-                            step_in_forward=step_in_forward)
+                            accelerator, layout=layouts[sif], step_in_backward=step_in_backward,
+                            tail_state_in_host=tail_state_in_host, step_in_forward=sif)
         need = {t: p.tier_bytes(t) for t in ("device", "host", "nvme")}
         short = _shortfall(need, budgets)
         tried.append(f"{opt}+{param}: needs " + ", ".join(f"{t} {_fmt(need[t])}" for t in need)

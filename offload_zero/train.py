@@ -36,6 +36,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 import torch
 
 from offload_zero import data as data_lib
+from offload_zero.config import default_step_in_forward
 
 log = logging.getLogger("offload_zero.train")
 
@@ -231,17 +232,20 @@ def _step_in_backward(args) -> bool:
     return args.step_in_backward
 
 
-def _step_in_forward(args, step_in_backward: bool) -> bool:
-    """``--step-in-forward``: on by default with ``--offload nvme`` at stage 3 when the step
-    does not run in backward (``step_in_backward`` False: fp16, or ``--no-step-in-backward``);
-    asked for with ``--step-in-backward`` or below stage 3 it is an error."""
+def _step_in_forward(args, step_in_backward: bool) -> Optional[bool]:
+    """``--step-in-forward``: by default the engine's choice
+    (:func:`offload_zero.config.default_step_in_forward`: on with ``--offload nvme`` at stage
+    3 when the step does not run in backward, i.e. fp16 or ``--no-step-in-backward``; None
+    with ``--offload auto``, where the engine decides once it has placed the state); asked for
+    with ``--step-in-backward`` or below stage 3 it is an error."""
     if args.step_in_forward and args.stage != 3:
         raise ValueError(f"--step-in-forward needs --stage 3, got --stage {args.stage}")
     if args.step_in_forward and step_in_backward:
         raise ValueError("--step-in-forward and --step-in-backward exclude each other (give "
                          "--no-step-in-backward with --step-in-forward)")
     if args.step_in_forward is None:
-        return args.stage == 3 and args.offload == "nvme" and not step_in_backward
+        return (None if args.offload == "auto"
+                else default_step_in_forward(args.stage, args.offload, step_in_backward))
     return args.step_in_forward
 
 
@@ -1004,7 +1008,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
                             batch_size=args.batch_size, world_size=world_size, rank=rank,
                             lr=args.lr, warmup=warmup, seed=args.seed, setup_s=setup_s,
                             step_in_backward=step_in_backward,
-                            step_in_forward=step_in_forward, skipped_steps=skipped,
+                            step_in_forward=engine.config.step_in_forward, skipped_steps=skipped,
                             loss_scale=loss_scale, saved=saved))
     if rank == 0:
         print(format_summary(summary), flush=True)

@@ -161,7 +161,8 @@ def test_one_rank_with_device_shards_gathers_nothing(stage):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_nvme_swap_files(dtype, tmp_path):
     model = TinyLM()
-    eng = OffloadEngine(model, offload="nvme", path=str(tmp_path), dtype=dtype)
+    eng = OffloadEngine(model, offload="nvme", path=str(tmp_path), dtype=dtype,
+                        step_in_forward=False)  # (the plain step's I/O, counted below)
     folder = tmp_path / "rank0"
     for x, y in batches(2):
         eng.backward(lm_loss(eng(x), y))
@@ -218,7 +219,7 @@ def test_swap_files_removed_on_garbage_collection_and_on_error(mode, steps, tmp_
 
 @pytest.mark.parametrize("offload", OFFLOADS)
 def test_memory_report_matches_numel_arithmetic(offload, tmp_path):
-    with _engine(TinyLM(), offload, tmp_path) as eng:
+    with _engine(TinyLM(), offload, tmp_path, step_in_forward=False) as eng:
         s = sum(fp.shard_numel for fp in eng.trainable)
         rep = eng.memory_report()
         kinds = {t: {k: v["current_bytes"] for k, v in rep[t]["by_kind"].items()} for t in ("device", "host", "nvme")}
@@ -309,7 +310,7 @@ def test_frozen_parameters_stay_sharded_and_unchanged(tmp_path):
         b.up.weight.requires_grad_(False)
     model.emb.weight.requires_grad_(False)
     frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
-    eng, ref = _train_both(model, {}, tmp_path, "nvme")
+    eng, ref = _train_both(model, {"step_in_forward": False}, tmp_path, "nvme")
     with eng:
         sd = eng.full_state_dict()
         for n, v in frozen.items():
@@ -705,15 +706,21 @@ def test_gradient_clipping_matches_torch_clip_grad_norm(tmp_path):
         assert all(torch.equal(before[k], after[k]) for k in before)
 
 
+@pytest.mark.parametrize("step_in_forward", [False, True])
 @pytest.mark.parametrize("fault", ["eio", "short"])
-def test_nvme_write_fault_names_file_and_offset_and_close_cleans_up(fault, tmp_path, monkeypatch):
+def test_nvme_write_fault_names_file_and_offset_and_close_cleans_up(fault, step_in_forward,
+                                                                    tmp_path, monkeypatch):
+    """The plain step writes the state back in step(); step_in_forward in the next forward,
+    where the fault then raises."""
     import errno
 
     from offload_zero.memory.swapper import SwapIOError
     eng = OffloadEngine(TinyLM(), offload="nvme", path=str(tmp_path), aio_backend="threads",
-                        aio_block_size=4096, aio_queue_depth=2)
+                        aio_block_size=4096, aio_queue_depth=2, step_in_forward=step_in_forward)
     x, y = batches(1)[0]
     eng.backward(lm_loss(eng(x), y))
+    if step_in_forward:
+        eng.step()
     real = os.pwritev
     calls = {"n": 0}
 
@@ -727,7 +734,7 @@ def test_nvme_write_fault_names_file_and_offset_and_close_cleans_up(fault, tmp_p
 
     monkeypatch.setattr(os, "pwritev", faulty)
     with pytest.raises(SwapIOError) as info:
-        eng.step()
+        eng(x) if step_in_forward else eng.step()
     msg = str(info.value)
     assert str(tmp_path / "rank0") in msg and ".swp" in msg and "offset" in msg
     monkeypatch.setattr(os, "pwritev", real)
@@ -744,7 +751,7 @@ def test_nvme_optimizer_pipeline_in_chunks(tmp_path, monkeypatch):
     results = []
     for offload in ("cpu", "nvme"):
         torch.manual_seed(13)
-        with _engine(TinyLM(), offload, tmp_path, lr=1e-2) as eng:
+        with _engine(TinyLM(), offload, tmp_path, lr=1e-2, step_in_forward=False) as eng:
             if offload == "nvme":
                 assert max(fp.shard_numel for fp in eng.trainable) >= 3 * 1024
                 assert eng.memory_report()["host"]["by_kind"]["buffers"]["current_bytes"] >= 9 * 1024 * 4
@@ -788,7 +795,8 @@ def test_parameter_pool_is_block_sized_with_a_separate_root_pool(dtype, tmp_path
     where the shard is not its master (bf16); the root's buffer apart (its read and its
     write-back never overlap: the step's writes are done before the next forward reads)."""
     k, ring = (4, 0) if dtype == torch.float32 else (2, 2)
-    with OffloadEngine(TinyLM(), offload="nvme", path=str(tmp_path), dtype=dtype) as eng:
+    with OffloadEngine(TinyLM(), offload="nvme", path=str(tmp_path), dtype=dtype,
+                       step_in_forward=False) as eng:  # (its root is one flat parameter)
         blocks = [fp for u in eng.blocks for fp in u.flat_params]
         roots = eng.root.flat_params
         pools = eng.memory_report()["pools"]
@@ -1027,15 +1035,17 @@ def _run(model, steps, **kw):
 def _twins(model, tmp_path, sib_a=False, sib_b=True, **kw):
     """Engines ``(a, b)`` on ``model`` and a deep copy of it, each with a swap folder of its
     own under ``tmp_path``, lr 1e-2 and weight decay 0.1 unless ``kw`` says otherwise: ``a``
-    with ``step_in_backward=sib_a`` (the reference), ``b`` with ``sib_b``."""
+    with ``step_in_backward=sib_a`` (the reference), ``b`` with ``sib_b``; one without
+    ``step_in_backward`` takes the plain step (``step_in_forward=False``) unless ``kw`` says."""
     kw = {"lr": 1e-2, "weight_decay": 0.1, **kw}
     twin = copy.deepcopy(model)
     nvme = "nvme" in (kw.get("offload"), kw.get("offload_optimizer"), kw.get("offload_param"))
     for name in "ab":
         (tmp_path / name).mkdir()
     a, b = ((str(tmp_path / name) if nvme else None) for name in "ab")
-    return (OffloadEngine(model, path=a, step_in_backward=sib_a, **kw),
-            OffloadEngine(twin, path=b, step_in_backward=sib_b, **kw))
+    plain = {"step_in_forward": False}
+    return (OffloadEngine(model, path=a, step_in_backward=sib_a, **({} if sib_a else plain), **kw),
+            OffloadEngine(twin, path=b, step_in_backward=sib_b, **({} if sib_b else plain), **kw))
 
 
 @pytest.mark.parametrize("offload,offload_param,stage,dtype", [
@@ -1601,7 +1611,7 @@ def test_tail_state_in_host_by_default_only_when_it_is_a_small_part(tmp_path):
             streamed, NVMeStore.CHUNK_NUMEL)
     with pytest.warns(UserWarning, match="tail_state_in_host=True has no effect"):
         OffloadEngine(copy.deepcopy(small), offload="nvme", path=str(tmp_path),
-                      tail_state_in_host=True).close()
+                      step_in_forward=False, tail_state_in_host=True).close()
     with pytest.warns(UserWarning, match="it is on 'cpu'"):
         OffloadEngine(copy.deepcopy(small), offload="cpu", step_in_backward=True,
                       tail_state_in_host=True).close()
@@ -2032,6 +2042,61 @@ def test_step_in_forward_an_error_applying_updates_loses_none(tmp_path, monkeypa
 def test_step_in_forward_bad_settings_raise(kwargs, match):
     with pytest.raises(ValueError, match=match):
         OffloadEngine(TinyLM(), **kwargs)
+
+
+@pytest.mark.parametrize("kwargs,on", [
+    ({"offload": "nvme"}, True),
+    ({"offload": "nvme", "offload_param": "none"}, True),
+    ({"offload_optimizer": "nvme", "offload_param": "cpu"}, True),
+    ({"offload": "nvme", "step_in_forward": False}, False),
+    ({"offload": "nvme", "step_in_backward": True}, False),
+    ({"offload": "nvme", "stage": 2}, False),
+    ({"offload": "cpu"}, False),
+    ({"offload_optimizer": "cpu", "offload_param": "nvme"}, False)])
+def test_step_in_forward_is_the_default_with_the_optimizer_state_on_nvme_at_stage_3(
+        kwargs, on, tmp_path):
+    """step_in_forward=None (the default) turns it on where the plain step's NVMe state I/O
+    would stall between backward and forward: the root split in two, three read-ahead
+    buffers, the update applied in the next forward."""
+    nvme = "nvme" in (kwargs.get("offload"), kwargs.get("offload_optimizer"),
+                      kwargs.get("offload_param"))
+    with OffloadEngine(TinyLM(), path=str(tmp_path) if nvme else None, **kwargs) as eng:
+        assert eng.config.step_in_forward is on
+        roots = [fp.name for fp in eng.root.flat_params if fp.requires_grad]
+        split = on or kwargs.get("step_in_backward", False)
+        assert roots == (["root.trainable", "root.trainable.1"] if split else ["root.trainable"])
+        ring = eng.memory_report()["pools"].get("optimizer_prefetch")
+        assert (ring is not None) is (split and eng.config.offload_optimizer == "nvme")
+        assert not on or ring["buffers"] == 3
+        (x, y), = batches(1)
+        eng.backward(lm_loss(eng(x), y))
+        written = eng.memory_report()["nvme"]["written_bytes"]
+        eng.step()
+        # the plain step writes the NVMe optimizer state back in step(); step_in_forward in
+        # the next forward (step_in_backward in backward, its writes counted as they end)
+        if not eng.config.step_in_backward:
+            plain = eng.config.offload_optimizer == "nvme" and not on
+            assert (eng.memory_report()["nvme"]["written_bytes"] > written) is plain
+            eng(x)
+            assert (eng.memory_report()["nvme"]["written_bytes"] > written) is (plain or on)
+
+
+def test_auto_turns_step_in_forward_on_when_it_places_the_state_on_nvme(tmp_path):
+    """offload="auto" decides step_in_forward with the placement, and budgets its buffers."""
+    needs = _needs()
+    for budget, on in (((10 ** 12, 10 ** 12), False),
+                       ((needs[("cpu", "none")]["device"] - 1,
+                         needs[("cpu", "cpu")]["host"] - 1), True)):
+        with OffloadEngine(_deep(), offload="auto", path=str(tmp_path), max_device_bytes=budget[0],
+                           max_host_bytes=budget[1]) as eng:
+            assert (eng.config.offload_optimizer == "nvme") is on
+            assert eng.config.step_in_forward is on
+            (x, y), = batches(1)
+            for _ in range(2):
+                eng.backward(lm_loss(eng(x), y))
+                eng.step()
+            eng(x)
+            assert eng.memory_report()["host"]["peak_bytes"] <= budget[1]
 
 
 def test_pools_never_exceed_the_blocks_whatever_prefetch(tmp_path):

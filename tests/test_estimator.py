@@ -60,7 +60,8 @@ def test_model_state_formula(stage, n):
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_offload_moves_optimizer_state_and_gradient_shards(stage):
     psi, n = 8_000_000, 4
-    est = estimate_memory(psi, world_size=n, gpus_per_node=2, stage=stage, accelerator=False)
+    est = estimate_memory(psi, world_size=n, gpus_per_node=2, stage=stage, accelerator=False,
+                          step_in_forward=False)
     none, cpu, nvme = (est.placement(stage, o) for o in OFFLOADS)
     shard = psi // n
     # cpu: 12Ψ/N of fp32 state and 4Ψ/N of fp32 gradient shards leave the device for the host
@@ -92,6 +93,27 @@ def test_offload_moves_optimizer_state_and_gradient_shards(stage):
     # (unpadded arithmetic: shards are fractions here, so allow the rounding of a few bytes)
     assert abs(nvme.extras["host"]["buffers"] - (3 * 3 * biggest * 4 + pool)) <= 16
     assert none.nvme_bytes == cpu.nvme_bytes == 0
+
+
+def test_stage_3_nvme_counts_step_in_forward_as_the_engine_does_by_default():
+    # 10 blocks of 1000 elements and a root of 1000 (two embeddings of 500), bf16, N = 2
+    kw = dict(world_size=2, largest_unit_numel=1000, root_numel=1000, stage=3, offload="nvme")
+    auto, plain = estimate_memory(11_000, **kw), estimate_memory(11_000, **kw, step_in_forward=False)
+    on = estimate_memory(11_000, **kw, step_in_forward=True)
+    assert auto.to_dict() == on.to_dict()
+    a, p = auto.selected, plain.selected
+    # the input embeddings' state (shard 250: under a quarter of the state) moves to host memory
+    for kind, per in (("master_weights", 4), ("moments", 8)):
+        assert a.model_states["host"][kind] - p.model_states["host"][kind] == per * 250
+        assert p.model_states["nvme"][kind] - a.model_states["nvme"][kind] == per * 250
+    assert a.model_states["nvme"]["parameters"] == p.model_states["nvme"]["parameters"]
+    # three read-ahead buffers of a block's whole fp32 state (block shard 500)
+    assert a.extras["host"]["buffers"] - p.extras["host"]["buffers"] == 3 * 12 * 500
+    # other rows: as before
+    for stage, offload in [(3, "cpu"), (3, "none"), (2, "nvme"), (1, "nvme")]:
+        assert auto.placement(stage, offload).to_dict() == plain.placement(stage, offload).to_dict()
+    with pytest.raises(ValueError, match="step_in_forward='yes'"):
+        estimate_memory(11_000, **kw, step_in_forward="yes")
 
 
 def test_fp32_master_aliases_parameter_shard():
@@ -257,7 +279,8 @@ def test_placement_bytes_count_the_read_ahead(offload_param, mode, tmp_path):
     from offload_zero.estimator import placement_bytes
     torch.manual_seed(0)
     model = WiderLM()
-    plain = placement_bytes(model, 3, "nvme", offload_param, dtype=torch.float32, accelerator=False)
+    plain = placement_bytes(model, 3, "nvme", offload_param, dtype=torch.float32, accelerator=False,
+                            step_in_forward=False)
     est = placement_bytes(model, 3, "nvme", offload_param, dtype=torch.float32, accelerator=False,
                           **{mode: True})
     with OffloadEngine(model, stage=3, offload="nvme", offload_param=offload_param,
