@@ -123,6 +123,9 @@ class Placement:
             (see [Note: engine extras]).
         gpus_per_node: ranks per node, to turn per-rank host and NVMe bytes into per-node bytes.
         engine_supported: False for stage 0 (plain data parallelism; a reference row only).
+        step_in_forward: whether the row counts the engine's ``step_in_forward`` (the root
+            split in two, the embeddings' state in host memory when small, its read-ahead
+            buffers).
     """
 
     stage: int
@@ -131,6 +134,7 @@ class Placement:
     extras: Dict[str, Dict[str, int]]
     gpus_per_node: int
     engine_supported: bool
+    step_in_forward: bool = False
 
     def tier_bytes(self, tier: str, model_states: bool = True, extras: bool = True) -> int:
         """Bytes per rank on ``tier`` ("device", "host", "nvme"): model states and/or extras."""
@@ -176,6 +180,7 @@ class Placement:
         """JSON-ready summary; every value in bytes."""
         return {"stage": self.stage, "offload": self.offload,
                 "engine_supported": self.engine_supported,
+                "step_in_forward": self.step_in_forward,
                 "model_state_bytes_per_device": self.model_state_bytes_per_device,
                 "extra_bytes_per_device": self.tier_bytes("device", model_states=False),
                 "device_bytes": self.device_bytes,
@@ -589,7 +594,7 @@ def estimate_memory(model_or_num_params, world_size: int = 1, gpus_per_node: int
             extras = _extras(lay, s, o, world_size, itemsize, padded, prefetch, accelerator,
                              tail=tail, step_in_forward=sif)
             rows.append(Placement(s, o, _to_bytes(states), _to_bytes(extras), gpus_per_node,
-                                  engine_supported=s > 0))
+                                  engine_supported=s > 0, step_in_forward=sif))
     selected = next(p for p in rows if p.stage == stage and p.offload == offload)
     units = {}
     for spec in layout:
@@ -643,7 +648,8 @@ def placement_bytes(model: nn.Module, stage: int, offload_optimizer: str, offloa
                      offload_param, step_in_backward=step_in_backward, tail=tail,
                      step_in_forward=step_in_forward)
     return Placement(stage, f"{offload_optimizer}+{offload_param}", _to_bytes(states),
-                     _to_bytes(extras), 1, engine_supported=stage > 0)
+                     _to_bytes(extras), 1, engine_supported=stage > 0,
+                     step_in_forward=step_in_forward)
 
 
 def _layout_of(obj, unit_classes, largest_unit_numel, root_numel):
@@ -776,6 +782,10 @@ def format_table(est: MemoryEstimate, unit: str = "GB") -> str:
               "node's ranks",
               "extra:  this engine's gather pool (stage 3), gradient in flight (stages 2-3) and buffers",
               "stage 0 is plain data parallelism, shown for reference; the engine runs 1-3"]
+    sif = [f"{p.stage} {p.offload}" for p in est.table if p.step_in_forward]
+    if sif:
+        lines.append(f"with step_in_forward ({', '.join(sif)}): the embeddings' optimizer state "
+                     "in host memory when small, three read-ahead buffers of a block's state")
     if not est.padded:
         lines.append(f"layout assumed from the parameter count: largest unit "
                      f"{est.largest_unit_numel:,}, root {est.root_numel:,} elements")

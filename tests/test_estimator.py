@@ -100,7 +100,11 @@ def test_stage_3_nvme_counts_step_in_forward_as_the_engine_does_by_default():
     kw = dict(world_size=2, largest_unit_numel=1000, root_numel=1000, stage=3, offload="nvme")
     auto, plain = estimate_memory(11_000, **kw), estimate_memory(11_000, **kw, step_in_forward=False)
     on = estimate_memory(11_000, **kw, step_in_forward=True)
-    assert auto.to_dict() == on.to_dict()
+    assert auto.selected.to_dict() == on.selected.to_dict()
+    assert [p.step_in_forward for p in auto.table] == [p.stage == 3 and p.offload == "nvme"
+                                                       for p in auto.table]
+    assert "with step_in_forward (3 nvme)" in format_table(auto)
+    assert "step_in_forward" not in format_table(plain)
     a, p = auto.selected, plain.selected
     # the input embeddings' state (shard 250: under a quarter of the state) moves to host memory
     for kind, per in (("master_weights", 4), ("moments", 8)):
@@ -112,6 +116,7 @@ def test_stage_3_nvme_counts_step_in_forward_as_the_engine_does_by_default():
     # other rows: as before
     for stage, offload in [(3, "cpu"), (3, "none"), (2, "nvme"), (1, "nvme")]:
         assert auto.placement(stage, offload).to_dict() == plain.placement(stage, offload).to_dict()
+        assert on.placement(stage, offload).step_in_forward is (stage == 3)
     with pytest.raises(ValueError, match="step_in_forward='yes'"):
         estimate_memory(11_000, **kw, step_in_forward="yes")
 
