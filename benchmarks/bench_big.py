@@ -105,6 +105,7 @@ def main(argv=None):
     prev = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
     try:
+        torch.manual_seed(0)  # (the same weights, and so the same losses, in every run)
         model = LlamaForCausalLM(cfg)
     finally:
         torch.set_default_dtype(prev)
