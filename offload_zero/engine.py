@@ -451,15 +451,18 @@ class OffloadEngine:
 
     def zero_grad(self) -> None:
         """Drop the gradients accumulated since the last :meth:`step` (to skip a batch, say
-        after an error in backward); the next backward starts afresh. With
-        ``step_in_backward`` the weights already changed in backward: this ends the step
-        as :meth:`step` does; with ``step_in_forward`` the last step's pending updates are
-        applied first. Raises RuntimeError if the engine is closed."""
+        after an error in backward); the next backward starts afresh. Without a backward since
+        the last step (torch's habit of ``step(); zero_grad()``) there is nothing to drop and
+        nothing changes: ``step_in_forward``'s pending updates stay for the next forward. With
+        ``step_in_backward`` the weights already changed in backward: this ends the step as
+        :meth:`step` does. Raises RuntimeError if the engine is closed."""
         self._check_open()
+        if not self._backward_pending:
+            return
         if self.config.step_in_backward:
             self.step()
             return
-        self.apply_pending_updates()
+        self.apply_pending_updates()  # (backward applied them: a no-op kept for safety)
         self.grads.zero()
         self._backward_pending = False
 

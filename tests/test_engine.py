@@ -1902,6 +1902,38 @@ def test_step_in_forward_reads_the_first_blocks_state_during_backward(tmp_path):
         assert phases[1] == phases[2] == (12 * (rest + head) + 4 * head, 12 * first + 4 * rest, 0)
 
 
+@pytest.mark.parametrize("mode", ["plain", "step_in_forward", "step_in_backward"])
+def test_zero_grad_right_after_step_is_a_no_op(mode, tmp_path):
+    """The torch habit ``step(); zero_grad()``: nothing was accumulated since the step, so
+    nothing changes. step_in_forward's updates stay pending for the next forward (zero_grad
+    used to apply them all there, its I/O then back between backward and forward), and no
+    mode counts a step more (step_in_backward's zero_grad used to end a step again: one good
+    step more in a dynamic loss scale's window). The weights are those of the loop without
+    zero_grad."""
+    kw = {"plain": {"step_in_forward": False}, "step_in_forward": {"step_in_forward": True},
+          "step_in_backward": {"step_in_backward": True}}[mode]
+    runs = []
+    for habit in (False, True):
+        torch.manual_seed(3)
+        (tmp_path / str(habit)).mkdir()
+        with OffloadEngine(TinyLM(), offload="nvme", path=str(tmp_path / str(habit)), lr=1e-2,
+                           dtype=torch.float16, initial_loss_scale=16.0, loss_scale_window=2,
+                           **kw) as eng:
+            for x, y in batches(3):
+                eng.backward(lm_loss(eng(x), y))
+                eng.step()
+                if habit:
+                    written = eng.memory_report()["nvme"]["written_bytes"]
+                    pending = dict(eng._lazy)
+                    eng.zero_grad()
+                    assert eng.memory_report()["nvme"]["written_bytes"] == written
+                    assert eng._lazy == pending and (mode != "step_in_forward" or pending)
+            runs.append((eng.full_state_dict(), eng.loss_scaler.scale, eng.skipped_steps))
+    (plain_sd, scale, skipped), (habit_sd, habit_scale, habit_skipped) = runs
+    assert (habit_scale, habit_skipped) == (scale, skipped)
+    assert all(torch.equal(plain_sd[k], habit_sd[k]) for k in plain_sd)
+
+
 def test_step_in_forward_applies_updates_of_units_forward_skipped(tmp_path):
     """A forward that skips a block leaves its update pending: it is applied before anything
     else reads that block (the next backward, the next step, a gather), and the weights stay

@@ -34,7 +34,8 @@ def test_engine_on_cuda_matches_torch_adamw(offload, mode, tmp_path):
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
     with OffloadEngine(model, offload=offload, path=str(tmp_path) if offload == "nvme" else None,
                        lr=1e-2, weight_decay=0.1,
-                       device=DEV, **({} if mode == "plain" else {mode: True})) as eng:
+                       device=DEV, **({"step_in_forward": False} if mode == "plain"
+                                      else {mode: True})) as eng:
         for x, y in batches(5):
             x, y = x.to(DEV), y.to(DEV)
             eng.backward(lm_loss(eng(x), y))
@@ -215,7 +216,7 @@ def test_step_in_backward_on_cuda_same_weights_as_the_step(offload_param, tail, 
     (tmp_path / "b").mkdir()
     kw = dict(lr=1e-2, weight_decay=0.1, offload="nvme", offload_param=offload_param, stage=3,
               device=DEV)
-    with OffloadEngine(model, path=str(tmp_path / "a"), **kw) as a, \
+    with OffloadEngine(model, path=str(tmp_path / "a"), step_in_forward=False, **kw) as a, \
             OffloadEngine(twin, path=str(tmp_path / "b"), step_in_backward=True,
                           tail_state_in_host=tail, **kw) as b:
         assert b.store.in_host(b.root.flat_params[-1]) is tail
