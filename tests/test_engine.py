@@ -1934,6 +1934,45 @@ def test_zero_grad_right_after_step_is_a_no_op(mode, tmp_path):
     assert all(torch.equal(plain_sd[k], habit_sd[k]) for k in plain_sd)
 
 
+class _HiddenStateLoss(TinyLM):
+    """A model trained on the blocks' output: its final norm and LM head get no gradient."""
+
+    def forward(self, x):
+        h = self.emb(x)
+        for b in self.blocks:
+            h = b(h)
+        return h
+
+
+def test_a_root_part_without_gradients_is_skipped_where_the_root_is_split(tmp_path):
+    """The README's one case where the modes' numbers differ: the LM head and the final norm
+    (the root's part after the blocks) get no gradient. offload="nvme" at stage 3 (step_in_forward by default, the root split in two) skips it as
+    torch.optim does, and so does offload="cpu" given step_in_forward=True, bit for bit;
+    the plain step's single root flat parameter updates it with zeros (weight decay)."""
+    torch.manual_seed(4)
+    model = _HiddenStateLoss(n_blocks=3)
+    ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
+    runs = {}
+    for name, kw in (("nvme", {"offload": "nvme", "path": str(tmp_path)}),
+                     ("cpu+sif", {"offload": "cpu", "step_in_forward": True}),
+                     ("cpu", {"offload": "cpu"})):
+        with OffloadEngine(copy.deepcopy(model), lr=1e-2, weight_decay=0.1, **kw) as eng:
+            for x, _ in batches(3):
+                eng.backward(eng(x).pow(2).mean())
+                eng.step()
+            runs[name] = eng.full_state_dict()
+    for x, _ in batches(3):
+        opt.zero_grad()
+        ref(x).pow(2).mean().backward()
+        opt.step()
+    for name in ("head.weight", "norm.weight", "norm.bias"):
+        assert torch.equal(runs["nvme"][name], model.state_dict()[name])
+    assert all(torch.equal(runs["nvme"][k], runs["cpu+sif"][k]) for k in runs["nvme"])
+    assert max_param_diff(runs["nvme"], ref) <= 1e-5
+    assert not torch.equal(runs["cpu"]["head.weight"], model.head.weight)
+
+
 def test_step_in_forward_applies_updates_of_units_forward_skipped(tmp_path):
     """A forward that skips a block leaves its update pending: it is applied before anything
     else reads that block (the next backward, the next step, a gather), and the weights stay
