@@ -14,8 +14,8 @@ Rows (a step = forward + backward + optimizer step, AdamW lr 1e-4, wd 0.01):
   at fp32 it keeps 16 B/param (weights, grads, two moments); at bf16 it trains purely in bf16
   (no fp32 master copy), so it is a floor in time and memory, not the same arithmetic.
 - ``torch+io``: the ``torch`` row while a background thread reads and writes back 12 bytes per
-  parameter each step (Adam's fp32 master weights and two moments) through the engine's swapper
-  (:class:`_StateTraffic`); the step ends when both are done. The floor of any design that
+  parameter each step (Adam's fp32 master weights and two moments) through the engine's NVMe
+  store, chunk by chunk as its plain step's update does (:class:`_StateTraffic`); the step ends when both are done. The floor of any design that
   keeps the optimizer state on this disk: the same compute, the same bytes, perfect overlap.
 - ``ours-cpu``: ``OffloadEngine(model, stage=3, offload="cpu")``.
 - ``ours-nvme``: ``OffloadEngine(model, stage=3, offload="nvme", path=--path)``: at stage 3
@@ -91,52 +91,39 @@ GB = 1e9
 class _StateTraffic:
     """The optimizer state's disk traffic without the optimizer: the ``torch+io`` row's I/O.
 
-    Each :meth:`start` reads ``nbytes`` from one swap file of ``nbytes`` and writes them back
-    (read chunk i, write it back from the same host buffer once read, ``depth`` buffers of
-    ``chunk`` bytes in flight), through the engine's own :class:`Swapper` with its default
-    block size and queue depth (probed), on a background thread; :meth:`wait` waits for the end. With
-    ``nbytes`` = 12 B/param (fp32 master weights and two moments) this is the traffic any
-    design that keeps Adam's state on this disk must add to each step, so the ``torch+io``
-    step time is the floor of such a design on this machine: the same compute as ``torch``,
-    the same bytes, and perfect overlap of the two. Raises SwapIOError if an I/O fails.
+    Each :meth:`start` streams the state of one flat parameter of ``nbytes / 12`` fp32
+    elements (master weights and two moments, 12 B each) through the engine's own
+    :class:`offload_zero.memory.tiers.NVMeStore` on a background thread: every chunk read and
+    written back through its three host buffer sets, its :class:`Swapper` with the probed
+    block size and queue depth, exactly the I/O of the plain step's update with nothing
+    computed; :meth:`wait` waits for the end. With ``nbytes`` = 12 B/param this is the traffic
+    any design that keeps Adam's state on this disk must add to each step, so the ``torch+io``
+    step time is the floor of such a design on this machine: the same compute as ``torch``, the
+    same bytes, and perfect overlap of the two. Raises SwapIOError if an I/O fails.
     """
 
-    def __init__(self, folder: str, nbytes: int, chunk: int = 48 << 20, depth: int = 3):
+    class _Flat:
+        name = "state"  # (what the store needs of a flat parameter: a name; a key by identity)
+
+    def __init__(self, folder: str, nbytes: int):
         import torch
+        from offload_zero.memory.accounting import TierAccountant
         from offload_zero.memory.aligned import aligned_empty
         from offload_zero.memory.swapper import Swapper
-        self.chunk = chunk
-        self.nbytes = -(-nbytes // 4096) * 4096
+        from offload_zero.memory.tiers import NVMeStore
+        numel = -(-nbytes // (12 * 1024)) * 1024  # (whole 4096-byte pages, as shards are)
         self.swapper = Swapper(folder, block_size=None, queue_depth=None)  # probed, as the engine
-        self.swapper.allocate("state", self.nbytes)
-        self.bufs = [aligned_empty(chunk, dtype=torch.uint8) for _ in range(depth)]
+        self.store = NVMeStore(self.swapper, TierAccountant(), aligned_empty, numel)
+        self.flat = self._Flat()
+        self.store.add(self.flat, torch.zeros(numel))
         self.thread = None
         self.error = None
 
     def _run(self) -> None:
         try:
-            n = len(self.bufs)
-            spans = [(lo, min(self.chunk, self.nbytes - lo)) for lo in range(0, self.nbytes, self.chunk)]
-            writes = [None] * n
-
-            def read(i):
-                slot = i % n
-                if writes[slot] is not None:
-                    writes[slot].wait()
-                    writes[slot] = None
-                lo, size = spans[i]
-                return self.swapper.swap_in("state", self.bufs[slot][:size], offset_bytes=lo)
-
-            reads = {0: read(0)}
-            for i, (lo, size) in enumerate(spans):
-                if i + 1 < len(spans):
-                    reads[i + 1] = read(i + 1)
-                reads.pop(i).wait()
-                writes[i % n] = self.swapper.swap_out("state", self.bufs[i % n][:size],
-                                                      offset_bytes=lo)
-            for w in writes:
-                if w is not None:
-                    w.wait()
+            for _ in self.store.iter_states([self.flat]):
+                pass
+            self.store.drain()
         except BaseException as exc:  # reported by wait()
             self.error = exc
 
@@ -153,7 +140,10 @@ class _StateTraffic:
 
     def close(self) -> None:
         """Remove the swap file and its folder (the swapper's)."""
-        self.swapper.close()
+        try:
+            self.store.close()
+        finally:
+            self.swapper.close()
 
 
 def _hwm_bytes() -> int:
