@@ -101,7 +101,8 @@ class OffloadEngine:
                 step_in_forward=cfg.step_in_forward)
             self.config = cfg = dataclasses.replace(
                 cfg, offload_optimizer=self.placement.offload_optimizer,
-                offload_param=self.placement.offload_param)
+                offload_param=self.placement.offload_param,
+                step_in_forward=self.placement.step_in_forward)
         self.module = model
         self.lr = cfg.lr
         self._closed = False

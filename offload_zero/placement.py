@@ -38,7 +38,8 @@ class PlacementChoice:
     """The placement ``offload="auto"`` picked and the numbers behind it (bytes per rank).
 
     Fields: offload_optimizer, offload_param ("none"/"cpu"/"nvme"); need: {tier: bytes} of the
-    chosen placement; budgets: {tier: bytes} it had to fit in; tried: one line per candidate.
+    chosen placement; budgets: {tier: bytes} it had to fit in; tried: one line per candidate;
+    step_in_forward: the engine's ``step_in_forward`` the bytes were counted with.
     """
 
     offload_optimizer: str
@@ -46,6 +47,7 @@ class PlacementChoice:
     need: dict
     budgets: dict
     tried: Tuple[str, ...]
+    step_in_forward: bool = False
 
 
 def measure_budgets(device: torch.device, path: Optional[str], max_device_bytes: Optional[int],
@@ -76,9 +78,11 @@ def choose_placement(model: nn.Module, stage: int, world_size: int, dtype: torch
                      tail_state_in_host: Optional[bool] = None,
                      step_in_forward: Optional[bool] = False) -> PlacementChoice:
     """Pick the first of :data:`CANDIDATES` whose bytes fit the budgets (``step_in_backward``,
-    ``step_in_forward``: count their NVMe read-ahead buffers too; ``step_in_forward=None``
-    counts them where the engine would turn it on, see
-    :func:`offload_zero.config.default_step_in_forward`).
+    ``step_in_forward``: count their NVMe read-ahead buffers too). ``step_in_forward=None``
+    (the engine's default) tries each candidate as the engine would run it (see
+    :func:`offload_zero.config.default_step_in_forward`), then, where that turned
+    ``step_in_forward`` on and nothing fitted, the same candidates with the plain step, whose
+    host memory is smaller; the choice says which (``PlacementChoice.step_in_forward``).
 
     Raises:
         ValueError: nothing fits; the message names, for the placement that needs the least
@@ -92,14 +96,22 @@ def choose_placement(model: nn.Module, stage: int, world_size: int, dtype: torch
     accelerator = device.type != "cpu"
     tried: List[str] = []
     last = None
+    options = []  # (optimizer tier, parameter tier, step_in_forward), in the order tried
     for opt, param in CANDIDATES:
-        if param != "none" and stage != 3:
-            continue
-        if "nvme" in (opt, param) and path is None:
-            tried.append(f"{opt}+{param}: skipped, needs path= for NVMe files")
-            continue
         sif = (default_step_in_forward(stage, opt, step_in_backward)
                if step_in_forward is None else step_in_forward)
+        options.append((opt, param, sif))
+    if step_in_forward is None:  # then the plain step where the default was step_in_forward
+        options += [(opt, param, False) for opt, param, sif in list(options) if sif]
+    for opt, param, sif in options:
+        if param != "none" and stage != 3:
+            continue
+        twin = (opt, param, True) in options and not sif  # (the plain step's second try)
+        if "nvme" in (opt, param) and path is None:
+            if not twin:
+                tried.append(f"{opt}+{param}: skipped, needs path= for NVMe files")
+            continue
+        label = f"{opt}+{param}" + (" step_in_forward" if sif else " plain step" if twin else "")
         if sif not in layouts:
             layouts[sif] = model_layout(model, unit_classes, step_in_backward=step_in_backward,
                                         step_in_forward=sif)
@@ -108,15 +120,15 @@ def choose_placement(model: nn.Module, stage: int, world_size: int, dtype: torch
                             tail_state_in_host=tail_state_in_host, step_in_forward=sif)
         need = {t: p.tier_bytes(t) for t in ("device", "host", "nvme")}
         short = _shortfall(need, budgets)
-        tried.append(f"{opt}+{param}: needs " + ", ".join(f"{t} {_fmt(need[t])}" for t in need)
+        tried.append(f"{label}: needs " + ", ".join(f"{t} {_fmt(need[t])}" for t in need)
                      + (" -> fits" if not short else " -> short of " + ", ".join(
                          f"{t} by {_fmt(b)}" for t, b in short.items())))
         last = (opt, param, need, short)
         if not short:
-            choice = PlacementChoice(opt, param, need, budgets, tuple(tried))
-            log.info("offload='auto' chose offload_optimizer=%r offload_param=%r; budgets %s; %s",
-                     opt, param, {t: _fmt(b) for t, b in budgets.items() if t != "shared"},
-                     "; ".join(tried))
+            choice = PlacementChoice(opt, param, need, budgets, tuple(tried), step_in_forward=sif)
+            log.info("offload='auto' chose offload_optimizer=%r offload_param=%r "
+                     "step_in_forward=%r; budgets %s; %s", opt, param, sif,
+                     {t: _fmt(b) for t, b in budgets.items() if t != "shared"}, "; ".join(tried))
             return choice
     detail = "; ".join(tried)
     if last is None:

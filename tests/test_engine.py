@@ -2170,6 +2170,30 @@ def test_auto_turns_step_in_forward_on_when_it_places_the_state_on_nvme(tmp_path
             assert eng.memory_report()["host"]["peak_bytes"] <= budget[1]
 
 
+def test_auto_takes_the_plain_step_when_only_it_fits(tmp_path):
+    """step_in_forward's buffers cost host memory: where no placement fits with it, auto
+    tries the NVMe placements again with the plain step before it gives up."""
+    from offload_zero.estimator import placement_bytes
+    needs = _needs()
+
+    def host(sif):
+        return placement_bytes(_deep(), 3, "nvme", "nvme", dtype=torch.float32, accelerator=False,
+                               step_in_forward=sif).tier_bytes("host")
+    max_dev, max_host = needs[("cpu", "none")]["device"] - 1, host(True) - 1
+    assert host(False) <= max_host
+    with OffloadEngine(_deep(), offload="auto", path=str(tmp_path), max_device_bytes=max_dev,
+                       max_host_bytes=max_host) as eng:
+        assert eng.config.offload_optimizer == "nvme" and eng.config.step_in_forward is False
+        assert any("nvme+nvme step_in_forward" in t and "short of host" in t
+                   for t in eng.placement.tried)
+        assert "plain step" in eng.placement.tried[-1] and "fits" in eng.placement.tried[-1]
+        (x, y), = batches(1)
+        for _ in range(2):
+            eng.backward(lm_loss(eng(x), y))
+            eng.step()
+        assert eng.memory_report()["host"]["peak_bytes"] <= max_host
+
+
 def test_pools_never_exceed_the_blocks_whatever_prefetch(tmp_path):
     """prefetch counts at most the other blocks: a huge value sizes no huge pool (it used to
     ask the allocator for prefetch-many buffers) and costs no time (the scheduler looped
