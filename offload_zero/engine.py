@@ -78,6 +78,11 @@ class OffloadEngine:
                  device=None, process_group=None, timeout_s: float = 300.0, **kwargs):
         if not isinstance(model, nn.Module):
             raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if getattr(model, _WRAPPED, False):
+            raise ValueError(f"model {type(model).__name__} is already wrapped by an "
+                             "OffloadEngine: its parameters live in that engine (and go with "
+                             "it on close()). Build the model afresh, or load the first "
+                             "engine's full_state_dict() into a new one")
         fields = {f.name for f in dataclasses.fields(EngineConfig)}
         unknown = sorted(set(kwargs) - fields)
         if unknown:
@@ -137,6 +142,7 @@ class OffloadEngine:
         self._finalizer = weakref.finalize(self, _release, self.store, self.param_home,
                                            self.swapper, self.pools, self.scheduler, self.grads,
                                            self.flat_params)
+        object.__setattr__(model, _WRAPPED, True)
 
     # -- construction ------------------------------------------------------------------------
     def _build(self, model: nn.Module) -> None:
@@ -450,9 +456,11 @@ class OffloadEngine:
                 self.step()  # (not on Ctrl-C or exit: no more I/O then; zero_grad() ends it)
             raise
 
-    def zero_grad(self) -> None:
+    def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop the gradients accumulated since the last :meth:`step` (to skip a batch, say
-        after an error in backward); the next backward starts afresh. Without a backward since
+        after an error in backward); the next backward starts afresh. ``set_to_none`` is
+        accepted as torch's optimizers take it and changes nothing: the gradient shards are
+        buffers of the engine, zeroed either way. Without a backward since
         the last step (torch's habit of ``step(); zero_grad()``) there is nothing to drop and
         nothing changes: ``step_in_forward``'s pending updates stay for the next forward. With
         ``step_in_backward`` the weights already changed in backward: this ends the step as
@@ -695,7 +703,9 @@ class OffloadEngine:
         units' next gathers (no-op otherwise): before anything reads the weights or the
         optimizer state as a whole (checkpoints, :meth:`full_state_dict`, the next
         :meth:`step`), and by :meth:`backward` for units the last forward did not run.
-        Raises SwapIOError if an NVMe transfer fails (file and offset named)."""
+        Raises SwapIOError if an NVMe transfer fails (file and offset named), RuntimeError if
+        the engine is closed."""
+        self._check_open()
         self._keep_for_gather.clear()
         self._pump(all_of_them=True)  # (a streaming update: its flat parameter leaves _lazy)
         if self._lazy:
@@ -899,7 +909,9 @@ class OffloadEngine:
     def set_lr(self, lr: float) -> None:
         """Set the learning rate of the next update (for schedules): the next :meth:`step`, or
         with ``step_in_backward`` the next backward (an update still streaming after a
-        backward keeps that backward's rate). lr > 0; raises ValueError otherwise."""
+        backward keeps that backward's rate). lr > 0; raises ValueError otherwise, and
+        RuntimeError if the engine is closed."""
+        self._check_open()
         if not isinstance(lr, (int, float)) or not lr > 0:
             raise ValueError(f"lr={lr!r} is not valid; it must be a number > 0")
         self.lr = float(lr)
@@ -1021,6 +1033,9 @@ class OffloadEngine:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+_WRAPPED = "_offload_zero_wrapped"  # set on a model an engine has taken the parameters of
 
 
 def _weakly(method):

@@ -452,6 +452,44 @@ def test_closed_engine_refuses_work():
         loss.backward()  # a graph from before close()
 
 
+def test_a_closed_engine_with_updates_pending_refuses_every_call_that_works(tmp_path):
+    """Closed right after a step_in_forward step (its updates pending): each call that would
+    do work says the engine is closed (apply_pending_updates raised a KeyError; set_lr
+    passed silently)."""
+    eng = OffloadEngine(TinyLM(), offload="nvme", path=str(tmp_path))
+    x, y = batches(1)[0]
+    eng.backward(lm_loss(eng(x), y))
+    eng.step()
+    assert eng._lazy
+    eng.close()
+    calls = [lambda: eng(x), eng.step, eng.zero_grad, eng.apply_pending_updates,
+             eng.full_state_dict, lambda: eng.set_lr(1e-3),
+             lambda: eng.save_checkpoint(tmp_path / "ckpt"),
+             lambda: eng.load_checkpoint(tmp_path / "ckpt")]
+    for call in calls:
+        with pytest.raises(RuntimeError, match="this OffloadEngine is closed"):
+            call()
+
+
+def test_zero_grad_takes_torchs_set_to_none():
+    """``zero_grad(set_to_none=...)`` as torch's optimizers have it: gradients are dropped
+    either way (the shards are the engine's own buffers)."""
+    eng = OffloadEngine(TinyLM(), stage=2, offload="cpu")
+    x, y = batches(1)[0]
+    for set_to_none in (True, False):
+        eng.backward(lm_loss(eng(x), y))
+        eng.zero_grad(set_to_none=set_to_none)
+        assert not any(eng.grads.has_grad[fp] for fp in eng.trainable)
+    eng.close()
+
+
+def test_a_model_wrapped_twice_is_refused_by_name():
+    model = TinyLM()
+    with OffloadEngine(model):
+        with pytest.raises(ValueError, match="TinyLM is already wrapped by an OffloadEngine"):
+            OffloadEngine(model)
+
+
 def test_bf16_compute_trains_and_keeps_fp32_master(tmp_path):
     torch.manual_seed(7)
     model = TinyLM()
