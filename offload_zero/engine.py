@@ -153,6 +153,7 @@ class OffloadEngine:
         self._tail = self._tail_in_host(plan)  # name of the flat parameter whose state stays in RAM
         if "nvme" in (cfg.offload_optimizer, cfg.offload_param):
             from offload_zero.memory.swapper import Swapper
+            _exit_on_sigterm()
             self.swapper = Swapper(os.path.join(os.fspath(cfg.path), f"rank{self.rank}"),
                                    backend=cfg.aio_backend, block_size=cfg.aio_block_size,
                                    queue_depth=cfg.aio_queue_depth)
@@ -1036,6 +1037,26 @@ class OffloadEngine:
 
 
 _WRAPPED = "_offload_zero_wrapped"  # set on a model an engine has taken the parameters of
+
+
+def _exit_on_sigterm() -> None:
+    """Make SIGTERM (torchrun stopping the other workers, Slurm, ``docker stop``) end the
+    process as ``sys.exit(143)`` instead of at once, so ``with`` blocks, ``close()`` and the
+    engines' finalizers run and the swap files go (tens of GB on a disk that the next run
+    would otherwise refuse). Only where SIGTERM still has its default action, from the main
+    thread, once per process: a handler of the program's own is left as it is."""
+    import signal
+    import threading
+    try:
+        if (threading.current_thread() is threading.main_thread()
+                and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL):
+            signal.signal(signal.SIGTERM, _sigterm_exit)
+    except (ValueError, OSError):  # (no signals here: an embedded interpreter, say)
+        pass
+
+
+def _sigterm_exit(signum, frame):
+    raise SystemExit(128 + signum)
 
 
 def _weakly(method):

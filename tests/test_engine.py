@@ -217,6 +217,37 @@ def test_swap_files_removed_on_garbage_collection_and_on_error(mode, steps, tmp_
     assert not (tmp_path / "rank0").exists()
 
 
+@pytest.mark.parametrize("own_handler", [False, True])
+def test_swap_files_removed_when_a_script_using_the_api_gets_sigterm(own_handler, tmp_path):
+    """SIGTERM (torchrun, Slurm, docker stop) to a script of the user's: the process exits
+    with 143 and its swap files are gone (they used to stay: SIGTERM's default action ends the
+    process at once). A SIGTERM handler of the script's own is kept."""
+    import signal
+    import sys
+    import textwrap
+    child = textwrap.dedent(f'''
+        import signal, sys, time, torch
+        from offload_zero import OffloadEngine
+        if {own_handler}:
+            signal.signal(signal.SIGTERM, lambda *a: sys.exit(7))
+        model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 16))
+        engine = OffloadEngine(model, offload="nvme", path={str(tmp_path)!r})
+        engine.backward(engine(torch.randn(4, 16)).sum())
+        engine.step()
+        print("ready", flush=True)
+        time.sleep(60)
+    ''')
+    proc = subprocess.Popen([sys.executable, "-c", child], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        assert (tmp_path / "rank0").exists()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == (7 if own_handler else 143)
+    finally:
+        proc.kill()
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("offload", OFFLOADS)
 def test_memory_report_matches_numel_arithmetic(offload, tmp_path):
     with _engine(TinyLM(), offload, tmp_path, step_in_forward=False) as eng:
