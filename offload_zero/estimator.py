@@ -579,6 +579,9 @@ def estimate_memory(model_or_num_params, world_size: int = 1, gpus_per_node: int
     if step_in_forward is not None and not isinstance(step_in_forward, bool):
         raise ValueError(f"step_in_forward={step_in_forward!r} is not valid; use None "
                          "(the engine's default), True or False")
+    if step_in_forward and stage != 3:
+        raise ValueError(f"step_in_forward=True needs stage 3 (as the engine's); got "
+                         f"stage={stage}")
     layout_for, padded, source = _layout_of(model_or_num_params, unit_classes,
                                             largest_unit_numel, root_numel)
     layout = layout_for(False)
@@ -784,8 +787,11 @@ def format_table(est: MemoryEstimate, unit: str = "GB") -> str:
               "stage 0 is plain data parallelism, shown for reference; the engine runs 1-3"]
     sif = [f"{p.stage} {p.offload}" for p in est.table if p.step_in_forward]
     if sif:
-        lines.append(f"with step_in_forward ({', '.join(sif)}): the embeddings' optimizer state "
-                     "in host memory when small, three read-ahead buffers of a block's state")
+        lines.append(f"with step_in_forward ({', '.join(sif)}): the root in two flat parameters"
+                     + ("; with NVMe also the embeddings' optimizer state in host memory when "
+                        "small and three read-ahead buffers of a block's state"
+                        if any(p.step_in_forward and p.offload == "nvme" for p in est.table)
+                        else ""))
     if not est.padded:
         lines.append(f"layout assumed from the parameter count: largest unit "
                      f"{est.largest_unit_numel:,}, root {est.root_numel:,} elements")

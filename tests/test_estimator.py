@@ -119,6 +119,14 @@ def test_stage_3_nvme_counts_step_in_forward_as_the_engine_does_by_default():
         assert on.placement(stage, offload).step_in_forward is (stage == 3)
     with pytest.raises(ValueError, match="step_in_forward='yes'"):
         estimate_memory(11_000, **kw, step_in_forward="yes")
+    with pytest.raises(ValueError, match="step_in_forward=True needs stage 3"):
+        estimate_memory(11_000, **dict(kw, stage=2), step_in_forward=True)
+    # the footnote says what applies to which rows
+    assert "with step_in_forward (3 nvme): the root in two flat parameters; with NVMe" in \
+        format_table(auto)
+    text = format_table(estimate_memory(11_000, **dict(kw, offload="cpu"), step_in_forward=True))
+    assert "with step_in_forward (3 none, 3 cpu, 3 nvme): the root in two flat parameters; " \
+        "with NVMe" in text
 
 
 def test_fp32_master_aliases_parameter_shard():
