@@ -459,13 +459,13 @@ class OffloadEngine:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop the gradients accumulated since the last :meth:`step` (to skip a batch, say
-        after an error in backward); the next backward starts afresh. ``set_to_none`` is
-        accepted as torch's optimizers take it and changes nothing: the gradient shards are
-        buffers of the engine, zeroed either way. Without a backward since
-        the last step (torch's habit of ``step(); zero_grad()``) there is nothing to drop and
-        nothing changes: ``step_in_forward``'s pending updates stay for the next forward. With
-        ``step_in_backward`` the weights already changed in backward: this ends the step as
-        :meth:`step` does. Raises RuntimeError if the engine is closed."""
+        after an error in backward); the next backward starts afresh. Without a backward
+        since the last step (torch's habit of ``step(); zero_grad()``) there is nothing to
+        drop and nothing changes: ``step_in_forward``'s pending updates stay for the next
+        forward. With ``step_in_backward`` the weights already changed in backward: this ends
+        the step as :meth:`step` does. ``set_to_none`` is accepted as torch's optimizers take
+        it and changes nothing: the gradient shards are the engine's buffers, zeroed either
+        way. Raises RuntimeError if the engine is closed."""
         self._check_open()
         if not self._backward_pending:
             return
