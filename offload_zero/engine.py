@@ -55,11 +55,14 @@ class OffloadEngine:
         process_group: the data-parallel group (default: the world; none needed at world size 1).
         timeout_s: collective timeout in seconds when the engine initialises the process group.
         **kwargs: further :class:`EngineConfig` fields (prefetch, unit_classes, max_grad_norm,
-            aio_backend, aio_block_size, aio_queue_depth).
+            aio_backend, aio_block_size, aio_queue_depth, step_in_backward, step_in_forward,
+            ...). At stage 3 with the optimizer state on NVMe, ``step_in_forward`` is on by
+            default: :meth:`step` decides the update and each unit gets it just before its
+            next gather.
 
     Raises:
         ValueError: any invalid argument, naming the value and the valid choices; a missing or
-            read-only ``path``; a model without parameters.
+            read-only ``path``; a model without parameters, or one another engine wraps.
 
     Attributes:
         loss_scaler: the :class:`offload_zero.optim.loss_scale.LossScaler` (``loss_scale=``;
