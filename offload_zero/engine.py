@@ -475,8 +475,7 @@ class OffloadEngine:
         if self.config.step_in_backward:
             self.step()
             return
-        self.apply_pending_updates()  # (backward applied them: a no-op kept for safety)
-        self.grads.zero()
+        self.grads.zero()  # (pending step_in_forward updates: backward applied them)
         self._backward_pending = False
 
     # -- step_in_backward ----------------------------------------------------------------------

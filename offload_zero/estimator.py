@@ -562,7 +562,7 @@ def estimate_memory(model_or_num_params, world_size: int = 1, gpus_per_node: int
 
     Raises:
         ValueError: a bad stage, offload, world size, dtype, parameter count, folder or preset,
-            naming the value.
+            or step_in_forward (not a bool or None; True below stage 3), naming the value.
     """
     if isinstance(stage, bool) or stage not in STAGES:
         raise ValueError(f"stage={stage!r} is not valid; choose one of {STAGES}")

@@ -76,7 +76,7 @@ def choose_placement(model: nn.Module, stage: int, world_size: int, dtype: torch
                      max_host_bytes: Optional[int] = None,
                      step_in_backward: bool = False,
                      tail_state_in_host: Optional[bool] = None,
-                     step_in_forward: Optional[bool] = False) -> PlacementChoice:
+                     step_in_forward: Optional[bool] = None) -> PlacementChoice:
     """Pick the first of :data:`CANDIDATES` whose bytes fit the budgets (``step_in_backward``,
     ``step_in_forward``: count their NVMe read-ahead buffers too). ``step_in_forward=None``
     (the engine's default) tries each candidate as the engine would run it (see

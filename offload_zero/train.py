@@ -36,7 +36,6 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 import torch
 
 from offload_zero import data as data_lib
-from offload_zero.config import default_step_in_forward
 
 log = logging.getLogger("offload_zero.train")
 
@@ -233,19 +232,16 @@ def _step_in_backward(args) -> bool:
 
 
 def _step_in_forward(args, step_in_backward: bool) -> Optional[bool]:
-    """``--step-in-forward``: by default the engine's choice
-    (:func:`offload_zero.config.default_step_in_forward`: on with ``--offload nvme`` at stage
-    3 when the step does not run in backward, i.e. fp16 or ``--no-step-in-backward``; None
-    with ``--offload auto``, where the engine decides once it has placed the state); asked for
-    with ``--step-in-backward`` or below stage 3 it is an error."""
+    """``--step-in-forward``: None by default, the engine's choice
+    (:func:`offload_zero.config.default_step_in_forward`: on with the optimizer state on NVMe
+    at stage 3 when the step does not run in backward, i.e. fp16 or ``--no-step-in-backward``;
+    with ``--offload auto`` once the engine has placed the state); asked for with
+    ``--step-in-backward`` or below stage 3 it is an error."""
     if args.step_in_forward and args.stage != 3:
         raise ValueError(f"--step-in-forward needs --stage 3, got --stage {args.stage}")
     if args.step_in_forward and step_in_backward:
         raise ValueError("--step-in-forward and --step-in-backward exclude each other (give "
                          "--no-step-in-backward with --step-in-forward)")
-    if args.step_in_forward is None:
-        return (None if args.offload == "auto"
-                else default_step_in_forward(args.stage, args.offload, step_in_backward))
     return args.step_in_forward
 
 
