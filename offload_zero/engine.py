@@ -119,6 +119,7 @@ class OffloadEngine:
         self._targets: Dict[FlatParam, Optional[torch.Tensor]] = {}
         self._early: Dict[FlatParam, bool] = {}  # step_in_backward: updated in backward -> ok
         self._deferred: List[tuple] = []  # streaming updates: (fp, update generator, on end)
+        self._pace = [0, 0]  # step_in_forward: [chunks streamed, chunks queued] (_pace_streams)
         self._lazy: Dict[FlatParam, None] = {}  # step_in_forward: updates decided, not applied,
         #                                         in the order the next forward needs them
         self._lazy_step = (1.0, cfg.lr)         # (gradient factor, lr) of those updates
@@ -531,11 +532,14 @@ class OffloadEngine:
             if not self._read_ahead(order[j].flat_params):
                 return  # no free buffer: the rest keep backward's order, tried later
 
-    def _read_ahead(self, fps: List[FlatParam]) -> bool:
+    def _read_ahead(self, fps: List[FlatParam], in_backward: bool = False) -> bool:
         """Start whole-state reads (NVMe) of the trainable flat parameters in ``fps`` not yet
-        read ahead, in order, while a read-ahead buffer is free without waiting for the disk.
-        Returns False at the first one that could not start (the caller stops there)."""
-        return all(self.store.prefetched(fp) or self.store.prefetch(fp, wait=False)
+        read ahead, in order, while a read-ahead buffer is free without waiting for the disk
+        (``in_backward``: freed from the newest write-back done, see
+        :meth:`NVMeStore.prefetch`). Returns False at the first one that could not start (the
+        caller stops there)."""
+        return all(self.store.prefetched(fp)
+                   or self.store.prefetch(fp, wait=False, newest_first=in_backward)
                    for fp in fps if fp.requires_grad)
 
     def _read_ahead_in_backward(self, unit: Unit) -> None:
@@ -555,7 +559,7 @@ class OffloadEngine:
         if i is None:
             return
         for j in reversed(range(max(0, i - max(1, self.config.prefetch)), min(i, ring.count))):
-            if not self._read_ahead(order[j].flat_params):
+            if not self._read_ahead(order[j].flat_params, in_backward=True):
                 return
 
     def _grad_ready(self, fp: FlatParam) -> None:
@@ -609,6 +613,7 @@ class OffloadEngine:
             fp, gen, done = self._deferred[0]
             try:
                 next(gen)
+                self._pace[0] += 1
                 if not all_of_them:
                     return
             except StopIteration:
@@ -647,19 +652,36 @@ class OffloadEngine:
         else:
             for fp in unit.flat_params:  # gathered now, not late: its update ends first
                 self._finish_streaming(fp)
-            if self._deferred:
-                self._pump()
+            self._pace_streams(unit)
         fps = [fp for fp in unit.flat_params
                if fp in self._lazy and not self._streaming(fp) and fp not in stream]
         if fps:
             self._apply_lazy(fps)
         coef, lr = self._lazy_step
+        if stream:
+            self._pace = [0, sum(self.store.chunks(fp) for fp in stream)]
         for fp in stream:  # (after the others: they may stream through the same buffers)
             def done(fp=fp):
-                del self._lazy[fp]
-                self.grads.zero(only=[fp])
+                self._applied(fp)
 
             self._deferred.append((fp, self._iter_updates([fp], coef, True, set(), lr), done))
+
+    def _pace_streams(self, unit: Unit) -> None:
+        """Block ``unit`` is about to be gathered in forward: advance the streaming updates
+        (:meth:`_pump`) so that by the gather of the k-th of n blocks in forward order, k/n of
+        their chunks are done. Their reads and writes then spread over the blocks' compute, and
+        the stream ends by the last block's gather, instead of taking the disk from the first
+        blocks' reads and leaving it idle under the last ones. A unit outside the recorded
+        order advances them by one chunk."""
+        if not self._deferred:
+            return
+        order = self.scheduler.order
+        if unit not in order:
+            self._pump()
+            return
+        target = -(-self._pace[1] * (order.index(unit) + 1) // len(order))
+        while self._deferred and self._pace[0] < target:
+            self._pump()
 
     def _streaming(self, fp: FlatParam) -> bool:
         """Whether ``fp``'s update is streaming (see :meth:`_pump`): it has begun or is queued,
@@ -684,13 +706,41 @@ class OffloadEngine:
             self._pump(all_of_them=True)
         self._read_ahead_lazy([fp for fp in self._lazy if fp not in fps])
         for fp in fps:
+            if self._may_defer_write_back(fp):
+                self.store.defer_write_back(fp)
             # one at a time, each forgotten only once applied: an error (an I/O error, a pool
             # exhausted) leaves the updates not yet made pending, with their gradients
             for _ in self._iter_updates([fp], coef, True, set(), lr):
                 pass
-            del self._lazy[fp]
-            self.grads.zero(only=[fp])
+            self._applied(fp)
         self._read_ahead_lazy(list(self._lazy))
+
+    def _applied(self, fp: FlatParam) -> None:
+        """``fp``'s pending update is made: forget it and its gradient. After the last one no
+        more state is read before the next backward: the deferred write-backs start (see
+        :meth:`_may_defer_write_back`)."""
+        del self._lazy[fp]
+        self.grads.zero(only=[fp])
+        if not self._lazy and isinstance(self.store, NVMeStore):
+            self.store.start_deferred_writes()
+
+    def _may_defer_write_back(self, fp: FlatParam) -> bool:
+        """Whether the write-back of ``fp``'s pending update (its state read ahead whole) can
+        wait until the pending updates are all made (:meth:`_applied`; in a model with an LM
+        head, until its streamed update ends by the last block's gather, so the last blocks'
+        and the head's compute hide them). The forward's disk time then goes to the reads it
+        waits for. It can when the read-ahead buffers not held by such writes, this one's
+        aside, can hold the state of every later pending update the ring takes, so no read
+        ever waits on a deferred write: with a ring of three, the last three blocks' writes.
+        Their buffers then also serve backward's gathers of those blocks
+        (:meth:`NVMeStore.master_view`), one parameter read less each."""
+        store, ring = self.store, self.pools.get("optimizer_prefetch")
+        if not isinstance(store, NVMeStore) or ring is None or not store.prefetched(fp) \
+                or store.in_host(fp):
+            return False
+        later = sum(1 for f in self._lazy if f is not fp and not store.in_host(f)
+                    and 3 * f.shard_numel <= ring.numel)
+        return later <= ring.count - store.deferred_writes - 1
 
     def _read_ahead_lazy(self, order: List[FlatParam]) -> None:
         """Start whole-state reads of the first pending updates in ``order`` while a read-ahead

@@ -1485,8 +1485,8 @@ def test_step_in_backward_gathers_fp32_nvme_parameters_from_the_state_read(tmp_p
     shard per block less than the plain step (the blocks' reads in backward); in forward the
     last blocks, whose state the read-ahead ring takes in forward for the start of backward,
     are gathered from that read too (one read less each). Same weights bit for bit. A
-    parameter read while the store still writes that shard's master waits for the write
-    first."""
+    parameter read while the store still writes that shard's master takes it from the
+    write's buffer, with no read of the file."""
     torch.manual_seed(5)
     model = TinyLM(n_blocks=4)
     a, b = _twins(model, tmp_path, offload="nvme", offload_param="nvme", stage=3,
@@ -1522,8 +1522,9 @@ def test_step_in_backward_gathers_fp32_nvme_parameters_from_the_state_read(tmp_p
         pending = [w[0] for w in b.store._whole_writes]
         assert pending  # the last units' updates are still being written
         fp = pending[-1]
-        shard = b.param_home.read(fp)  # waits for that write, then reads the file
-        assert all(w[0] is not fp for w in b.store._whole_writes)
+        before = b.swapper.bytes_read
+        shard = b.param_home.read(fp)  # from the buffer being written: no read of the file
+        assert b.swapper.bytes_read == before
         b.step()
         assert torch.equal(shard, b.store.read_master(fp))
 
@@ -1939,17 +1940,25 @@ def test_step_in_forward_a_forward_reading_the_lm_head_early_gets_it(tmp_path, m
     assert l0 == l1 and torch.equal(g0, g1) and all(torch.equal(w0[k], w1[k]) for k in w0)
 
 
-def test_step_in_forward_reads_the_first_blocks_state_during_backward(tmp_path):
+def test_step_in_forward_reads_the_first_blocks_state_during_backward(tmp_path, monkeypatch):
     """The next forward updates the first blocks first: their whole states are read into the
     read-ahead ring while backward runs (their fp32 parameter shards on NVMe are gathered for
     backward from that read, one read less each), so the forward reads only the other blocks'
-    states and the LM head's. Bytes read per phase, from the second step on."""
+    states and the LM head's. The blocks whose write-backs the forward deferred are gathered
+    for backward from those buffers (no read either). Bytes read per phase, from the second
+    step on. (Every transfer is done by the time it is polled: which reads start when is then
+    the same in every run.)"""
+    from offload_zero.memory.swapper import SwapHandle
+    monkeypatch.setattr(SwapHandle, "done", lambda h: h._done.wait() or True)
     torch.manual_seed(0)
     with OffloadEngine(TinyLM(n_blocks=6), offload="nvme", path=str(tmp_path),
                        step_in_forward=True) as eng:
         x, y = batches(1)[0]
-        phases = []
+        phases, deferred = [], []
+        defer = eng.store.defer_write_back
+        eng.store.defer_write_back = lambda fp: (deferred[-1].append(fp), defer(fp))
         for _ in range(3):
+            deferred.append([])
             r0 = eng.store.read_bytes
             loss = lm_loss(eng(x), y)
             r1 = eng.store.read_bytes
@@ -1964,11 +1973,109 @@ def test_step_in_forward_reads_the_first_blocks_state_during_backward(tmp_path):
         blocks = [u.flat_params[0].shard_numel for u in eng.scheduler.order]
         head = next(fp for fp in eng.trainable if fp.name == "root.trainable").shard_numel
         first, rest = sum(blocks[:ring]), sum(blocks[ring:])
+        # the last blocks' write-backs wait for the forward's last update (at most the ring's
+        # buffers less one per later pending update: here the last two blocks')
+        last = [u.flat_params[0] for u in eng.scheduler.order[-2:]]
+        assert deferred[1] == deferred[2] == last
+        held = sum(fp.shard_numel for fp in last)
         # backward: the first blocks' states whole (12 bytes an element), the others' fp32
-        # parameter shards (4); forward: the other blocks' states and the LM head's, and the
-        # LM head's shard for its gather (a root no larger than a block has no buffer to keep
-        # its updated shard in); step(): nothing
-        assert phases[1] == phases[2] == (12 * (rest + head) + 4 * head, 12 * first + 4 * rest, 0)
+        # parameter shards (4) but for those held; forward: the other blocks' states and the LM
+        # head's, and the LM head's shard for its gather (a root no larger than a block has no
+        # buffer to keep its updated shard in); step(): nothing
+        assert phases[1] == phases[2] == (12 * (rest + head) + 4 * head,
+                                          12 * first + 4 * (rest - held), 0)
+
+
+def test_step_in_forward_writes_the_last_blocks_back_after_the_forwards_last_update(
+        tmp_path, monkeypatch):
+    """The write-backs of the last blocks' updates (as many as the read-ahead ring can hold
+    without a later read waiting on them) start only once the forward's last pending update is
+    made, here the LM head's streamed one as its gather starts, so the disk serves the reads
+    the forward waits for first; the earlier blocks' start right after their update. Same
+    weights as the plain step, bit for bit, and the blocks' files hold the same master weights
+    and moments. (Every transfer is done by the time it is polled, as on a disk far faster
+    than the compute: which reads start when is then the same in every run.)"""
+    from offload_zero.memory.swapper import SwapHandle
+    monkeypatch.setattr(SwapHandle, "done", lambda h: h._done.wait() or True)
+    torch.manual_seed(0)
+    model = big_root_lm(n_blocks=5)
+    twin = copy.deepcopy(model)
+    for name in "ab":
+        (tmp_path / name).mkdir()
+    kw = dict(offload="nvme", lr=1e-2, weight_decay=0.1)
+    with OffloadEngine(model, path=str(tmp_path / "a"), step_in_forward=False, **kw) as a, \
+            OffloadEngine(twin, path=str(tmp_path / "b"), step_in_forward=True, **kw) as b:
+        events = []
+        swap_out, applied = b.swapper.swap_out, b._applied
+        b.swapper.swap_out = lambda key, t, offset_bytes=0: (
+            events.append(("write", key)), swap_out(key, t, offset_bytes=offset_bytes))[1]
+        b._applied = lambda fp: (events.append(("applied", fp.name)), applied(fp))[1]
+        for i, (x, y) in enumerate(batches(4)):
+            events.clear()
+            for eng in (a, b):
+                loss = lm_loss(eng(x), y)
+                if eng is b:
+                    forward = list(events)
+                eng.backward(loss)
+                eng.step()
+            if i < 2:
+                continue  # (the order is recorded in the first forward)
+            names = [u.flat_params[0].name for u in b.scheduler.order]
+            last = max(k for k, e in enumerate(forward) if e[0] == "applied")
+            assert forward[last] == ("applied", "root.trainable")  # the LM head's stream
+            writes = [(k, key) for k, (kind, key) in enumerate(forward) if kind == "write"]
+            late = {key for k, key in writes if k > last}
+            early = {key for k, key in writes if k < last}
+            # a ring of three: the last three blocks' write-backs (the LM head's pending
+            # update streams in chunks, too large for the ring: it needs none of its buffers)
+            ring = b.pools["optimizer_prefetch"].count
+            assert ring == 3 and late == set(names[-3:])
+            assert early.isdisjoint(late) and set(names[:-3]) <= early
+        sa, sb = a.full_state_dict(), b.full_state_dict()
+        assert all(torch.equal(sa[k], sb[k]) for k in sa)
+        for fa, fb in zip(a.trainable, b.trainable):  # the blocks' files (the root is split)
+            if fb.name.startswith("unit"):
+                assert fa.name == fb.name
+                assert all(torch.equal(x, y) for x, y in zip(a.store.read_all(fa),
+                                                             b.store.read_all(fb)))
+
+
+def test_step_in_forward_spreads_the_lm_heads_stream_over_the_blocks(tmp_path, monkeypatch):
+    """The LM head's pending update streams in chunks while the blocks run: by the gather of
+    the k-th of n blocks, ceil(k/n) of its chunks are done (not all in the first blocks, which
+    then wait on the disk while the last ones leave it idle), and it ends only when the head is
+    gathered. Same weights as the plain step, bit for bit."""
+    from offload_zero.memory.swapper import SwapHandle
+    from offload_zero.memory.tiers import NVMeStore
+    monkeypatch.setattr(SwapHandle, "done", lambda h: h._done.wait() or True)
+    monkeypatch.setattr(NVMeStore, "CHUNK_NUMEL", 1024)
+    torch.manual_seed(0)
+    model = big_root_lm(n_blocks=4, vocab_scale=8)
+    twin = copy.deepcopy(model)
+    for name in "ab":
+        (tmp_path / name).mkdir()
+    kw = dict(offload="nvme", lr=1e-2)
+    with OffloadEngine(model, path=str(tmp_path / "a"), step_in_forward=False, **kw) as a, \
+            OffloadEngine(twin, path=str(tmp_path / "b"), step_in_forward=True, **kw) as b:
+        seen = []
+        pace = b._pace_streams
+        b._pace_streams = lambda unit: (pace(unit), unit in b.scheduler.order
+                                        and b.scheduler.training_forward and seen.append(
+                                            (b.scheduler.order.index(unit), *b._pace,
+                                             bool(b._deferred))))
+        for i, (x, y) in enumerate(batches(3)):
+            seen.clear()
+            for eng in (a, b):
+                eng.backward(lm_loss(eng(x), y))
+                eng.step()
+        n = len(b.scheduler.order)
+        head = next(fp for fp in b.trainable if fp.name == "root.trainable")
+        total = -(-head.shard_numel // 1024)
+        assert n == 4 and total >= 2 * n
+        # (a block is gathered twice: its parameter read starts one block ahead)
+        assert sorted(set(seen)) == [(k, -(-total * (k + 1) // n), total, True) for k in range(n)]
+        sa, sb = a.full_state_dict(), b.full_state_dict()
+        assert all(torch.equal(sa[k], sb[k]) for k in sa)
 
 
 @pytest.mark.parametrize("mode", ["plain", "step_in_forward", "step_in_backward"])

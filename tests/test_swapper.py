@@ -617,6 +617,27 @@ def test_aio_context_released_once_even_if_interrupted():
     assert len(calls) == 1
 
 
+class _Flat:
+    """What the NVMe store needs of a flat parameter: a name (its file's)."""
+
+    def __init__(self, name):
+        self.name = name
+
+
+def _store_with_ring(sw, buffers: int, numel: int = 2048):
+    """An NVMeStore on ``sw`` streaming chunks of 1024 elements, with a read-ahead ring of
+    ``buffers`` whole states of up to ``numel`` elements: ``(store, ring)``."""
+    from offload_zero.memory.accounting import TierAccountant
+    from offload_zero.memory.pool import HostBufferPool
+    from offload_zero.memory.tiers import NVMeStore
+    acct = TierAccountant()
+    alloc = lambda n, dt: aligned_empty(n, dt)  # noqa: E731
+    store = NVMeStore(sw, acct, alloc, numel, chunk_numel=1024)
+    ring = HostBufferPool("ring", buffers, 3 * numel, torch.float32, alloc, acct)
+    store.enable_prefetch(ring)
+    return store, ring
+
+
 def test_nvme_store_streamed_update_leaves_its_last_writes_in_flight(tmp_path):
     """A state streamed chunk by chunk (NVMeStore.iter_states) returns with its last chunks'
     write-backs still in flight (nothing waits for them inside backward); a read of the file
@@ -625,14 +646,10 @@ def test_nvme_store_streamed_update_leaves_its_last_writes_in_flight(tmp_path):
     from offload_zero.memory.accounting import TierAccountant
     from offload_zero.memory.tiers import NVMeStore
 
-    class Flat:
-        def __init__(self, name):
-            self.name = name
-
     acct = TierAccountant()
     with Swapper(str(tmp_path / "swap"), backend="threads") as sw:
         store = NVMeStore(sw, acct, lambda n, dt: aligned_empty(n, dt), 5120, chunk_numel=1024)
-        a, b = Flat("a"), Flat("b")
+        a, b = _Flat("a"), _Flat("b")
         store.add(a, torch.arange(5120, dtype=torch.float32))
         store.add(b, torch.zeros(3072))
         for fp, lo, hi, master, m, v in store.iter_states([a]):
@@ -670,11 +687,7 @@ def test_nvme_store_stream_reads_wait_for_the_same_bytes_still_being_written(tmp
             time.sleep(0.1)
         run(request)
 
-    class Flat:
-        def __init__(self, name):
-            self.name = name
-
-    a, b = Flat("a"), Flat("b")
+    a, b = _Flat("a"), _Flat("b")
     with Swapper(str(tmp_path / "swap"), backend="threads") as sw:
         store = NVMeStore(sw, TierAccountant(), lambda n, dt: aligned_empty(n, dt), 2048,
                           chunk_numel=1024)
@@ -700,21 +713,9 @@ def test_nvme_store_reads_no_state_ahead_while_a_stream_has_part_of_it_updated(t
     refused until the update has queued its write-back, whether the update streams in chunks
     or takes the state whole from an earlier read-ahead, and the next update sees every new
     value."""
-    from offload_zero.memory.accounting import TierAccountant
-    from offload_zero.memory.pool import HostBufferPool
-    from offload_zero.memory.tiers import NVMeStore
-
-    class Flat:
-        def __init__(self, name):
-            self.name = name
-
-    a = Flat("a")
-    acct = TierAccountant()
-    alloc = lambda n, dt: aligned_empty(n, dt)  # noqa: E731
+    a = _Flat("a")
     with Swapper(str(tmp_path / "swap"), backend="threads") as sw:
-        store = NVMeStore(sw, acct, alloc, 2048, chunk_numel=1024)
-        ring = HostBufferPool("ring", 2, 3 * 2048, torch.float32, alloc, acct)
-        store.enable_prefetch(ring)
+        store, ring = _store_with_ring(sw, 2)
         store.add(a, torch.zeros(2048))
         stream = store.iter_states([a])
         fp, lo, hi, master, m, v = next(stream)      # the first chunk, updated, not written
@@ -734,5 +735,50 @@ def test_nvme_store_reads_no_state_ahead_while_a_stream_has_part_of_it_updated(t
         assert store.prefetch(a)
         for fp, lo, hi, master, m, v in store.iter_states([a]):
             assert torch.equal(master, torch.full((2048,), 2.0))
+        store.close()
+        ring.close()
+
+
+def test_nvme_store_defers_a_whole_write_back_until_asked_or_needed(tmp_path):
+    """``defer_write_back``: the write-back of a state updated from its read-ahead buffer is
+    not started (no bytes written) until ``start_deferred_writes``, or until something needs
+    the buffer or the bytes: a read of that state waits for the write first, ``drain`` and
+    ``read_all`` start and finish it. Meanwhile the buffer serves the new master
+    (``master_view``), and a read-ahead that must not wait takes no buffer a deferred write
+    holds."""
+    a, b = _Flat("a"), _Flat("b")
+    with Swapper(str(tmp_path / "swap"), backend="threads") as sw:
+        store, ring = _store_with_ring(sw, 1)
+        store.add(a, torch.zeros(2048))
+        store.add(b, torch.zeros(2048))
+
+        def update(fp, value):
+            assert store.prefetch(fp)
+            store.defer_write_back(fp)
+            for _, lo, hi, master, m, v in store.iter_states([fp]):
+                assert (lo, hi) == (0, 2048)
+                master.fill_(value)
+                m.fill_(value + 1)
+
+        written = sw.bytes_written
+        update(a, 5.0)
+        assert sw.bytes_written == written and store.deferred_writes == 1
+        assert store.holds_master(a) and torch.equal(store.master_view(a), torch.full((2048,), 5.0))
+        assert not store.prefetch(b, wait=False)   # the only buffer is held by a's write
+        store.start_deferred_writes()
+        assert store.deferred_writes == 0
+        assert store.prefetch(b)                  # retires a's write: its buffer is b's now
+        assert sw.bytes_written == written + 3 * 2048 * 4
+        assert not store.holds_master(a)
+        store.release_prefetched()
+        update(a, 7.0)
+        assert store.prefetch(a)                  # a read of a's state: its write lands first
+        for _, lo, hi, master, m, v in store.iter_states([a]):
+            assert torch.equal(master, torch.full((2048,), 7.0))
+            assert torch.equal(m, torch.full((2048,), 8.0))
+        update(b, 9.0)
+        master, m, v = store.read_all(b)          # drains: the deferred write first
+        assert torch.equal(master, torch.full((2048,), 9.0)) and torch.equal(v, torch.zeros(2048))
+        assert store.deferred_writes == 0
         store.close()
         ring.close()

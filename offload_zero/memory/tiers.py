@@ -66,6 +66,11 @@ class _TensorStore:
             master, m, v = self._state[fp]
             yield (fp, 0, master.numel(), master, m, v)
 
+    def chunks(self, fp) -> int:
+        """How many items :meth:`iter_states` yields for ``fp``: 1 (resident state comes
+        whole)."""
+        return 1
+
     def prefetch(self, fp) -> bool:
         """Resident state needs no read-ahead: always False (see :meth:`NVMeStore.prefetch`)."""
         return False
@@ -162,7 +167,9 @@ class NVMeStore:
         # whole-state read-ahead ring (step_in_backward; see enable_prefetch)
         self._ahead = None                            # a HostBufferPool, or None
         self._whole_reads: Dict[object, tuple] = {}   # fp -> (buffer, read handles)
-        self._whole_writes: List[tuple] = []          # (fp, buffer, write handles), oldest first
+        # (fp, buffer, write handles or None while deferred), oldest first
+        self._whole_writes: List[tuple] = []
+        self._defer: set = set()   # flat params whose next whole write-back is deferred
         # flat params whose state an iter_states has handed out (whole or in part) and not yet
         # queued for writing back: their bytes on disk are stale until then
         self._updating: set = set()
@@ -256,21 +263,60 @@ class NVMeStore:
         k = buf.numel() // 3
         return buf[:n], buf[k:k + n], buf[2 * k:2 * k + n]
 
+    def _start_whole_write(self, fp, buf: torch.Tensor) -> list:
+        n = self._numel[fp]
+        return self._io(fp, 0, n, 0, write=True, views=self._whole_views(buf, n))
+
     def _retire_whole_write(self, index: int = 0) -> None:
-        _, buf, handles = self._whole_writes.pop(index)
+        fp, buf, handles = self._whole_writes.pop(index)
         try:
-            for h in handles:
+            for h in handles if handles is not None else self._start_whole_write(fp, buf):
                 h.wait()
         finally:
             self._ahead.release(buf)
 
-    def prefetch(self, fp, wait: bool = True) -> bool:
+    def _finished_write(self, newest_first: bool) -> Optional[int]:
+        """The index of the oldest (or newest) whole write-back started and done, or None."""
+        indices = range(len(self._whole_writes))
+        for i in reversed(indices) if newest_first else indices:
+            handles = self._whole_writes[i][2]
+            if handles is not None and all(h.done() for h in handles):
+                return i
+        return None
+
+    def defer_write_back(self, fp) -> None:
+        """Do not start the next whole write-back of ``fp``'s state (its update from a
+        read-ahead buffer, see :meth:`iter_states`) until :meth:`start_deferred_writes`, or
+        until that buffer or those bytes are needed (a read of ``fp``, a buffer for another
+        read-ahead, :meth:`drain`): the write then leaves the disk to the reads the caller
+        waits for first. The buffer stays taken meanwhile and serves ``fp``'s master
+        (:meth:`master_view`). No effect on a state kept in host memory or streamed in
+        chunks."""
+        self._defer.add(fp)
+
+    def start_deferred_writes(self) -> None:
+        """Start every whole write-back deferred by :meth:`defer_write_back`; their buffers
+        return to the read-ahead ring as they finish (see :meth:`prefetch`)."""
+        self._defer.clear()
+        for i, (fp, buf, handles) in enumerate(self._whole_writes):
+            if handles is None:
+                self._whole_writes[i] = (fp, buf, self._start_whole_write(fp, buf))
+
+    @property
+    def deferred_writes(self) -> int:
+        """How many whole write-backs are deferred (each holding a read-ahead buffer)."""
+        return sum(1 for _, _, handles in self._whole_writes if handles is None)
+
+    def prefetch(self, fp, wait: bool = True, newest_first: bool = False) -> bool:
         """Start reading ``fp``'s whole state (master, moments) into a read-ahead buffer; the
         next :meth:`iter_states` that reaches ``fp`` yields it from there. When every buffer is
-        taken, the oldest write-back is retired to free one (with ``wait=False`` only if it has
-        finished: no wait for the disk). A write of ``fp``'s own state still in flight is waited
-        for first (``wait=False``: the read is not started unless it has finished), so the read
-        sees it. Returns True if the read was started; False (and does nothing) without
+        taken, the oldest write-back is retired to free one (with ``wait=False`` the oldest
+        that has finished, if one has: no wait for the disk; the newest with
+        ``newest_first``, for a read started in backward: the newest write-back is then of
+        the block backward gathered first, the others may still serve gathers, see
+        :meth:`master_view`). A write of ``fp``'s own state
+        still in flight or deferred is waited for first (``wait=False``: the read is not
+        started unless it has finished), so the read sees it. Returns True if the read was started; False (and does nothing) without
         read-ahead buffers, for a state larger than they are, when it is already being read
         ahead, while an :meth:`iter_states` has handed out part or all of it and not yet
         queued its write-back (a read now would be stale), or when no buffer is free."""
@@ -278,12 +324,13 @@ class NVMeStore:
         if (pool is None or fp in self._whole_reads or self.in_host(fp) or fp in self._updating
                 or 3 * self._numel.get(fp, 0) > pool.numel):
             return False
-        if not wait and not all(h.done() for h in self._writes_of(fp)):
+        if not wait and not self._writes_done(fp):
             return False
         self.wait_writes(fp)
         if pool.in_use == pool.count and self._whole_writes:
-            if wait or all(h.done() for h in self._whole_writes[0][2]):
-                self._retire_whole_write()
+            index = 0 if wait else self._finished_write(newest_first)
+            if index is not None:
+                self._retire_whole_write(index)
         if pool.in_use == pool.count:
             return False
         buf = pool.acquire()
@@ -298,24 +345,39 @@ class NVMeStore:
         take it whole, without streaming it in chunks."""
         return fp in self._whole_reads or self.in_host(fp)
 
+    def holds_master(self, fp) -> bool:
+        """Whether :meth:`master_view` has ``fp``'s master in host memory: being read ahead,
+        read and awaiting its update, updated and its write-back not yet retired (its
+        buffer holds what is on its way to the file), or kept in host memory."""
+        return self.prefetched(fp) or any(f is fp for f, _, _ in self._whole_writes)
+
     def master_view(self, fp) -> Optional[torch.Tensor]:
-        """``fp``'s fp32 master weights from its read-ahead buffer, shape (shard_numel,), a
-        view (waiting for that part of the read only), or None when its state is not being
-        read ahead. The view is valid until the update that consumes the read-ahead
-        (:meth:`iter_states`). Raises SwapIOError if the read failed (file and offset named)."""
+        """``fp``'s fp32 master weights, shape (shard_numel,), a view of its read-ahead buffer
+        (waiting for that part of the read only) or of the buffer of its whole write-back not
+        yet retired (the current values: a later read or update of ``fp`` retires it first),
+        or None when neither holds it (see :meth:`holds_master`). The view is valid until the
+        store's next call (copy it out). Raises SwapIOError if the read failed (file and
+        offset named)."""
         if self.in_host(fp):
             return self._host.master_view(fp)
-        if fp not in self._whole_reads:
-            return None
-        buf, handles = self._whole_reads[fp]
-        handles[0].wait()
-        return self._whole_views(buf, self._numel[fp])[0]
+        n = self._numel.get(fp, 0)
+        if fp in self._whole_reads:
+            buf, handles = self._whole_reads[fp]
+            handles[0].wait()
+            return self._whole_views(buf, n)[0]
+        for f, buf, _ in reversed(self._whole_writes):
+            if f is fp:
+                return self._whole_views(buf, n)[0]
+        return None
 
-    def _writes_of(self, fp) -> List[object]:
-        """Handles of the writes of ``fp``'s state still tracked (whole or chunk write-backs)."""
-        handles = [h for f, _, hs in self._whole_writes if f is fp for h in hs]
-        return handles + [h for w in self._pending_write if w is not None and w[0] is fp
-                          for h in w[1]]
+    def _writes_done(self, fp) -> bool:
+        """Whether every write of ``fp``'s state still tracked (whole or chunk write-backs)
+        has started and finished."""
+        for f, _, handles in self._whole_writes:
+            if f is fp and (handles is None or not all(h.done() for h in handles)):
+                return False
+        return all(h.done() for w in self._pending_write if w is not None and w[0] is fp
+                   for h in w[1])
 
     def wait_writes(self, fp, lo: int = 0, hi: Optional[int] = None) -> None:
         """Wait for the writes of ``fp``'s state still in flight before its bytes are read
@@ -342,6 +404,13 @@ class NVMeStore:
             finally:
                 self._ahead.release(buf)
 
+    def chunks(self, fp) -> int:
+        """How many items :meth:`iter_states` yields for ``fp``: 1 for a state kept in host
+        memory or read ahead whole, else its shard in chunks of the pipeline's buffers."""
+        if self.prefetched(fp):
+            return 1
+        return -(-self._numel[fp] // self._chunk)
+
     def _chunks(self, fps):
         for fp in fps:
             n = self._numel[fp]
@@ -363,7 +432,9 @@ class NVMeStore:
     def iter_states(self, flat_params: List[object]) -> Iterator[StateTuple]:
         """Yield each flat parameter's state chunk by chunk from a host buffer set; write it
         back after the caller is done with it, with the next read and the previous write in
-        flight meanwhile. State kept in host memory comes first, whole."""
+        flight meanwhile. State kept in host memory comes first, whole, then state read ahead
+        (:meth:`prefetch`), whole, its write-back started at once (or deferred, see
+        :meth:`defer_write_back`)."""
         in_host = [f for f in flat_params if self.in_host(f)]
         yield from self._host.iter_states(in_host)
         flat_params = [f for f in flat_params if not self.in_host(f)]
@@ -378,11 +449,15 @@ class NVMeStore:
                 yield (fp, 0, n, *self._whole_views(buf, n))
             except BaseException:
                 self._ahead.release(buf)
+                self._defer.discard(fp)
                 raise
             finally:
                 self._updating.discard(fp)
-            self._whole_writes.append((fp, buf, self._io(fp, 0, n, 0, write=True,
-                                                         views=self._whole_views(buf, n))))
+            if fp in self._defer:  # (see defer_write_back)
+                self._defer.discard(fp)
+                self._whole_writes.append((fp, buf, None))
+            else:
+                self._whole_writes.append((fp, buf, self._start_whole_write(fp, buf)))
         streamed = [f for f in flat_params if f not in ahead]
         items = list(self._chunks(streamed))
         if not items:
@@ -410,7 +485,9 @@ class NVMeStore:
         # and the step drains them
 
     def drain(self) -> None:
-        """Wait for every write in flight; raises SwapIOError if one failed."""
+        """Wait for every write in flight, deferred ones started first (see
+        :meth:`defer_write_back`); raises SwapIOError if one failed."""
+        self._defer.clear()
         for slot, w in enumerate(self._pending_write):
             if w is not None:
                 self._pending_write[slot] = None
@@ -587,10 +664,11 @@ class NVMeParamHome:
 
     Attributes:
         master_source: with ``master_is_param``, the :class:`NVMeStore` that owns the master's
-            bytes (set by the engine before any ``adopt``). A shard it is reading ahead with the
-            whole optimizer state (``step_in_backward``), or keeps in host memory, is gathered
-            from there, not read a second time, and a shard is read from the file only after
-            the store's writes to it are done.
+            bytes (set by the engine before any ``adopt``). A shard whose master it holds in
+            host memory (read ahead with the whole optimizer state, updated and not yet
+            written back, or kept there; see :meth:`NVMeStore.holds_master`) is gathered from
+            there, not read a second time, and a shard is read from the file only after the
+            store's writes to it are done.
     """
 
     tier = Tier.NVME
@@ -639,7 +717,7 @@ class NVMeParamHome:
 
     def _from_store(self, fp) -> bool:
         source = self.master_source
-        return source is not None and fp in self._in_master and source.prefetched(fp)
+        return source is not None and fp in self._in_master and source.holds_master(fp)
 
     def fetch(self, fp) -> None:
         """Start reading ``fp``'s shard into a pool buffer (no-op if already under way, or
