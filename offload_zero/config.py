@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import numbers
 import os
 import warnings
 from typing import Optional, Tuple
@@ -178,6 +179,7 @@ class EngineConfig:
             raise ValueError(f"offload={self.offload!r} is not valid; choose one of {OFFLOAD_CHOICES}")
         if isinstance(self.stage, bool) or self.stage not in STAGE_CHOICES:
             raise ValueError(f"stage={self.stage!r} is not valid; choose one of {STAGE_CHOICES}")
+        object.__setattr__(self, "stage", int(self.stage))  # (numpy's ints too)
         if self.offload != "auto":
             if self.offload_optimizer is None:
                 object.__setattr__(self, "offload_optimizer", self.offload)
@@ -193,30 +195,31 @@ class EngineConfig:
                                  f"are only partitioned at stage 3); got stage={self.stage}")
         for name in ("max_device_bytes", "max_host_bytes"):
             value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-                raise ValueError(f"{name}={value!r} is not valid; it must be an int >= 0 (bytes) or None")
-        _check_float("lr", self.lr, low=0.0, low_inclusive=False)
+            if value is not None:
+                try:
+                    object.__setattr__(self, name, check_int(name, value, 0))
+                except ValueError:
+                    raise ValueError(f"{name}={value!r} is not valid; it must be an int >= 0 "
+                                     "(bytes) or None") from None
+        _check_float(self, "lr", low=0.0, low_inclusive=False)
         if len(tuple(self.betas)) != 2:
             raise ValueError(f"betas={self.betas!r} must be a pair (beta1, beta2), each in [0, 1)")
         object.__setattr__(self, "betas", tuple(float(b) for b in self.betas))
         for i, b in enumerate(self.betas):
             if not 0.0 <= b < 1.0:
                 raise ValueError(f"betas[{i}]={b!r} is not valid; it must be in [0, 1)")
-        _check_float("eps", self.eps, low=0.0)
-        _check_float("weight_decay", self.weight_decay, low=0.0)
+        _check_float(self, "eps", low=0.0)
+        _check_float(self, "weight_decay", low=0.0)
         if self.grad_dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"grad_dtype={self.grad_dtype!r} is not valid; choose torch.float32 or torch.bfloat16")
         if self.dtype not in DTYPE_CHOICES:
             raise ValueError(f"dtype={self.dtype!r} is not valid; choose one of {DTYPE_CHOICES}")
-        if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or self.prefetch < 0:
-            raise ValueError(f"prefetch={self.prefetch!r} is not valid; it must be an int >= 0")
+        object.__setattr__(self, "prefetch", check_int("prefetch", self.prefetch, 0))
         if self.max_grad_norm is not None:
-            _check_float("max_grad_norm", self.max_grad_norm, low=0.0, low_inclusive=False)
-        if self.tail_state_in_host is not None and not isinstance(self.tail_state_in_host, bool):
-            raise ValueError(f"tail_state_in_host={self.tail_state_in_host!r} is not valid; use "
-                             "None (automatic), True or False")
-        if not isinstance(self.step_in_backward, bool):
-            raise ValueError(f"step_in_backward={self.step_in_backward!r} is not valid; use True or False")
+            _check_float(self, "max_grad_norm", low=0.0, low_inclusive=False)
+        for name in ("adamw", "activation_checkpointing", "offload_activations",
+                     "step_in_backward", "step_in_forward", "tail_state_in_host"):
+            _check_bool(self, name, automatic=name in ("step_in_forward", "tail_state_in_host"))
         if self.step_in_backward and self.stage < 2:
             raise ValueError(f"step_in_backward=True needs stage 2 or 3 (gradients reduced unit "
                              f"by unit in backward); got stage={self.stage}")
@@ -224,9 +227,6 @@ class EngineConfig:
             raise ValueError(f"step_in_backward=True cannot clip: max_grad_norm={self.max_grad_norm!r} "
                              "needs every gradient before the first update; set max_grad_norm=None "
                              "or step_in_backward=False")
-        if self.step_in_forward is not None and not isinstance(self.step_in_forward, bool):
-            raise ValueError(f"step_in_forward={self.step_in_forward!r} is not valid; use None "
-                             "(automatic), True or False")
         if self.step_in_forward is None and self.offload_optimizer is not None:
             object.__setattr__(self, "step_in_forward", default_step_in_forward(
                 self.stage, self.offload_optimizer, self.step_in_backward))
@@ -327,12 +327,47 @@ def default_step_in_forward(stage: int, offload_optimizer: str, step_in_backward
     return stage == 3 and offload_optimizer == "nvme" and not step_in_backward
 
 
-def _check_float(name, value, low, low_inclusive=True):
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+def check_number(name: str, value, low: float, low_inclusive: bool = True) -> float:
+    """``value`` as a Python float, if it is a real number (Python's or numpy's, not a bool),
+    not nan, above ``low`` (or at it, ``low_inclusive``). Raises ValueError naming ``name``,
+    the value and the valid range."""
+    ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
     ok = ok and value == value and (value >= low if low_inclusive else value > low)
     if not ok:
         rel = ">=" if low_inclusive else ">"
         raise ValueError(f"{name}={value!r} is not valid; it must be a number {rel} {low}")
+    return float(value)
+
+
+def _check_float(cfg, name: str, low: float, low_inclusive: bool = True) -> None:
+    """Check ``cfg.<name>`` with :func:`check_number` and store it as a Python float."""
+    object.__setattr__(cfg, name, check_number(name, getattr(cfg, name), low, low_inclusive))
+
+
+def check_int(name: str, value, low: int) -> int:
+    """``value`` as a Python int, if it is an integer (Python's or numpy's, not a bool) >=
+    ``low``. Raises ValueError naming ``name``, the value and the valid range."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
+        raise ValueError(f"{name}={value!r} is not valid; it must be an int >= {low}")
+    return int(value)
+
+
+def check_switch(name: str, value, automatic: Optional[str] = None) -> Optional[bool]:
+    """``value`` as a Python bool (numpy's bool too), or None where ``automatic`` names what
+    None means. Raises ValueError naming ``name``, the value and what is valid (a string
+    such as 'no' would otherwise count as true)."""
+    if type(value).__module__ == "numpy" and type(value).__name__ in ("bool_", "bool"):
+        value = bool(value)
+    if not (isinstance(value, bool) or (automatic and value is None)):
+        valid = f"None ({automatic}), True or False" if automatic else "True or False"
+        raise ValueError(f"{name}={value!r} is not valid; use {valid}")
+    return value
+
+
+def _check_bool(cfg, name: str, automatic: bool = False) -> None:
+    """Check ``cfg.<name>`` with :func:`check_switch` and store it as a Python bool."""
+    value = check_switch(name, getattr(cfg, name), "automatic" if automatic else None)
+    object.__setattr__(cfg, name, value)
 
 
 def _resolve_device(device) -> torch.device:

@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 
 from offload_zero.comm import Comm, init_from_env
-from offload_zero.config import EngineConfig, Tier
+from offload_zero.config import EngineConfig, Tier, check_number
 from offload_zero.memory.accounting import StateKind, TierAccountant
 from offload_zero.memory.aligned import aligned_empty
 from offload_zero.memory.pool import GatherPool, HostBufferPool, storage_rebinding_supported
@@ -963,11 +963,9 @@ class OffloadEngine:
         """Set the learning rate of the next update (for schedules): the next :meth:`step`, or
         with ``step_in_backward`` the next backward (an update still streaming after a
         backward keeps that backward's rate). lr > 0; raises ValueError otherwise, and
-        RuntimeError if the engine is closed."""
+        RuntimeError if the engine is closed. A numpy number is taken as a float."""
         self._check_open()
-        if not isinstance(lr, (int, float)) or not lr > 0:
-            raise ValueError(f"lr={lr!r} is not valid; it must be a number > 0")
-        self.lr = float(lr)
+        self.lr = check_number("lr", lr, low=0.0, low_inclusive=False)
 
     def train(self, mode: bool = True) -> "OffloadEngine":
         """Put the model in training mode (``mode=False``: evaluation)."""

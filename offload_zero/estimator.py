@@ -75,6 +75,7 @@ import argparse
 import dataclasses
 import json
 import math
+import numbers
 import os
 from fractions import Fraction
 from typing import Dict, List, Optional, Sequence, Tuple, Union
@@ -82,7 +83,7 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 import torch
 import torch.nn as nn
 
-from offload_zero.config import default_step_in_forward
+from offload_zero.config import check_int, check_switch, default_step_in_forward
 
 STAGES = (0, 1, 2, 3)
 OFFLOADS = ("none", "cpu", "nvme")
@@ -247,12 +248,6 @@ class MemoryEstimate:
 
 
 # -- inputs ------------------------------------------------------------------------------------
-def _check_int(name: str, value, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"{name}={value!r} is not valid; it must be an int >= {low}")
-    return value
-
-
 def _resolve_dtype(dtype) -> torch.dtype:
     if isinstance(dtype, str) and dtype.lower() in _DTYPE_NAMES:
         return _DTYPE_NAMES[dtype.lower()]
@@ -263,7 +258,7 @@ def _resolve_dtype(dtype) -> torch.dtype:
 
 
 def _param_count(value) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ValueError(f"model={value!r} is not a module, a parameter count, a checkpoint "
                          f"folder or a preset name")
     if not math.isfinite(value) or value <= 0 or value != int(value):
@@ -566,19 +561,18 @@ def estimate_memory(model_or_num_params, world_size: int = 1, gpus_per_node: int
     """
     if isinstance(stage, bool) or stage not in STAGES:
         raise ValueError(f"stage={stage!r} is not valid; choose one of {STAGES}")
+    stage = int(stage)  # (numpy's ints too)
     if offload not in OFFLOADS:
         raise ValueError(f"offload={offload!r} is not valid; choose one of {OFFLOADS}")
-    _check_int("world_size", world_size, 1)
-    _check_int("gpus_per_node", gpus_per_node, 1)
-    _check_int("prefetch", prefetch, 0)
+    world_size = check_int("world_size", world_size, 1)
+    gpus_per_node = check_int("gpus_per_node", gpus_per_node, 1)
+    prefetch = check_int("prefetch", prefetch, 0)
     if world_size % gpus_per_node:
         raise ValueError(f"world_size={world_size} is not a multiple of "
                          f"gpus_per_node={gpus_per_node}")
     dt = _resolve_dtype(dtype)
     itemsize = torch.empty(0, dtype=dt).element_size()
-    if step_in_forward is not None and not isinstance(step_in_forward, bool):
-        raise ValueError(f"step_in_forward={step_in_forward!r} is not valid; use None "
-                         "(the engine's default), True or False")
+    step_in_forward = check_switch("step_in_forward", step_in_forward, "the engine's default")
     if step_in_forward and stage != 3:
         raise ValueError(f"step_in_forward=True needs stage 3 (as the engine's); got "
                          f"stage={stage}")
@@ -676,9 +670,10 @@ def _layout_of(obj, unit_classes, largest_unit_numel, root_numel):
         layout_for(False)  # (a model without parameters raises here)
         return layout_for, True, source or f"model {type(obj).__name__}"
     num = _param_count(obj)
-    for name, v in (("largest_unit_numel", largest_unit_numel), ("root_numel", root_numel)):
-        if v is not None:
-            _check_int(name, v, 1 if name == "largest_unit_numel" else 0)
+    if largest_unit_numel is not None:
+        largest_unit_numel = check_int("largest_unit_numel", largest_unit_numel, 1)
+    if root_numel is not None:
+        root_numel = check_int("root_numel", root_numel, 0)
     layout = assumed_layout(num, largest_unit_numel, root_numel)
     split = [half for spec in layout
              for half in ([spec] if spec.unit != -1 or spec.numel < 2 else

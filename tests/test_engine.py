@@ -8,6 +8,7 @@ import re
 import stat
 import subprocess
 
+import numpy as np
 import pytest
 import torch
 import torch.nn as nn
@@ -435,6 +436,46 @@ def test_reading_another_units_parameter_names_it():
 def test_bad_input_raises_value_error(kwargs, match):
     with pytest.raises(ValueError, match=match):
         OffloadEngine(TinyLM(), **kwargs)
+
+
+@pytest.mark.parametrize("name", ["adamw", "activation_checkpointing", "offload_activations",
+                                  "step_in_backward", "step_in_forward", "tail_state_in_host"])
+def test_on_off_options_take_bools_and_refuse_anything_else(name):
+    """A switch is True or False (numpy's bools too, from a config array or a sweep), or None
+    where that means automatic: a string such as 'no' used to be taken as true (adamw,
+    activation_checkpointing, offload_activations), and numpy's bools were refused."""
+    from offload_zero.config import EngineConfig
+    cfg = EngineConfig(**{name: np.bool_(False)})
+    assert getattr(cfg, name) is False
+    for bad in ("no", 1, 0.0):
+        with pytest.raises(ValueError, match=rf"^{name}={bad!r} is not valid; use .*True or False"):
+            EngineConfig(**{name: bad})
+
+
+def test_number_options_take_numpy_numbers():
+    """lr, eps, weight_decay, betas and max_grad_norm (and set_lr's lr) come from numpy as
+    often as not (a sweep's np.logspace): numpy floats of any width are taken as Python
+    floats (np.float32 was refused); a bool is refused (set_lr took True as 1.0). Counts
+    (stage, prefetch, byte limits) from numpy are Python ints (np.int32 was refused)."""
+    from offload_zero.config import EngineConfig
+    cfg = EngineConfig(lr=np.float32(1e-3), eps=np.float16(1e-4), weight_decay=np.int64(0),
+                       max_grad_norm=np.float32(1.0), betas=np.array([0.9, 0.95], np.float32),
+                       stage=np.int64(2), prefetch=np.int32(2), max_host_bytes=np.uint64(1 << 30))
+    assert all(type(getattr(cfg, k)) is int for k in ("stage", "prefetch", "max_host_bytes"))
+    assert type(cfg.lr) is float and cfg.lr == float(np.float32(1e-3))
+    assert all(type(getattr(cfg, k)) is float for k in ("eps", "weight_decay", "max_grad_norm"))
+    assert cfg.betas == (float(np.float32(0.9)), float(np.float32(0.95)))
+    with pytest.raises(ValueError, match=r"^lr=True is not valid; it must be a number > 0"):
+        EngineConfig(lr=True)
+    with pytest.raises(ValueError, match=r"^lr=np.float32\(nan\) is not valid"):
+        EngineConfig(lr=np.float32("nan"))
+    with OffloadEngine(TinyLM()) as eng:  # set_lr: the same rule (True used to set lr=1.0)
+        eng.set_lr(np.float32(0.5))
+        assert type(eng.lr) is float and eng.lr == 0.5
+        for bad in (True, "1e-3", 0):
+            with pytest.raises(ValueError, match=rf"^lr={bad!r} is not valid; it must be a number > 0"):
+                eng.set_lr(bad)
+        assert eng.lr == 0.5
 
 
 @pytest.mark.parametrize("kw", [{"offload": "cpu"}, {"offload": "none", "stage": 2},

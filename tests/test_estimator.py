@@ -234,6 +234,24 @@ def test_bad_model_raises_value_error(value):
         estimate_memory(value)
 
 
+def test_numpy_numbers_and_bools_are_taken_as_python_ones():
+    """Counts and switches from numpy (a sweep over np.arange, a config array) give the same
+    estimate as Python's, and its JSON form still serialises (numpy ints were refused)."""
+    import numpy as np
+    kw = dict(world_size=2, gpus_per_node=2, prefetch=1, largest_unit_numel=10_000,
+              root_numel=5_000)
+    ref = estimate_memory(1_000_000, stage=3, offload="nvme", step_in_forward=False, **kw)
+    est = estimate_memory(np.int64(1_000_000), stage=np.int64(3), offload="nvme",
+                          step_in_forward=np.bool_(False),
+                          **{k: np.int64(v) for k, v in kw.items()})
+    assert est.to_dict() == ref.to_dict()
+    json.dumps(est.to_dict())
+    with pytest.raises(ValueError, match=r"world_size=np.int64\(0\) is not valid"):
+        estimate_memory(1000, world_size=np.int64(0))
+    with pytest.raises(ValueError, match=r"step_in_forward='no' is not valid; use None"):
+        estimate_memory(1000, step_in_forward="no")
+
+
 def test_folder_without_config_raises(tmp_path):
     with pytest.raises(ValueError, match="config.json"):
         estimate_memory(str(tmp_path))
