@@ -639,9 +639,9 @@ class OffloadEngine:
 
         When a training forward gathers the root, the pending update of its part used after
         the blocks (the LM head; see ``_after_blocks``) is not applied but started as a stream
-        (:meth:`_pump`): each block's gather advances it by one chunk, so its reads and writes
-        run while the blocks compute, and the root gathers that part only when its first module
-        runs (:meth:`_finish_streaming`)."""
+        (:meth:`_pump`): the blocks' gathers advance it (:meth:`_pace_streams`), so its reads
+        and writes run while the blocks compute, and the root gathers that part only when its
+        first module runs (:meth:`_finish_streaming`)."""
         self._keep_for_gather.clear()
         self._keep_for_gather.update(unit.flat_params)
         stream = []
