@@ -669,9 +669,9 @@ class OffloadEngine:
     def _pace_streams(self, unit: Unit) -> None:
         """Block ``unit`` is about to be gathered in forward: advance the streaming updates
         (:meth:`_pump`) so that by the gather of the k-th of n blocks in forward order, k/n of
-        their chunks are done. Their reads and writes then spread over the blocks' compute, and
-        the stream ends by the last block's gather, instead of taking the disk from the first
-        blocks' reads and leaving it idle under the last ones. A unit outside the recorded
+        their chunks are done. Their reads and writes then spread over the blocks' compute, the
+        last chunk updated by the last block's gather, instead of taking the disk from the
+        first blocks' reads and leaving it idle under the last ones. A unit outside the recorded
         order advances them by one chunk."""
         if not self._deferred:
             return
@@ -727,8 +727,8 @@ class OffloadEngine:
     def _may_defer_write_back(self, fp: FlatParam) -> bool:
         """Whether the write-back of ``fp``'s pending update (its state read ahead whole) can
         wait until the pending updates are all made (:meth:`_applied`; in a model with an LM
-        head, until its streamed update ends by the last block's gather, so the last blocks'
-        and the head's compute hide them). The forward's disk time then goes to the reads it
+        head, until its streamed update ends as the head is gathered, so the head's compute
+        hides them). The forward's disk time then goes to the reads it
         waits for. It can when the read-ahead buffers not held by such writes, this one's
         aside, can hold the state of every later pending update the ring takes, so no read
         ever waits on a deferred write: with a ring of three, the last three blocks' writes.
