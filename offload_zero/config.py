@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 import numbers
 import os
 import warnings
@@ -177,9 +178,11 @@ class EngineConfig:
     def __post_init__(self):
         if self.offload not in OFFLOAD_CHOICES:
             raise ValueError(f"offload={self.offload!r} is not valid; choose one of {OFFLOAD_CHOICES}")
-        if isinstance(self.stage, bool) or self.stage not in STAGE_CHOICES:
+        stage = _scalar(self.stage)
+        if (isinstance(stage, bool) or not isinstance(stage, numbers.Integral)
+                or stage not in STAGE_CHOICES):
             raise ValueError(f"stage={self.stage!r} is not valid; choose one of {STAGE_CHOICES}")
-        object.__setattr__(self, "stage", int(self.stage))  # (numpy's ints too)
+        object.__setattr__(self, "stage", int(stage))  # (numpy's ints too)
         if self.offload != "auto":
             if self.offload_optimizer is None:
                 object.__setattr__(self, "offload_optimizer", self.offload)
@@ -202,12 +205,20 @@ class EngineConfig:
                     raise ValueError(f"{name}={value!r} is not valid; it must be an int >= 0 "
                                      "(bytes) or None") from None
         _check_float(self, "lr", low=0.0, low_inclusive=False)
-        if len(tuple(self.betas)) != 2:
+        try:
+            betas = tuple(self.betas)
+        except TypeError:
+            betas = ()
+        if len(betas) != 2:
             raise ValueError(f"betas={self.betas!r} must be a pair (beta1, beta2), each in [0, 1)")
-        object.__setattr__(self, "betas", tuple(float(b) for b in self.betas))
-        for i, b in enumerate(self.betas):
-            if not 0.0 <= b < 1.0:
-                raise ValueError(f"betas[{i}]={b!r} is not valid; it must be in [0, 1)")
+        checked = []
+        for i, b in enumerate(betas):
+            x = _scalar(b)
+            if (isinstance(x, bool) or not isinstance(x, numbers.Real)
+                    or not 0.0 <= x < 1.0):
+                raise ValueError(f"betas[{i}]={b!r} is not valid; it must be a number in [0, 1)")
+            checked.append(float(x))
+        object.__setattr__(self, "betas", tuple(checked))
         _check_float(self, "eps", low=0.0)
         _check_float(self, "weight_decay", low=0.0)
         if self.grad_dtype not in (torch.float32, torch.bfloat16):
@@ -327,16 +338,29 @@ def default_step_in_forward(stage: int, offload_optimizer: str, step_in_backward
     return stage == 3 and offload_optimizer == "nvme" and not step_in_backward
 
 
+def _scalar(value):
+    """A 0-d torch tensor or numpy array as its Python number (torch.optim takes a tensor lr);
+    anything else unchanged."""
+    if isinstance(value, torch.Tensor) and value.dim() == 0 and value.dtype is not torch.bool:
+        return value.item()
+    if (type(value).__module__ == "numpy" and getattr(value, "shape", None) == ()
+            and getattr(value, "dtype", None) is not None and value.dtype.kind in "iuf"):
+        return value.item()
+    return value
+
+
 def check_number(name: str, value, low: float, low_inclusive: bool = True) -> float:
-    """``value`` as a Python float, if it is a real number (Python's or numpy's, not a bool),
-    not nan, above ``low`` (or at it, ``low_inclusive``). Raises ValueError naming ``name``,
-    the value and the valid range."""
-    ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
-    ok = ok and value == value and (value >= low if low_inclusive else value > low)
+    """``value`` as a Python float, if it is a finite real number (Python's, numpy's, or a 0-d
+    tensor or array; not a bool) above ``low`` (or at it, ``low_inclusive``). Raises
+    ValueError naming ``name``, the value and the valid range (an inf learning rate would
+    otherwise poison every weight at the next update)."""
+    x = _scalar(value)
+    ok = isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
+    ok = ok and (x >= low if low_inclusive else x > low)
     if not ok:
         rel = ">=" if low_inclusive else ">"
-        raise ValueError(f"{name}={value!r} is not valid; it must be a number {rel} {low}")
-    return float(value)
+        raise ValueError(f"{name}={value!r} is not valid; it must be a finite number {rel} {low}")
+    return float(x)
 
 
 def _check_float(cfg, name: str, low: float, low_inclusive: bool = True) -> None:
@@ -347,9 +371,10 @@ def _check_float(cfg, name: str, low: float, low_inclusive: bool = True) -> None
 def check_int(name: str, value, low: int) -> int:
     """``value`` as a Python int, if it is an integer (Python's or numpy's, not a bool) >=
     ``low``. Raises ValueError naming ``name``, the value and the valid range."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
+    x = _scalar(value)
+    if isinstance(x, bool) or not isinstance(x, numbers.Integral) or x < low:
         raise ValueError(f"{name}={value!r} is not valid; it must be an int >= {low}")
-    return int(value)
+    return int(x)
 
 
 def check_switch(name: str, value, automatic: Optional[str] = None) -> Optional[bool]:

@@ -53,7 +53,8 @@ class OffloadEngine:
             float16); master weights and moments are float32.
         device: the accelerator (default: CUDA when present, else the CPU).
         process_group: the data-parallel group (default: the world; none needed at world size 1).
-        timeout_s: collective timeout in seconds when the engine initialises the process group.
+        timeout_s: collective timeout in seconds when the engine initialises the process group
+            (a finite number > 0; ValueError otherwise).
         **kwargs: further :class:`EngineConfig` fields (prefetch, unit_classes, max_grad_norm,
             aio_backend, aio_block_size, aio_queue_depth, step_in_backward, step_in_forward,
             ...). At stage 3 with the optimizer state on NVMe, ``step_in_forward`` is on by
@@ -96,6 +97,7 @@ class OffloadEngine:
                                    device=device, **kwargs)
         cfg = self.config
         self.device = cfg.device
+        timeout_s = check_number("timeout_s", timeout_s, low=0.0, low_inclusive=False)
         init_from_env(timeout_s, self.device)
         self.comm = Comm(process_group)
         self.rank, self.world_size = self.comm.rank, self.comm.world_size

@@ -87,6 +87,47 @@ def test_full_state_dict_loads_strictly_into_a_fresh_llama():
     LlamaForCausalLM(config).load_state_dict(sd)  # strict
 
 
+@pytest.mark.parametrize("offload", ["none", "cpu", "nvme"])
+def test_a_module_used_under_two_names_exports_both(offload, tmp_path):
+    """A module registered twice (``self.c = self.a``) has its parameters under both names in
+    ``model.state_dict()``: the export has both too (it had only the first, so a fresh model's
+    strict ``load_state_dict`` failed), with the trained values, and a checkpoint restores the
+    model. Training matches torch's AdamW (one parameter each, however many names)."""
+    class Shared(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+            self.c = self.a
+
+        def forward(self, x):
+            return self.c(torch.relu(self.b(torch.relu(self.a(x))))).pow(2).mean()
+
+    torch.manual_seed(0)
+    model = Shared()
+    ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    path = str(tmp_path) if offload == "nvme" else None
+    x = torch.randn(4, 8)
+    with OffloadEngine(model, offload=offload, path=path, lr=1e-2, weight_decay=0.1) as eng:
+        for _ in range(3):
+            eng.backward(eng(x))
+            eng.step()
+            ref(x).backward()
+            opt.step()
+            opt.zero_grad()
+        sd = eng.full_state_dict()
+        assert set(sd) == set(ref.state_dict()) == {f"{m}.{k}" for m in "abc" for k in
+                                                     ("weight", "bias")}
+        assert max_param_diff(sd, ref) <= 1e-6
+        fresh = Shared()
+        fresh.load_state_dict(sd)  # strict
+        assert fresh.c is fresh.a and torch.equal(fresh.a.weight, sd["c.weight"])
+        eng.save_checkpoint(tmp_path / "ck")
+    with OffloadEngine(Shared(), offload=offload, path=path, lr=1e-2) as other:
+        other.load_checkpoint(tmp_path / "ck")
+        assert all(torch.equal(v, sd[k]) for k, v in other.full_state_dict().items())
+
+
 def test_full_state_dict_names_and_shapes(tmp_path):
     model = TinyLM()
     expected = {n: p.shape for n, p in model.state_dict().items()}
@@ -465,7 +506,7 @@ def test_number_options_take_numpy_numbers():
     assert type(cfg.lr) is float and cfg.lr == float(np.float32(1e-3))
     assert all(type(getattr(cfg, k)) is float for k in ("eps", "weight_decay", "max_grad_norm"))
     assert cfg.betas == (float(np.float32(0.9)), float(np.float32(0.95)))
-    with pytest.raises(ValueError, match=r"^lr=True is not valid; it must be a number > 0"):
+    with pytest.raises(ValueError, match=r"^lr=True is not valid; it must be a finite number > 0"):
         EngineConfig(lr=True)
     with pytest.raises(ValueError, match=r"^lr=np.float32\(nan\) is not valid"):
         EngineConfig(lr=np.float32("nan"))
@@ -473,9 +514,46 @@ def test_number_options_take_numpy_numbers():
         eng.set_lr(np.float32(0.5))
         assert type(eng.lr) is float and eng.lr == 0.5
         for bad in (True, "1e-3", 0):
-            with pytest.raises(ValueError, match=rf"^lr={bad!r} is not valid; it must be a number > 0"):
+            with pytest.raises(ValueError, match=rf"^lr={bad!r} is not valid; it must be a finite number > 0"):
                 eng.set_lr(bad)
         assert eng.lr == 0.5
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"lr": float("inf")}, r"^lr=inf is not valid; it must be a finite number > 0"),
+    ({"eps": float("inf")}, r"^eps=inf is not valid"),
+    ({"weight_decay": np.float32("inf")}, r"^weight_decay=np.float32\(inf\) is not valid"),
+    ({"max_grad_norm": float("inf")}, r"^max_grad_norm=inf is not valid"),
+    ({"stage": 3.0}, r"^stage=3.0 is not valid; choose one of \(1, 2, 3\)"),
+    ({"betas": np.array([[0.9], [0.99]])}, r"^betas\[0\]=array\(\[0.9\]\) is not valid"),
+    ({"betas": 0.9}, r"^betas=0.9 must be a pair"),
+    ({"betas": (0.9, "0.99")}, r"^betas\[1\]='0.99' is not valid"),
+    ({"timeout_s": -1}, r"^timeout_s=-1 is not valid; it must be a finite number > 0"),
+    ({"timeout_s": 0}, r"^timeout_s=0 is not valid"),
+])
+def test_bad_numbers_are_refused_by_name(kw, match):
+    """An infinite lr was taken, and the first update then left every later forward,
+    full_state_dict() and checkpoint raising (the weights could not be read out); a float
+    stage, a badly shaped betas array and a timeout <= 0 (a socket error under torchrun) got
+    through or failed without naming the setting. Each is refused up front, by name."""
+    with pytest.raises(ValueError, match=match):
+        OffloadEngine(TinyLM(), **kw)
+
+
+def test_set_lr_refuses_inf_and_takes_what_torch_optim_takes():
+    """set_lr(inf) is refused and changes nothing (it used to poison the next update); a 0-d
+    tensor (as torch.optim takes) or a 0-d numpy array is taken as its float."""
+    with OffloadEngine(TinyLM(), lr=torch.tensor(1e-3)) as eng:
+        assert type(eng.lr) is float and eng.lr == pytest.approx(1e-3)
+        for bad in (float("inf"), float("-inf")):
+            with pytest.raises(ValueError, match=r"is not valid; it must be a finite number > 0"):
+                eng.set_lr(bad)
+        eng.set_lr(np.array(2e-3))
+        assert eng.lr == 2e-3
+        x, y = batches(1)[0]
+        eng.backward(lm_loss(eng(x), y))
+        eng.step()
+        assert all(torch.isfinite(t).all() for t in eng.full_state_dict().values())
 
 
 @pytest.mark.parametrize("kw", [{"offload": "cpu"}, {"offload": "none", "stage": 2},

@@ -110,8 +110,9 @@ def group_parameters(model: nn.Module, block_names: List[str]
             if key not in refs:
                 refs[key], params[key], users[key] = [], p, set()
                 order.append(key)
-            if all(r[0] is not mod or r[1] != attr for r in refs[key]):
-                refs[key].append((mod, attr, fqn))
+            # every name: a module registered twice (self.c = self.a) gives its parameters two
+            # names in state_dict(), and the same (module, attribute) twice
+            refs[key].append((mod, attr, fqn))
             users[key].add(unit_of(mod_name))
     groups: List[list] = [[] for _ in range(root + 1)]
     for key in order:
