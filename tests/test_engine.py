@@ -930,6 +930,44 @@ def test_nvme_write_fault_names_file_and_offset_and_close_cleans_up(fault, step_
     assert not (tmp_path / "rank0").exists()
 
 
+def test_a_fault_in_a_deferred_write_back_names_its_file_and_close_cleans_up(tmp_path,
+                                                                              monkeypatch):
+    """step_in_forward holds the last blocks' write-backs until the forward's last update: an
+    EIO in one of them raises where it is waited for (backward's read-ahead, or at the latest
+    step()), naming that block's file and the offset, and close() still removes every file."""
+    import errno
+
+    from offload_zero.memory.swapper import SwapIOError
+    from offload_zero.memory.tiers import NVMeStore
+    eng = OffloadEngine(TinyLM(), offload="nvme", path=str(tmp_path), aio_backend="threads",
+                        step_in_forward=True)
+    x, y = batches(1)[0]
+    for _ in range(2):
+        eng.backward(lm_loss(eng(x), y))
+        eng.step()
+    held = []
+    defer = NVMeStore.defer_write_back
+    monkeypatch.setattr(NVMeStore, "defer_write_back",
+                        lambda store, fp: (held.append(fp.name), defer(store, fp))[1])
+    real = os.pwritev
+
+    def faulty(fd, buffers, offset, *args):
+        if held and os.readlink(f"/proc/self/fd/{fd}").endswith(f"/{held[-1]}.swp"):
+            raise OSError(errno.EIO, "Input/output error")
+        return real(fd, buffers, offset, *args)
+
+    monkeypatch.setattr(os, "pwritev", faulty)
+    with pytest.raises(SwapIOError) as info:
+        eng.backward(lm_loss(eng(x), y))
+        eng.step()
+    assert held  # (the fault was in a deferred write)
+    msg = str(info.value)
+    assert f"{held[-1]}.swp" in msg and "offset" in msg
+    monkeypatch.setattr(os, "pwritev", real)
+    eng.close()
+    assert not (tmp_path / "rank0").exists()
+
+
 def test_nvme_optimizer_pipeline_in_chunks(tmp_path, monkeypatch):
     """Flat parameters larger than a chunk stream through the pipeline in several chunks: same
     numbers as host-resident state, buffers sized by the chunk, and an overflow found before
