@@ -69,6 +69,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _cleanup(args) -> str:
+    """What an interrupted command cleaned up, for its last line: only the commands that write
+    swap or test files have any."""
+    return "" if args.command == "estimate" else "; swap files removed"
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     """Parse ``argv`` (default ``sys.argv[1:]``), run the command, return the exit status."""
     parser = build_parser()
@@ -84,10 +90,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"{PROG} {args.command}: error: {message}", file=sys.stderr)
         return 2
     except _Terminated:
-        print(f"{PROG} {args.command}: terminated (SIGTERM); swap files removed", file=sys.stderr)
+        print(f"{PROG} {args.command}: terminated (SIGTERM){_cleanup(args)}", file=sys.stderr)
         return 143
     except KeyboardInterrupt:
-        print(f"{PROG} {args.command}: interrupted (Ctrl-C); swap files removed", file=sys.stderr)
+        print(f"{PROG} {args.command}: interrupted (Ctrl-C){_cleanup(args)}", file=sys.stderr)
         return 130
     finally:
         signal.signal(signal.SIGTERM, previous)

@@ -264,6 +264,10 @@ def _param_count(value) -> int:
     if not math.isfinite(value) or value <= 0 or value != int(value):
         raise ValueError(f"number of parameters {value!r} is not valid; it must be a whole "
                          f"number > 0")
+    if value > MAX_PARAMS:
+        raise ValueError(f"number of parameters {value!r} is not valid; it must be at most "
+                         f"{MAX_PARAMS:.0e} (a layout of that many would take this estimate "
+                         "longer than any training run)")
     return int(value)
 
 
@@ -288,6 +292,10 @@ def model_layout(model: nn.Module, unit_classes: Sequence[type] = (),
     return specs
 
 
+MAX_PARAMS = 10 ** 15  # a parameter count the estimate takes (16 PB of training state)
+MAX_UNITS = 100_000    # blocks an assumed layout may have (one row of work each)
+
+
 def assumed_layout(num_params: int, largest_unit_numel: Optional[int] = None,
                    root_numel: Optional[int] = None) -> List[FlatSpec]:
     """A layout for a model known only by its trainable parameter count Ψ (elements).
@@ -297,7 +305,9 @@ def assumed_layout(num_params: int, largest_unit_numel: Optional[int] = None,
     root unit holds untied input and output embeddings of a 32000-token vocabulary, 2 * 32000 * h,
     at most Ψ / 2. Blocks share the rest equally. For Ψ = 7.5e9: L = 34, h = 4352, root 0.279e9,
     blocks 0.212e9 each. ``largest_unit_numel`` / ``root_numel`` override the assumption (the block
-    count then follows from the remainder). The layout sums to Ψ exactly.
+    count then follows from the remainder). The layout sums to Ψ exactly. Raises ValueError
+    for a ``root_numel`` above Ψ, or a ``largest_unit_numel`` that cuts the rest into more
+    than ``MAX_UNITS`` blocks.
     """
     layers = max(1, round((num_params / (12 * _ASPECT ** 2)) ** (1 / 3)))
     if root_numel is None:
@@ -307,6 +317,10 @@ def assumed_layout(num_params: int, largest_unit_numel: Optional[int] = None,
     rest = num_params - root_numel
     if largest_unit_numel is not None:
         layers = max(1, math.ceil(rest / largest_unit_numel)) if rest else 0
+        if layers > MAX_UNITS:
+            raise ValueError(f"largest_unit_numel={largest_unit_numel} cuts {rest} parameters "
+                             f"into {layers} blocks; at most {MAX_UNITS} are estimated: give a "
+                             "larger unit")
     elif rest == 0:
         layers = 0
     specs = []

@@ -101,3 +101,35 @@ def test_bad_flags_exit_2(capsys):
     with pytest.raises(SystemExit):
         cli.main(["estimate"])  # --params or --model is required
     capsys.readouterr()
+
+
+def test_an_absurd_parameter_count_is_refused_at_once(capsys):
+    """--params 1e30 used to build one layout row per assumed layer (1.7e8 of them) until the
+    kernel killed the process for memory; the largest count taken (1e15) prints a readable
+    table in seconds, the next one up is refused by name, as is an API layout of too many
+    units."""
+    from offload_zero.estimator import MAX_PARAMS, MAX_UNITS, estimate_memory
+    assert cli.main(["estimate", "--params", f"{MAX_PARAMS:.0e}"]) == 0
+    table = capsys.readouterr().out
+    rows = [line.split() for line in table.splitlines() if line[:3] in ("  0", "* 3", "  3")]
+    assert rows and all(len(r) >= 7 for r in rows)  # columns still apart
+    for count in ("1e16", "1e30"):
+        assert cli.main(["estimate", "--params", count]) == 2
+        err = capsys.readouterr().err
+        assert f"number of parameters {float(count)!r} is not valid; it must be at most" in err
+    with pytest.raises(ValueError, match=rf"largest_unit_numel=1 cuts .* at most {MAX_UNITS}"):
+        estimate_memory(10 ** 12, largest_unit_numel=1)
+
+
+def test_an_interrupted_estimate_says_nothing_of_swap_files(capsys, monkeypatch):
+    """estimate writes no files: Ctrl-C or SIGTERM ends it without claiming swap files were
+    removed (train's and bench's messages keep saying so)."""
+    from offload_zero import estimator
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(estimator, "run", interrupted)
+    assert cli.main(["estimate", "--params", "1e9"]) == 130
+    err = capsys.readouterr().err
+    assert "interrupted (Ctrl-C)" in err and "swap" not in err
