@@ -211,14 +211,8 @@ class EngineConfig:
             betas = ()
         if len(betas) != 2:
             raise ValueError(f"betas={self.betas!r} must be a pair (beta1, beta2), each in [0, 1)")
-        checked = []
-        for i, b in enumerate(betas):
-            x = _scalar(b)
-            if (isinstance(x, bool) or not isinstance(x, numbers.Real)
-                    or not 0.0 <= x < 1.0):
-                raise ValueError(f"betas[{i}]={b!r} is not valid; it must be a number in [0, 1)")
-            checked.append(float(x))
-        object.__setattr__(self, "betas", tuple(checked))
+        object.__setattr__(self, "betas", tuple(check_number(f"betas[{i}]", b, 0.0, high=1.0)
+                                                for i, b in enumerate(betas)))
         _check_float(self, "eps", low=0.0)
         _check_float(self, "weight_decay", low=0.0)
         if self.grad_dtype not in (torch.float32, torch.bfloat16):
@@ -349,17 +343,20 @@ def _scalar(value):
     return value
 
 
-def check_number(name: str, value, low: float, low_inclusive: bool = True) -> float:
+def check_number(name: str, value, low: float, low_inclusive: bool = True,
+                 high: Optional[float] = None) -> float:
     """``value`` as a Python float, if it is a finite real number (Python's, numpy's, or a 0-d
-    tensor or array; not a bool) above ``low`` (or at it, ``low_inclusive``). Raises
-    ValueError naming ``name``, the value and the valid range (an inf learning rate would
-    otherwise poison every weight at the next update)."""
+    tensor or array; not a bool) above ``low`` (or at it, ``low_inclusive``) and below
+    ``high`` when given. Raises ValueError naming ``name``, the value and the valid range (an
+    inf learning rate would otherwise poison every weight at the next update)."""
     x = _scalar(value)
     ok = isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
-    ok = ok and (x >= low if low_inclusive else x > low)
+    ok = ok and (x >= low if low_inclusive else x > low) and (high is None or x < high)
     if not ok:
         rel = ">=" if low_inclusive else ">"
-        raise ValueError(f"{name}={value!r} is not valid; it must be a finite number {rel} {low}")
+        below = "" if high is None else f" and < {high}"
+        raise ValueError(f"{name}={value!r} is not valid; it must be a finite number "
+                         f"{rel} {low}{below}")
     return float(x)
 
 
@@ -369,8 +366,8 @@ def _check_float(cfg, name: str, low: float, low_inclusive: bool = True) -> None
 
 
 def check_int(name: str, value, low: int) -> int:
-    """``value`` as a Python int, if it is an integer (Python's or numpy's, not a bool) >=
-    ``low``. Raises ValueError naming ``name``, the value and the valid range."""
+    """``value`` as a Python int, if it is an integer (Python's, numpy's, or a 0-d tensor or
+    array; not a bool) >= ``low``. Raises ValueError naming ``name``, the value and the valid range."""
     x = _scalar(value)
     if isinstance(x, bool) or not isinstance(x, numbers.Integral) or x < low:
         raise ValueError(f"{name}={value!r} is not valid; it must be an int >= {low}")

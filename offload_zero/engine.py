@@ -708,11 +708,10 @@ class OffloadEngine:
             self._pump(all_of_them=True)
         self._read_ahead_lazy([fp for fp in self._lazy if fp not in fps])
         for fp in fps:
-            if self._may_defer_write_back(fp):
-                self.store.defer_write_back(fp)
             # one at a time, each forgotten only once applied: an error (an I/O error, a pool
             # exhausted) leaves the updates not yet made pending, with their gradients
-            for _ in self._iter_updates([fp], coef, True, set(), lr):
+            for _ in self._iter_updates([fp], coef, True, set(), lr,
+                                        defer_write_back=self._may_defer_write_back(fp)):
                 pass
             self._applied(fp)
         self._read_ahead_lazy(list(self._lazy))
@@ -730,10 +729,10 @@ class OffloadEngine:
         """Whether the write-back of ``fp``'s pending update (its state read ahead whole) can
         wait until the pending updates are all made (:meth:`_applied`; in a model with an LM
         head, until its streamed update ends as the head is gathered, so the head's compute
-        hides them). The forward's disk time then goes to the reads it
-        waits for. It can when the read-ahead buffers not held by such writes, this one's
-        aside, can hold the state of every later pending update the ring takes, so no read
-        ever waits on a deferred write: with a ring of three, the last three blocks' writes.
+        hides them). The forward's disk time then goes to the reads it waits for. It can when
+        the read-ahead buffers not held by such writes, this one's aside, can hold the state of
+        every later pending update the ring takes, so no read ever waits on a deferred write:
+        with a ring of three, the last three blocks' writes.
         Their buffers then also serve backward's gathers of those blocks
         (:meth:`NVMeStore.master_view`), one parameter read less each."""
         store, ring = self.store, self.pools.get("optimizer_prefetch")
@@ -874,10 +873,11 @@ class OffloadEngine:
         return skipped
 
     def _iter_updates(self, fps: List[FlatParam], coef: float, known_finite: bool,
-                      skipped: set, lr: float) -> Iterator[None]:
+                      skipped: set, lr: float, defer_write_back: bool = False) -> Iterator[None]:
         """:meth:`_update_states` as a generator that yields after each chunk, at learning rate
         ``lr`` throughout; flat parameters skipped for inf/nan gradients are added to
-        ``skipped``. With several ranks, collective (see :meth:`_nonfinite_on_any_rank`)."""
+        ``skipped``. With several ranks, collective (see :meth:`_nonfinite_on_any_rank`).
+        ``defer_write_back``: see :meth:`NVMeStore.iter_states`."""
         if not known_finite and self.world_size > 1:
             # every rank skips the same flat parameters, whichever rank's shard holds the inf/nan
             bad = self._nonfinite_on_any_rank(fps)
@@ -886,7 +886,8 @@ class OffloadEngine:
             known_finite = True
         try:
             # the store yields each flat parameter's state whole, or (NVMe) in chunks
-            for fp, lo, hi, master, m, v in self.store.iter_states(fps):
+            for fp, lo, hi, master, m, v in self.store.iter_states(
+                    fps, defer_write_back=defer_write_back):
                 whole = lo == 0 and hi == fp.shard_numel
                 if lo == 0:
                     if not (known_finite or whole) and not _all_finite(self.grads.buf[fp]):

@@ -740,7 +740,8 @@ def test_nvme_store_reads_no_state_ahead_while_a_stream_has_part_of_it_updated(t
 
 
 def test_nvme_store_defers_a_whole_write_back_until_asked_or_needed(tmp_path):
-    """``defer_write_back``: the write-back of a state updated from its read-ahead buffer is
+    """``iter_states(defer_write_back=True)``: the write-back of a state updated from its
+    read-ahead buffer is
     not started (no bytes written) until ``start_deferred_writes``, or until something needs
     the buffer or the bytes: a read of that state waits for the write first, ``drain`` and
     ``read_all`` start and finish it. Meanwhile the buffer serves the new master
@@ -754,8 +755,7 @@ def test_nvme_store_defers_a_whole_write_back_until_asked_or_needed(tmp_path):
 
         def update(fp, value):
             assert store.prefetch(fp)
-            store.defer_write_back(fp)
-            for _, lo, hi, master, m, v in store.iter_states([fp]):
+            for _, lo, hi, master, m, v in store.iter_states([fp], defer_write_back=True):
                 assert (lo, hi) == (0, 2048)
                 master.fill_(value)
                 m.fill_(value + 1)

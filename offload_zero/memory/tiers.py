@@ -59,9 +59,11 @@ class _TensorStore:
         self._acct.add(self.tier, StateKind.MASTER, master_bytes)
         self._acct.add(self.tier, StateKind.MOMENTS, 8 * n)
 
-    def iter_states(self, flat_params: List[object]) -> Iterator[StateTuple]:
+    def iter_states(self, flat_params: List[object], defer_write_back: bool = False
+                    ) -> Iterator[StateTuple]:
         """Yield ``(fp, 0, shard_numel, master, exp_avg, exp_avg_sq)`` for each flat parameter,
-        in order: resident state comes whole."""
+        in order: resident state comes whole (nothing to write back: ``defer_write_back`` has
+        no effect)."""
         for fp in flat_params:
             master, m, v = self._state[fp]
             yield (fp, 0, master.numel(), master, m, v)
@@ -169,7 +171,6 @@ class NVMeStore:
         self._whole_reads: Dict[object, tuple] = {}   # fp -> (buffer, read handles)
         # (fp, buffer, write handles or None while deferred), oldest first
         self._whole_writes: List[tuple] = []
-        self._defer: set = set()   # flat params whose next whole write-back is deferred
         # flat params whose state an iter_states has handed out (whole or in part) and not yet
         # queued for writing back: their bytes on disk are stale until then
         self._updating: set = set()
@@ -284,20 +285,10 @@ class NVMeStore:
                 return i
         return None
 
-    def defer_write_back(self, fp) -> None:
-        """Do not start the next whole write-back of ``fp``'s state (its update from a
-        read-ahead buffer, see :meth:`iter_states`) until :meth:`start_deferred_writes`, or
-        until that buffer or those bytes are needed (a read of ``fp``, a buffer for another
-        read-ahead, :meth:`drain`): the write then leaves the disk to the reads the caller
-        waits for first. The buffer stays taken meanwhile and serves ``fp``'s master
-        (:meth:`master_view`). No effect on a state kept in host memory or streamed in
-        chunks."""
-        self._defer.add(fp)
-
     def start_deferred_writes(self) -> None:
-        """Start every whole write-back deferred by :meth:`defer_write_back`; their buffers
-        return to the read-ahead ring as they finish (see :meth:`prefetch`)."""
-        self._defer.clear()
+        """Start every whole write-back deferred by :meth:`iter_states`'s
+        ``defer_write_back``; their buffers return to the read-ahead ring as they finish (see
+        :meth:`prefetch`)."""
         for i, (fp, buf, handles) in enumerate(self._whole_writes):
             if handles is None:
                 self._whole_writes[i] = (fp, buf, self._start_whole_write(fp, buf))
@@ -314,9 +305,9 @@ class NVMeStore:
         that has finished, if one has: no wait for the disk; the newest with
         ``newest_first``, for a read started in backward: the newest write-back is then of
         the block backward gathered first, the others may still serve gathers, see
-        :meth:`master_view`). A write of ``fp``'s own state
-        still in flight or deferred is waited for first (``wait=False``: the read is not
-        started unless it has finished), so the read sees it. Returns True if the read was started; False (and does nothing) without
+        :meth:`master_view`). A write of ``fp``'s own state still in flight or deferred is
+        waited for first (``wait=False``: the read is not started unless it has finished), so
+        the read sees it. Returns True if the read was started; False (and does nothing) without
         read-ahead buffers, for a state larger than they are, when it is already being read
         ahead, while an :meth:`iter_states` has handed out part or all of it and not yet
         queued its write-back (a read now would be stale), or when no buffer is free."""
@@ -429,12 +420,19 @@ class NVMeStore:
         self.wait_writes(fp, lo, hi)
         return self._io(fp, lo, hi, slot, write=False)
 
-    def iter_states(self, flat_params: List[object]) -> Iterator[StateTuple]:
+    def iter_states(self, flat_params: List[object], defer_write_back: bool = False
+                    ) -> Iterator[StateTuple]:
         """Yield each flat parameter's state chunk by chunk from a host buffer set; write it
         back after the caller is done with it, with the next read and the previous write in
         flight meanwhile. State kept in host memory comes first, whole, then state read ahead
-        (:meth:`prefetch`), whole, its write-back started at once (or deferred, see
-        :meth:`defer_write_back`)."""
+        (:meth:`prefetch`), whole, its write-back started at once.
+
+        ``defer_write_back``: the write-backs of the states read ahead are not started until
+        :meth:`start_deferred_writes`, or until their buffer or bytes are needed (a read of
+        that state, a buffer for a read-ahead that waits, :meth:`drain`), so the disk serves
+        the reads the caller waits for first; each buffer stays taken meanwhile and serves
+        the new master (:meth:`master_view`). No effect on state kept in host memory or
+        streamed in chunks."""
         in_host = [f for f in flat_params if self.in_host(f)]
         yield from self._host.iter_states(in_host)
         flat_params = [f for f in flat_params if not self.in_host(f)]
@@ -449,15 +447,11 @@ class NVMeStore:
                 yield (fp, 0, n, *self._whole_views(buf, n))
             except BaseException:
                 self._ahead.release(buf)
-                self._defer.discard(fp)
                 raise
             finally:
                 self._updating.discard(fp)
-            if fp in self._defer:  # (see defer_write_back)
-                self._defer.discard(fp)
-                self._whole_writes.append((fp, buf, None))
-            else:
-                self._whole_writes.append((fp, buf, self._start_whole_write(fp, buf)))
+            handles = None if defer_write_back else self._start_whole_write(fp, buf)
+            self._whole_writes.append((fp, buf, handles))
         streamed = [f for f in flat_params if f not in ahead]
         items = list(self._chunks(streamed))
         if not items:
@@ -486,8 +480,7 @@ class NVMeStore:
 
     def drain(self) -> None:
         """Wait for every write in flight, deferred ones started first (see
-        :meth:`defer_write_back`); raises SwapIOError if one failed."""
-        self._defer.clear()
+        :meth:`iter_states`); raises SwapIOError if one failed."""
         for slot, w in enumerate(self._pending_write):
             if w is not None:
                 self._pending_write[slot] = None
