@@ -138,16 +138,19 @@ class OffloadEngine:
         self.pools: Dict[str, object] = {}  # HostBufferPool | GatherPool, by name
         try:
             self._build(model)
-        except BaseException:
-            _release(getattr(self, "store", None), getattr(self, "param_home", None), self.swapper,
-                     self.pools, getattr(self, "scheduler", None), getattr(self, "grads", None),
-                     getattr(self, "flat_params", []))
+        except BaseException as exc:
+            try:
+                _release(self._acct, getattr(self, "store", None), getattr(self, "param_home", None),
+                         self.swapper, self.pools, getattr(self, "scheduler", None),
+                         getattr(self, "grads", None), getattr(self, "flat_params", []))
+            except Exception as close_exc:  # noqa: BLE001 - the constructor's error goes first
+                _log_close_error(self.rank, exc, close_exc)
             raise
         # Hooks on tensors live in C++, where the cycle collector cannot see them: the finalizer
         # must not reference the engine, and it removes the hooks itself.
-        self._finalizer = weakref.finalize(self, _release, self.store, self.param_home,
-                                           self.swapper, self.pools, self.scheduler, self.grads,
-                                           self.flat_params)
+        self._finalizer = weakref.finalize(self, _release, self._acct, self.store,
+                                           self.param_home, self.swapper, self.pools,
+                                           self.scheduler, self.grads, self.flat_params)
         object.__setattr__(model, _WRAPPED, True)
 
     # -- construction ------------------------------------------------------------------------
@@ -458,9 +461,12 @@ class OffloadEngine:
         try:
             loss.backward()
         except BaseException as exc:
-            self.scheduler.end_backward()  # the end-of-backward callback does not run on error
-            if self.config.step_in_backward and isinstance(exc, Exception):
-                self.step()  # (not on Ctrl-C or exit: no more I/O then; zero_grad() ends it)
+            try:
+                self.scheduler.end_backward()  # the end-of-backward callback does not run on error
+                if self.config.step_in_backward and isinstance(exc, Exception):
+                    self.step()  # (not on Ctrl-C or exit: no more I/O then; zero_grad() ends it)
+            except Exception as cleanup_exc:  # noqa: BLE001 - the caller sees its own error
+                _log_close_error(self.rank, exc, cleanup_exc, "ending the backward")
             raise
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -1085,8 +1091,16 @@ class OffloadEngine:
     def __enter__(self) -> "OffloadEngine":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, exc, tb) -> None:
+        """Close the engine. When the block raised, an error in closing is logged instead of
+        raised, so the block's own exception (a Ctrl-C, say) is what the caller sees."""
+        if exc is None:
+            self.close()
+            return
+        try:
+            self.close()
+        except Exception as close_exc:  # noqa: BLE001 - the block's exception goes first
+            _log_close_error(self.rank, exc, close_exc)
 
 
 _WRAPPED = "_offload_zero_wrapped"  # set on a model an engine has taken the parameters of
@@ -1125,25 +1139,37 @@ def _weakly(method):
     return call
 
 
-def _release(store, param_home, swapper, pools, scheduler, grads, flat_params) -> None:
+def _log_close_error(rank: int, exc: BaseException, close_exc: Exception,
+                     doing: str = "releasing the engine") -> None:
+    """Log ``close_exc``, raised while cleaning up after ``exc``: ``exc`` (a Ctrl-C, a SIGTERM,
+    the caller's own error) is what the caller must see, not an error of the cleanup."""
+    log.warning("[rank %d] %s after %s raised %s: %s", rank, doing, type(exc).__name__,
+                type(close_exc).__name__, close_exc)
+
+
+def _release(acct, store, param_home, swapper, pools, scheduler, grads, flat_params) -> None:
     """Close the engine's resources; swap files go first: they must not outlive the process.
 
-    Any of them may be None (a constructor that failed half-way)."""
-    try:
-        for part in (store, param_home):
-            if part is not None:
-                part.close()
-    finally:
-        if swapper is not None:
-            swapper.close()
-        if scheduler is not None:
-            scheduler.remove_hooks()
-        if grads is not None:
-            grads.release()
-        for fp in flat_params:
-            fp.release()
-        for pool in pools.values():
-            pool.close()
+    Any of them may be None (a constructor that failed half-way). Every part is closed even if
+    an earlier one raises (an interrupt can leave any bookkeeping half updated); the first
+    error is raised once all have run."""
+    acct.closing()
+    parts = [part.close for part in (store, param_home) if part is not None]
+    if swapper is not None:
+        parts.append(swapper.close)
+    if scheduler is not None:
+        parts.append(scheduler.remove_hooks)
+    if grads is not None:
+        parts.append(grads.release)
+    parts += [fp.release for fp in flat_params] + [pool.close for pool in pools.values()]
+    first = None
+    for close in parts:
+        try:
+            close()
+        except BaseException as exc:  # noqa: BLE001 - the rest must still be closed
+            first = first or exc
+    if first is not None:
+        raise first
 
 
 def _flat_param_names(planned) -> List[str]:

@@ -42,6 +42,7 @@ class TierAccountant:
         self._peak_total: Dict[Tier, int] = {t: 0 for t in Tier}
         self._peak_kind: Dict[Tier, Dict[StateKind, int]] = {
             t: collections.defaultdict(int) for t in Tier}
+        self._closing = False
 
     def add(self, tier: Tier, kind: StateKind, nbytes: int) -> None:
         """Record ``nbytes`` (>= 0) newly held on ``tier`` as ``kind``."""
@@ -51,12 +52,22 @@ class TierAccountant:
         self._peak_total[tier] = max(self._peak_total[tier], self.current(tier))
 
     def sub(self, tier: Tier, kind: StateKind, nbytes: int) -> None:
-        """Record ``nbytes`` released from ``tier``; raises RuntimeError below zero."""
+        """Record ``nbytes`` released from ``tier``; raises RuntimeError below zero, except
+        after :meth:`closing` (the counter stops at zero)."""
         cur = self._current[tier]
+        if cur[kind] < nbytes and self._closing:
+            cur[kind] = 0
+            return
         if cur[kind] < nbytes:
             raise RuntimeError(f"[rank {self._rank}] accounting underflow on {tier.value}/{kind.value}: "
                                f"held {cur[kind]} bytes, releasing {nbytes}")
         cur[kind] -= int(nbytes)
+
+    def closing(self) -> None:
+        """The engine is releasing everything: from now on a release below zero stops the
+        counter at zero instead of raising. An interrupt (Ctrl-C, SIGTERM) can land between
+        an allocation or release and its record, and closing must still free every buffer."""
+        self._closing = True
 
     def current(self, tier: Tier) -> int:
         """Bytes held on ``tier`` now."""

@@ -270,8 +270,8 @@ class FlatParam:
         if self._bound:
             unbind_storage(self.full.untyped_storage(), keep_values=keep_values)
             self._bound = False
-        else:
-            if not keep_values:
+        elif self.full.untyped_storage().nbytes():  # (0: a call cut short by an interrupt
+            if not keep_values:                     # dropped it already)
                 self.full.untyped_storage().resize_(0)
             self._acct.sub(Tier.DEVICE, StateKind.PARAMS, self.padded_numel * self.itemsize)
 

@@ -254,8 +254,8 @@ class GradientShards:
         for fp in (self.has_grad if only is None else only):
             if fp in keep:
                 continue
-            if self._adopt and self.has_grad[fp]:
-                b = self.buf.pop(fp)
+            b = self.buf.pop(fp, None) if self._adopt and self.has_grad[fp] else None
+            if b is not None:  # (None: a zero() cut short by an interrupt took it already)
                 self._acct.sub(self.tier, StateKind.GRADS, b.numel() * b.element_size())
                 self._give_back(b)
             self.has_grad[fp] = False
