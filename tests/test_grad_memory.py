@@ -135,3 +135,57 @@ def test_a_parameter_without_gradient_beside_others_updates_with_zeros(kw):
         state = eng.full_state_dict()
     for name, p in ref.named_parameters():
         torch.testing.assert_close(state[name], p.detach(), rtol=0, atol=1e-6)
+
+
+class _OneWeightBlocks(nn.Module):
+    """Blocks of one 1024x1024 weight (no bias, no padding: a flat parameter of one
+    parameter), then a block of several, like an LM head beside transformer blocks."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(1024, 1024, bias=False),
+                                     nn.Linear(1024, 1024, bias=False), _block()])
+        self.blocks[2][0] = nn.Linear(1024, WIDTH)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = torch.tanh(b(x))
+        return x.square().mean()
+
+
+@pytest.mark.parametrize("kw", [
+    dict(stage=3, offload="cpu"),
+    dict(stage=3, offload="cpu", step_in_forward=True),
+    dict(stage=3, offload="cpu", step_in_backward=True),
+    dict(stage=3, offload="nvme"),
+], ids=["stage3-cpu", "stage3-cpu-sif", "stage3-cpu-sib", "stage3-nvme"])
+def test_a_one_parameter_flat_gradient_is_taken_as_autograd_made_it(kw, tmp_path):
+    """A flat parameter of one parameter and no padding: autograd's gradient of that parameter
+    is its flat gradient. It used to be copied into a lent buffer that then sat idle from the
+    update to the next backward (an LM head's or an embedding's 131 MB on the bench model, at
+    the step's peak). Now no buffer of its size is ever lent or kept, and the weights are
+    plain AdamW's."""
+    torch.manual_seed(3)
+    model = _OneWeightBlocks()
+    ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.0)
+    xs = [torch.randn(2, 1024, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    if kw["offload"] == "nvme":
+        kw = dict(kw, path=str(tmp_path))
+    with OffloadEngine(model, lr=1e-3, weight_decay=0.0, **kw) as eng:
+        single = [fp for fp in eng.trainable if len(fp.entries) == 1]
+        assert len(single) == 2 and all(fp.padded_numel == fp.numel == 1 << 20 for fp in single)
+        seen_sizes = set()
+        for x in xs:
+            eng.backward(eng(x))
+            seen_sizes |= {b.numel() for b in eng.grads._lent.values()}
+            eng.step()
+            seen_sizes |= {b.numel() for bufs in eng.grads._free.values() for b in bufs}
+            opt.zero_grad()
+            ref(x).backward()
+            opt.step()
+        assert 1 << 20 not in seen_sizes  # no buffer of the one-weight blocks' size, ever
+        assert seen_sizes  # (the block of several still writes into lent memory)
+        state = eng.full_state_dict()
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(state[name], p.detach(), rtol=0, atol=1e-5)

@@ -133,6 +133,12 @@ class _SplitViews(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         numel, dtype, device = ctx.meta
+        if len(grads) == 1 and _whole(grads[0], numel, dtype):
+            # One parameter, no padding: its gradient is the flat gradient as it is. Taken
+            # without a copy, and no reused buffer is held for it between steps: an LM head's
+            # or an embedding's would otherwise sit idle through forward and backward, beside
+            # the activations, at the step's peak.
+            return grads[0].reshape(-1), None, None
         # (a double backward records the graph through this gradient: no reused memory then)
         out = None if torch.is_grad_enabled() else ctx.target()
         if out is None:
@@ -143,6 +149,11 @@ class _SplitViews(torch.autograd.Function):
             for piece, g in zip(torch.split(out, ctx.sizes), grads):
                 piece.zero_() if g is None else piece.copy_(g.reshape(-1))
         return out, None, None
+
+
+def _whole(g: Optional[torch.Tensor], numel: int, dtype: torch.dtype) -> bool:
+    """``g`` can serve as a flat gradient of ``numel`` elements of ``dtype`` as it is."""
+    return g is not None and g.numel() == numel and g.dtype == dtype and g.is_contiguous()
 
 
 def _placeholder(dtype, device, label: str) -> torch.Tensor:

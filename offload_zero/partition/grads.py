@@ -38,6 +38,11 @@ gradients where the shards adopt them (their memory between steps); otherwise ev
 counts as a device buffer, lent or not (the gradient in flight that
 :mod:`offload_zero.estimator` adds on a CPU device). On CUDA the caching allocator already
 recycles device memory, and nothing is lent.
+A flat parameter of one parameter and no padding borrows nothing: autograd's gradient of that
+parameter already is its flat gradient and is taken as it is (no copy). A buffer lent to it
+would sit idle from its update to the next backward, beside the activations (an LM head's or
+an embedding's: 131 MB each on the bench model, the step's peak RSS 0.12 GB higher), for the
+faults of one fresh allocation a step, which plain torch pays for every parameter.
 """
 from __future__ import annotations
 
