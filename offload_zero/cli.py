@@ -12,8 +12,10 @@ Exit status: 0 on success, 2 on bad flags (argparse) or on a ``ValueError`` /
 from __future__ import annotations
 
 import argparse
+import glob
 import importlib
 import logging
+import os
 import signal
 import sys
 from typing import List, Optional
@@ -71,8 +73,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _cleanup(args) -> str:
     """What an interrupted command cleaned up, for its last line: only the commands that write
-    swap or test files have any."""
-    return "" if args.command == "estimate" else "; swap files removed"
+    swap or test files have any. Files still under ``--path`` (a clean-up cut short) are named
+    instead: the next run refuses to overwrite them."""
+    if args.command == "estimate":
+        return ""
+    path = getattr(args, "path", None)
+    left = sorted(glob.glob(os.path.join(glob.escape(path), "**", "*.swp"), recursive=True)) \
+        if path else []
+    if left:
+        return f"; {len(left)} swap file(s) left under {path} (such as {left[0]}): remove them"
+    return "; swap files removed"
 
 
 def main(argv: Optional[List[str]] = None) -> int:

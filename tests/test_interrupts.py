@@ -154,3 +154,29 @@ def test_an_error_in_one_part_of_close_still_closes_the_rest(block_raises, tmp_p
     assert all(pool._closed for pool in eng.pools.values()) and eng.pools
     assert all(fp.full.numel() == 0 and fp.sharded.numel() == 0 for fp in eng.flat_params)
     assert eng.swapper.closed
+
+
+@pytest.mark.parametrize("mode", ["nvme", "nvme-sib"])
+def test_a_second_ctrl_c_while_closing_still_removes_the_swap_files(mode, tmp_path, monkeypatch):
+    """Users press Ctrl-C twice. The second one used to land while the swapper waited for its
+    transfers in flight, before it deleted its files: they stayed, and the next run refused to
+    overwrite them. Now the swapper holds SIGINT back until its files are gone, then raises it."""
+    import signal
+    torch.manual_seed(0)
+    (x, y), = batches(1)
+    eng = OffloadEngine(TinyLM(n_blocks=3), lr=1e-2, path=str(tmp_path), **MODES[mode])
+    eng.backward(lm_loss(eng(x), y))
+    eng.step()
+    backend_type = type(eng.swapper._state.backend)
+    backend_close = backend_type.close
+
+    def close_with_a_second_ctrl_c(self):
+        signal.raise_signal(signal.SIGINT)  # (its handler runs at the next bytecode)
+        backend_close(self)
+    monkeypatch.setattr(backend_type, "close", close_with_a_second_ctrl_c)
+    assert list(tmp_path.rglob("*.swp"))
+    with pytest.raises(KeyboardInterrupt):
+        with eng:
+            raise KeyboardInterrupt  # the first Ctrl-C
+    assert [p.name for p in tmp_path.rglob("*")] == []
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler

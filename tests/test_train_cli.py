@@ -910,3 +910,28 @@ def test_swap_folders_of_killed_runs_are_named_not_removed(tmp_path, monkeypatch
     assert (stale / "rank0" / "unit0.swp").is_file() and live.is_dir()
     ours = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("offload-zero-swap-"))
     assert ours == sorted([stale.name, live.name])  # this run's own folder is gone
+
+
+def test_an_interrupted_run_that_left_swap_files_names_them(tmp_path, capsys, monkeypatch):
+    """A clean-up cut short (a second Ctrl-C, say) that left swap files under --path used to
+    end with 'swap files removed' all the same; the next run then refused to start. The last
+    line now names what is left and says to remove it."""
+    from offload_zero import cli, train
+    left = tmp_path / "swap" / "rank0"
+    left.mkdir(parents=True)
+
+    runs = []
+
+    def interrupted(args):
+        if not runs:  # the first run leaves a file behind
+            (left / "unit0.trainable.swp").write_bytes(b"")
+        runs.append(args)
+        raise KeyboardInterrupt
+    monkeypatch.setattr(train, "run", interrupted)
+    assert cli.main(["train", "--path", str(tmp_path / "swap")]) == 130
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "interrupted (Ctrl-C); 1 swap file(s) left under" in err and "removed" not in err
+    assert "unit0.trainable.swp" in err and err.endswith("remove them")
+    (left / "unit0.trainable.swp").unlink()
+    assert cli.main(["train", "--path", str(tmp_path / "swap")]) == 130
+    assert capsys.readouterr().err.strip().endswith("interrupted (Ctrl-C); swap files removed")

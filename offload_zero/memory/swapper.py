@@ -11,11 +11,13 @@ offset are all multiples of ``ALIGNMENT`` (4096 bytes). Use ``aligned_empty`` fo
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import mmap
 import os
 import re
+import signal
 import statistics
 import threading
 import time
@@ -189,6 +191,10 @@ class _SwapperState:
             if self.closed:
                 return
             self.closed = True
+        with _signals_deferred():  # a second Ctrl-C must not leave the files behind
+            self._close()
+
+    def _close(self) -> None:
         if self.backend is not None:
             self.backend.close()
         for swap_file in self.files.values():
@@ -206,6 +212,35 @@ class _SwapperState:
                 os.rmdir(self.folder)
             except OSError:
                 pass  # someone else put files there; leave them alone
+
+
+@contextlib.contextmanager
+def _signals_deferred():
+    """Hold SIGINT and SIGTERM back for the block, then deliver the first that came to the
+    handler that was in place (a KeyboardInterrupt, the CLI's or the engine's SIGTERM exit).
+
+    Closing a swapper waits for the transfers in flight, then closes and deletes its files: a
+    second Ctrl-C landing there (users press it twice) cut that short and left the files,
+    which the next run refuses to overwrite. Only in the main thread, where Python runs signal
+    handlers (elsewhere the block runs as it is)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught = []
+    previous = {}
+    try:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            if signal.getsignal(sig) is not None:  # (None: set outside Python; left alone)
+                previous[sig] = signal.signal(sig, lambda signum, frame: caught.append(signum))
+    except (ValueError, OSError):  # (no signals here: an embedded interpreter, say)
+        pass
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if caught:
+            signal.raise_signal(caught[0])
 
 
 # ---- folder and backend probing -----------------------------------------------------------------
