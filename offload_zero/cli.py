@@ -101,13 +101,26 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 2
     except _Terminated:
         print(f"{PROG} {args.command}: terminated (SIGTERM){_cleanup(args)}", file=sys.stderr)
-        return 143
+        return _exiting(argv, 143)
     except KeyboardInterrupt:
         print(f"{PROG} {args.command}: interrupted (Ctrl-C){_cleanup(args)}", file=sys.stderr)
-        return 130
+        return _exiting(argv, 130)
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        if signal.getsignal(signal.SIGTERM) is _terminate:  # (not once _exiting ignores it)
+            signal.signal(signal.SIGTERM, previous)
     return 0
+
+
+def _exiting(argv, code: int) -> int:
+    """Run as the program (``argv`` None) and interrupted: the process is about to exit, so a
+    further Ctrl-C or SIGTERM is ignored. One landing in the interpreter's exit handlers (an
+    engine's finalizer, torch's) printed a traceback after the last line, or cut short a
+    finalizer's file removal. Called with ``argv`` (from Python), nothing changes. Returns
+    ``code`` (the exit status)."""
+    if argv is None:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    return code
 
 
 class _Terminated(BaseException):

@@ -935,3 +935,28 @@ def test_an_interrupted_run_that_left_swap_files_names_them(tmp_path, capsys, mo
     (left / "unit0.trainable.swp").unlink()
     assert cli.main(["train", "--path", str(tmp_path / "swap")]) == 130
     assert capsys.readouterr().err.strip().endswith("interrupted (Ctrl-C); swap files removed")
+
+
+def test_an_interrupted_program_ignores_further_signals_while_it_exits(monkeypatch, capsys):
+    """Run as the program (no argv) and interrupted, the CLI ignores a further Ctrl-C or
+    SIGTERM on its way out: a second Ctrl-C landing in the interpreter's exit handlers printed
+    a traceback after the last line (seen from torch's own). Called with argv, it changes no
+    handler."""
+    import signal
+    from offload_zero import cli, train
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(train, "run", interrupted)
+    before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    assert cli.main(["train"]) == 130
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
+    monkeypatch.setattr(sys, "argv", ["offload-zero", "train"])
+    try:
+        assert cli.main() == 130
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, before[0])
+        signal.signal(signal.SIGTERM, before[1])
+    assert capsys.readouterr().err.count("interrupted (Ctrl-C)") == 2
