@@ -8,6 +8,7 @@ NVMe files (ZeRO-Infinity). See DESIGN.md for the memory arithmetic and
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
@@ -139,12 +140,10 @@ class OffloadEngine:
         try:
             self._build(model)
         except BaseException as exc:
-            try:
+            with _not_replacing(exc, self.rank):
                 _release(self._acct, getattr(self, "store", None), getattr(self, "param_home", None),
                          self.swapper, self.pools, getattr(self, "scheduler", None),
                          getattr(self, "grads", None), getattr(self, "flat_params", []))
-            except Exception as close_exc:  # noqa: BLE001 - the constructor's error goes first
-                _log_close_error(self.rank, exc, close_exc)
             raise
         # Hooks on tensors live in C++, where the cycle collector cannot see them: the finalizer
         # must not reference the engine, and it removes the hooks itself.
@@ -461,12 +460,10 @@ class OffloadEngine:
         try:
             loss.backward()
         except BaseException as exc:
-            try:
+            with _not_replacing(exc, self.rank, "ending the backward"):
                 self.scheduler.end_backward()  # the end-of-backward callback does not run on error
                 if self.config.step_in_backward and isinstance(exc, Exception):
                     self.step()  # (not on Ctrl-C or exit: no more I/O then; zero_grad() ends it)
-            except Exception as cleanup_exc:  # noqa: BLE001 - the caller sees its own error
-                _log_close_error(self.rank, exc, cleanup_exc, "ending the backward")
             raise
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -1097,10 +1094,8 @@ class OffloadEngine:
         if exc is None:
             self.close()
             return
-        try:
+        with _not_replacing(exc, self.rank):
             self.close()
-        except Exception as close_exc:  # noqa: BLE001 - the block's exception goes first
-            _log_close_error(self.rank, exc, close_exc)
 
 
 _WRAPPED = "_offload_zero_wrapped"  # set on a model an engine has taken the parameters of
@@ -1139,12 +1134,16 @@ def _weakly(method):
     return call
 
 
-def _log_close_error(rank: int, exc: BaseException, close_exc: Exception,
-                     doing: str = "releasing the engine") -> None:
-    """Log ``close_exc``, raised while cleaning up after ``exc``: ``exc`` (a Ctrl-C, a SIGTERM,
-    the caller's own error) is what the caller must see, not an error of the cleanup."""
-    log.warning("[rank %d] %s after %s raised %s: %s", rank, doing, type(exc).__name__,
-                type(close_exc).__name__, close_exc)
+@contextlib.contextmanager
+def _not_replacing(exc: BaseException, rank: int, doing: str = "releasing the engine"):
+    """A clean-up run while ``exc`` (a Ctrl-C, a SIGTERM, the caller's own error) propagates:
+    an error of the clean-up is logged as a warning instead of raised, so ``exc`` is what the
+    caller sees."""
+    try:
+        yield
+    except Exception as cleanup_exc:  # noqa: BLE001 - the exception in flight goes first
+        log.warning("[rank %d] %s after %s raised %s: %s", rank, doing, type(exc).__name__,
+                    type(cleanup_exc).__name__, cleanup_exc)
 
 
 def _release(acct, store, param_home, swapper, pools, scheduler, grads, flat_params) -> None:

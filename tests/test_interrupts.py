@@ -180,3 +180,33 @@ def test_a_second_ctrl_c_while_closing_still_removes_the_swap_files(mode, tmp_pa
             raise KeyboardInterrupt  # the first Ctrl-C
     assert [p.name for p in tmp_path.rglob("*")] == []
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_an_error_ending_an_interrupted_backward_does_not_replace_the_interrupt(
+        tmp_path, caplog, monkeypatch):
+    """A Ctrl-C inside backward makes the engine end the backward (free the units) before it
+    re-raises; an error there used to replace the Ctrl-C. It is logged instead, and the
+    engine still closes cleanly."""
+    from offload_zero.partition.schedule import UnitScheduler
+    torch.manual_seed(0)
+    data = batches(2)
+    eng = OffloadEngine(TinyLM(n_blocks=3), offload="nvme", path=str(tmp_path), lr=1e-2)
+    x, y = data[0]
+    eng.backward(lm_loss(eng(x), y))
+    eng.step()
+    end_backward = UnitScheduler.end_backward
+
+    def failing(self):
+        end_backward(self)
+        raise RuntimeError("end of backward failed")
+    monkeypatch.setattr(UnitScheduler, "end_backward", failing)
+    x, y = data[1]
+    loss = lm_loss(eng(x), y)
+    loss.register_hook(lambda g: (_ for _ in ()).throw(KeyboardInterrupt))  # Ctrl-C in backward
+    with caplog.at_level(logging.WARNING, logger="offload_zero"):
+        with pytest.raises(KeyboardInterrupt):
+            eng.backward(loss)
+    assert ("ending the backward after KeyboardInterrupt raised RuntimeError: end of backward "
+            "failed") in caplog.text
+    eng.close()
+    assert [p.name for p in tmp_path.rglob("*")] == []

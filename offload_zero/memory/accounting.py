@@ -55,10 +55,10 @@ class TierAccountant:
         """Record ``nbytes`` released from ``tier``; raises RuntimeError below zero, except
         after :meth:`closing` (the counter stops at zero)."""
         cur = self._current[tier]
-        if cur[kind] < nbytes and self._closing:
-            cur[kind] = 0
-            return
         if cur[kind] < nbytes:
+            if self._closing:
+                cur[kind] = 0
+                return
             raise RuntimeError(f"[rank {self._rank}] accounting underflow on {tier.value}/{kind.value}: "
                                f"held {cur[kind]} bytes, releasing {nbytes}")
         cur[kind] -= int(nbytes)

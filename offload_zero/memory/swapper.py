@@ -222,7 +222,8 @@ def _signals_deferred():
     Closing a swapper waits for the transfers in flight, then closes and deletes its files: a
     second Ctrl-C landing there (users press it twice) cut that short and left the files,
     which the next run refuses to overwrite. Only in the main thread, where Python runs signal
-    handlers (elsewhere the block runs as it is)."""
+    handlers (elsewhere the block runs as it is). The block waits for the disk: a disk that
+    never answers then needs SIGKILL (its files stay, as after any SIGKILL)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
