@@ -177,7 +177,7 @@ def load_checkpoint(engine, folder) -> dict:
     ZeRO stage: a checkpoint of N ranks loads on M ranks, each rank reading the slices of the
     saved shards that make up its own (see :func:`_load_shards`). So may the grouping of the
     parameters into flat parameters (``step_in_backward`` and ``step_in_forward`` split the
-    root's in two; ``unit_classes`` cuts units otherwise), as long as the parameters of one
+    root's by gradient order; ``unit_classes`` cuts units otherwise), as long as the parameters of one
     flat parameter here share one Adam step count there; the model's parameters (names,
     shapes, ``requires_grad``) and the compute dtype may not change.
 

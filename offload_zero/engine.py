@@ -191,18 +191,23 @@ class OffloadEngine:
             # a tail state kept in host memory is, in fp32, the shard itself: no buffer, no file
             in_host = self._tail if share else None
             if root_shard > block_shard:
+                # the root's outsized flat parameters (embeddings, LM head) get root-sized
+                # buffers; its small ones (a final norm split off by gradient order, frozen
+                # parameters) go through the block-sized pool like a block's
+                names = _flat_param_names(plan[2])
+                outsized = {n for n, (u, _, m) in zip(names, plan[2])
+                            if u.is_root and shard_of(m) > block_shard}
                 keep_root = all(trainable for u, trainable, _ in plan[2] if u.is_root)
-                count = (sum(u.is_root for u, _, _ in plan[2]) - (in_host is not None)
-                         if keep_root else 1)
+                count = len(outsized - {in_host}) if keep_root else 1
                 root = HostBufferPool("param_shards_root", max(count, 1), root_shard, cfg.dtype,
                                       self._host_alloc, self._acct)
                 self.pools["param_shards_root"] = root
-                pool_for = lambda fp: root if fp.name.startswith("root.") else main  # noqa: E731
+                pool_for = lambda fp: root if fp.name in outsized else main  # noqa: E731
                 if keep_root:
                     # the root's buffers are idle between its update and the next forward,
                     # which gathers the root first: the updated shards stay there instead of
                     # being read back from the files
-                    keep = lambda fp: fp.name.startswith("root.") and fp.name != in_host  # noqa: E731
+                    keep = lambda fp: fp.name in outsized and fp.name != in_host  # noqa: E731
             if cfg.step_in_forward:
                 # a block's update runs just before its gather: the new shard stays in its
                 # buffer for that gather instead of being written and read back (the root's
@@ -227,9 +232,9 @@ class OffloadEngine:
         self.flat_params = [fp for u in self.units for fp in u.flat_params]
         self.trainable = [fp for fp in self.flat_params if fp.requires_grad]
         # the root's trainable parameters split by gradient order (step_in_backward,
-        # step_in_forward) come as [used after the blocks (LM head), the rest]
+        # step_in_forward) come as [used after the blocks (final norm, LM head)..., the rest]
         root_trainable = [fp for fp in self.root.flat_params if fp.requires_grad]
-        self._after_blocks = set(root_trainable[:1]) if len(root_trainable) == 2 else set()
+        self._after_blocks = set(root_trainable[:-1])
         # whether forward reads block parameter shards from NVMe (see _read_ahead_in_forward)
         self._forward_reads_params = any(fp.home is not None and fp.home.tier is Tier.NVME
                                          for u in self.blocks for fp in u.flat_params)
@@ -1174,7 +1179,8 @@ def _release(acct, store, param_home, swapper, pools, scheduler, grads, flat_par
 def _flat_param_names(planned) -> List[str]:
     """The name of each flat parameter of ``planned`` (``(unit, trainable, members)``, in
     construction order): ``unit<i>.trainable``/``.frozen``, ``root.…``; the root's trainable
-    parameters split by gradient order are ``root.trainable`` and ``root.trainable.1``."""
+    parameters split by gradient order are ``root.trainable``, ``root.trainable.1``, ...
+    (the embeddings' part last)."""
     names, taken = [], {}
     for unit, trainable, _ in planned:
         tag = "root" if unit.is_root else f"unit{unit.index}"

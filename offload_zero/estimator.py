@@ -46,8 +46,11 @@ Besides model states this engine holds, at the peak of a step:
   bytes each (read k+1 | update k | write k-1; chunks of ``NVMeStore.CHUNK_NUMEL`` elements); at stage 3 also the pool of parameter-shard buffers,
   ``2 * (prefetch + 2) + 2`` buffers of ``largest shard_numel * K`` bytes (reads ahead of use and
   the step's write-back ring; no ring at fp32 with the optimizer state on NVMe too, where the
-  shard is the master and the update writes it once), and for an outsized root unit one buffer
-  of its own;
+  shard is the master and the update writes it once), and for an outsized root unit buffers of
+  its size: one per root flat parameter larger than a block's shard when all the root's
+  parameters are trainable (each keeps its updated shard for the next forward), else one (the
+  root's small flat parameters, such as a final norm split off by ``step_in_forward``, go
+  through the block-sized buffers);
 - with ``step_in_backward`` and ``"nvme"``: two read-ahead buffers of the largest trainable block
   shard's whole state, ``2 * 12 * shard_numel`` bytes (three when fp32 parameter shards on NVMe
   are gathered from them); the outsized root's buffers then hold one shard fewer when its tail
@@ -125,7 +128,7 @@ class Placement:
         gpus_per_node: ranks per node, to turn per-rank host and NVMe bytes into per-node bytes.
         engine_supported: False for stage 0 (plain data parallelism; a reference row only).
         step_in_forward: whether the row counts the engine's ``step_in_forward`` (the root
-            split in two, the embeddings' state in host memory when small, its read-ahead
+            split by gradient order, the embeddings' state in host memory when small, its read-ahead
             buffers).
     """
 
@@ -275,7 +278,7 @@ def model_layout(model: nn.Module, unit_classes: Sequence[type] = (),
                  step_in_backward: bool = False, step_in_forward: bool = False) -> List[FlatSpec]:
     """The engine's flat parameters of ``model``: one :class:`FlatSpec` per unit and
     ``requires_grad`` value, units found as :class:`offload_zero.OffloadEngine` finds them
-    (``step_in_backward`` or ``step_in_forward``: the root's trainable parameters in two, by
+    (``step_in_backward`` or ``step_in_forward``: the root's trainable parameters split by
     gradient order, as the engine splits them; see
     :func:`offload_zero.partition.units.split_by_gradient_order`).
 
@@ -504,13 +507,17 @@ def _extras(layout, stage, offload, n, k, padded, prefetch, accelerator, offload
         ring = 0 if (k == 4 and offload == "nvme") else 2
         out["host"]["buffers"] += (2 * (ahead + 2) + ring) * max(block_shard, 1) * k
         if root_shard > block_shard:
-            # one buffer per root flat parameter when all are trainable (each keeps its
-            # updated shard for the next forward), else one
-            root_specs = [spec for spec in layout if spec.unit == -1]
-            count = len(root_specs) if all(spec.trainable for spec in root_specs) else 1
-            if tail is not None and ring == 0 and count > 1:
-                count -= 1  # the tail kept in host memory is its own shard: no buffer
-            out["host"]["buffers"] += count * root_shard * k
+            # one buffer per outsized root flat parameter when all are trainable (each keeps
+            # its updated shard for the next forward), else one; the root's small ones go
+            # through the block-sized buffers above
+            root = [i for i, u in enumerate(units_of) if u == -1]
+            outsized = [i for i in root if all_shards[i] > block_shard]
+            if all(layout[i].trainable for i in root):
+                # the tail kept in host memory is its own shard: no buffer
+                count = len([i for i in outsized if not (ring == 0 and i == tail)])
+            else:
+                count = 1
+            out["host"]["buffers"] += max(count, 1) * root_shard * k
     if offload == "nvme" and ((step_in_backward and stage >= 2) or (step_in_forward and stage == 3)):
         # read-ahead buffers of a block's whole state (master + moments, fp32): two, three
         # when fp32 parameter shards on NVMe are gathered from them in backward, and with
@@ -562,9 +569,10 @@ def estimate_memory(model_or_num_params, world_size: int = 1, gpus_per_node: int
             needs no host staging buffer).
         step_in_forward: the engine's option of that name for the stage-3 rows; None (its
             default) counts it where the engine turns it on, the optimizer state on NVMe (see
-            :func:`offload_zero.config.default_step_in_forward`): the root split in two, the
-            embeddings' state in host memory when small, three read-ahead buffers. For a
-            parameter count the split assumes the root's two embeddings of equal size.
+            :func:`offload_zero.config.default_step_in_forward`): the root split by
+            gradient order, the embeddings' state in host memory when small, three read-ahead
+            buffers. For a parameter count the split assumes the root's two embeddings of equal
+            size (a final norm is too small to count).
 
     Returns:
         :class:`MemoryEstimate` with the selected placement and the 12-row table (bytes).
@@ -665,8 +673,9 @@ def placement_bytes(model: nn.Module, stage: int, offload_optimizer: str, offloa
 
 def _layout_of(obj, unit_classes, largest_unit_numel, root_numel):
     """``(layout_for, padded, source)`` for any accepted model input: ``layout_for(split)``
-    is the layout with the root's trainable parameters whole, or split in two as
-    ``step_in_forward`` splits them (for a parameter count: two equal halves)."""
+    is the layout with the root's trainable parameters whole, or split by gradient
+    order as ``step_in_forward`` splits them (for a parameter count: two equal halves, the
+    embeddings and the LM head)."""
     if isinstance(obj, (str, os.PathLike)):
         obj, source = _preset_or_checkpoint(os.fspath(obj))
     else:
@@ -796,7 +805,7 @@ def format_table(est: MemoryEstimate, unit: str = "GB") -> str:
               "stage 0 is plain data parallelism, shown for reference; the engine runs 1-3"]
     sif = [f"{p.stage} {p.offload}" for p in est.table if p.step_in_forward]
     if sif:
-        lines.append(f"with step_in_forward ({', '.join(sif)}): the root in two flat parameters"
+        lines.append(f"with step_in_forward ({', '.join(sif)}): the root split by gradient order"
                      + ("; with NVMe also the embeddings' optimizer state in host memory when "
                         "small and three read-ahead buffers of a block's state"
                         if any(p.step_in_forward and p.offload == "nvme" for p in est.table)

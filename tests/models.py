@@ -54,6 +54,12 @@ def batches(n, seed=0, batch=4, seq=9):
              torch.randint(0, VOCAB, (batch, seq), generator=g)) for _ in range(n)]
 
 
+def flat_param_of(engine, name: str):
+    """The flat parameter of ``engine`` that holds the parameter named ``name``."""
+    return next(fp for fp in engine.flat_params
+                if any(fqn == name for e in fp.entries for _, _, fqn in e.refs))
+
+
 def max_param_diff(state_dict, reference: nn.Module) -> float:
     return max((state_dict[n] - p.detach()).abs().max().item() for n, p in reference.named_parameters())
 

@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 
 from dist_harness import run_ranks
-from models import Block, TinyLM, batches, lm_loss
+from models import Block, TinyLM, batches, flat_param_of, lm_loss
 from offload_zero import OffloadEngine
 from offload_zero import checkpoint as ckpt
 from offload_zero.memory.tiers import NVMeStore
@@ -794,8 +794,9 @@ REGROUPINGS = [(PLAIN, {"step_in_forward": True}), ({"step_in_forward": True}, P
                          ids=["plain-to-sif", "sif-to-plain", "sib-to-plain", "plain-to-sib-cpu"])
 def test_a_checkpoint_loads_into_an_engine_that_groups_the_root_otherwise(save_kw, load_kw,
                                                                           tmp_path):
-    """step_in_backward and step_in_forward split the root's trainable parameters into two
-    flat parameters (the LM head with the final norm, the embeddings); the plain step keeps one.
+    """step_in_backward and step_in_forward split the root's trainable parameters into flat
+    parameters by gradient order (the final norm, the LM head, the embeddings); the plain step
+    keeps one.
     A checkpoint of one grouping loads into the other parameter by parameter: the weights are
     the saved ones, and one more step on both engines gives the same weights bit for bit (the
     moments and step counts came along)."""
@@ -828,15 +829,15 @@ def test_parameters_whose_step_counts_differ_cannot_share_a_flat_parameter(tmp_p
     as it was."""
     with OffloadEngine(_model(0), stage=3, offload="cpu", step_in_backward=True) as a:
         _train(a, batches(2))
-        head = next(fp for fp in a.flat_params if fp.name == "root.trainable")
+        head = flat_param_of(a, "head.weight")
         a._step_count[head] -= 1  # as if its update had been skipped once
         a.save_checkpoint(tmp_path / "ckpt")
     with OffloadEngine(_model(1), stage=3, offload="cpu") as b:
         before = _snapshot(b)
         with pytest.raises(ValueError, match=r"one flat parameter \('root\.trainable'\) have "
                                              r"different Adam step counts in the checkpoint "
-                                             r"\(emb\.weight: 2 steps; norm\.weight, norm\.bias, "
-                                             r"head\.weight: 1 steps"):
+                                             r"\(emb\.weight: 2 steps; norm\.weight, norm\.bias: "
+                                             r"2 steps; head\.weight: 1 steps"):
             b.load_checkpoint(tmp_path / "ckpt")
         assert _differences(_snapshot(b), before) == []
 

@@ -13,7 +13,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from models import BackwardFault, TinyLM, batches, big_root_lm, lm_loss, max_param_diff
+from models import (BackwardFault, TinyLM, batches, big_root_lm, flat_param_of, lm_loss,
+                    max_param_diff)
 from offload_zero import OffloadEngine
 from offload_zero.memory.tiers import NVMeStore
 
@@ -1346,22 +1347,24 @@ def test_step_in_backward_leaves_no_write_in_flight_after_step(tmp_path):
 @pytest.mark.parametrize("stage", [2, 3])
 def test_step_in_backward_streams_outsized_root_states_during_backward(stage, tmp_path,
                                                                        monkeypatch):
-    """With step_in_backward the root's trainable parameters are two flat parameters: the LM
-    head and final norm, whose gradient backward finishes first (their views are made when they
-    run, not at the start of forward), and the embeddings. A state larger than the read-ahead
-    buffers is updated chunk by chunk from the hooks that follow its gradient: the LM head's is
-    done before backward reaches the first block. Weights equal the plain step's bit for bit,
-    and a nan step is skipped by both."""
+    """With step_in_backward the root's trainable parameters are three flat parameters: the
+    final norm and the LM head, whose gradients backward finishes first (their views are made
+    when they run, not at the start of forward), and the embeddings. A state larger than the
+    read-ahead buffers is updated chunk by chunk from the hooks that follow its gradient: the
+    LM head's is done before backward reaches the first block. Weights equal the plain step's
+    bit for bit, and a nan step is skipped by both."""
     from offload_zero.memory.tiers import NVMeStore
     monkeypatch.setattr(NVMeStore, "CHUNK_NUMEL", 1024)
     torch.manual_seed(4)
     model = big_root_lm(4)
     a, b = _twins(model, tmp_path, offload="nvme", stage=stage)
     with a, b:
-        head, emb = b.root.flat_params
-        assert (head.name, emb.name) == ("root.trainable", "root.trainable.1")
-        assert {fqn for e in head.entries for _, _, fqn in e.refs} == {
-            "norm.weight", "norm.bias", "head.weight"}
+        norm, head, emb = b.root.flat_params
+        assert (norm.name, head.name, emb.name) == (
+            "root.trainable", "root.trainable.1", "root.trainable.2")
+        assert {fqn for e in norm.entries for _, _, fqn in e.refs} == {"norm.weight",
+                                                                      "norm.bias"}
+        assert {fqn for e in head.entries for _, _, fqn in e.refs} == {"head.weight"}
         assert {fqn for e in emb.entries for _, _, fqn in e.refs} == {"emb.weight"}
         assert b.store._chunk < head.shard_numel and not b.store.prefetch(head)
         events = []
@@ -1379,8 +1382,9 @@ def test_step_in_backward_streams_outsized_root_states_during_backward(stage, tm
                 eng.backward(lm_loss(eng(x), y) * scale)
                 eng.step()
             order = [name for name, _ in events]
-            assert order == ["root.trainable"] + [f"unit{k}.trainable" for k in (3, 2, 1, 0)] + [
-                "root.trainable.1"], order
+            # (the LM head runs last in forward: backward reaches it before the final norm)
+            assert order == ["root.trainable.1", "root.trainable"] + [
+                f"unit{k}.trainable" for k in (3, 2, 1, 0)] + ["root.trainable.2"], order
             assert dict(events)["unit0.trainable"], events  # the LM head's update is done
             assert not b._deferred
         assert a.skipped_steps == b.skipped_steps == 1
@@ -1397,7 +1401,8 @@ def test_step_in_backward_state_read_between_backward_and_step(tmp_path, monkeyp
     monkeypatch.setattr(NVMeStore, "CHUNK_NUMEL", 1024)
     torch.manual_seed(7)
     model = big_root_lm(3)
-    a, b = _twins(model, tmp_path, sib_a=True, offload="nvme")
+    # (the embeddings' state on NVMe: in host memory it would be updated at once)
+    a, b = _twins(model, tmp_path, sib_a=True, offload="nvme", tail_state_in_host=False)
     with a, b:
         for x, y in batches(3):
             a.backward(lm_loss(a(x), y))
@@ -1623,10 +1628,11 @@ def test_step_after_an_error_in_backward_serves_no_stale_parameter_read(dtype, t
 
 
 def test_step_in_backward_with_a_frozen_root_parameter_and_bf16_shards_on_nvme(tmp_path):
-    """A root with frozen parameters has one buffer for its shards on NVMe; with
-    step_in_backward its two trainable flat parameters are updated one after the other in the
-    same backward (here with frozen blocks between them), so the second waits for the first
-    one's write-back to free that buffer. Same weights as the plain step."""
+    """A root with frozen parameters has one buffer for its outsized shards on NVMe; with
+    step_in_backward its outsized trainable flat parameters (the LM head, the embeddings) are
+    updated one after the other in the same backward (here with frozen blocks between them),
+    so the second waits for the first one's write-back to free that buffer (the final norm's
+    small part goes through the blocks' buffers). Same weights as the plain step."""
     torch.manual_seed(6)
     model = big_root_lm(3, vocab_scale=4)
     model.norm.weight.requires_grad_(False)
@@ -1634,7 +1640,7 @@ def test_step_in_backward_with_a_frozen_root_parameter_and_bf16_shards_on_nvme(t
     a, b = _twins(model, tmp_path, offload="nvme", stage=3, dtype=torch.bfloat16)
     with a, b:
         assert [fp.name for fp in b.root.flat_params] == [
-            "root.trainable", "root.trainable.1", "root.frozen"]
+            "root.trainable", "root.trainable.1", "root.trainable.2", "root.frozen"]
         assert b.memory_report()["pools"]["param_shards_root"]["buffers"] == 1
         for x, y in batches(3):
             for eng in (a, b):
@@ -2008,18 +2014,19 @@ def test_step_in_forward_moves_the_state_io_into_the_next_forward(tmp_path):
 
 def test_step_in_forward_streams_the_lm_head_update_while_the_blocks_run(tmp_path,
                                                                          monkeypatch):
-    """The root's parameters used after the blocks (LM head, final norm) are a flat parameter
-    of their own: the next forward gathers the embeddings' part at its start, after their
-    update, and streams the LM head's update chunk by chunk while the blocks run, gathering it
-    only when the LM head runs. The weights stay those of the plain step."""
+    """The root's parameters used after the blocks are flat parameters of their own (the LM
+    head's weight, the final norm's): the next forward gathers the embeddings' part at its
+    start, after their update, and streams the LM head's update chunk by chunk while the blocks
+    run, gathering it only when the LM head runs. The weights stay those of the plain step."""
     monkeypatch.setattr(NVMeStore, "CHUNK_NUMEL", 1024)
     torch.manual_seed(0)
     model = big_root_lm(4, vocab_scale=6)
     events = []
     with OffloadEngine(model, offload="nvme", path=str(tmp_path), stage=3, lr=1e-2,
                        step_in_forward=True) as eng:
-        head, emb = [fp for fp in eng.root.flat_params if fp.requires_grad]
-        assert {e.names[0] for e in head.entries} == {"norm.weight", "norm.bias", "head.weight"}
+        norm, head, emb = [fp for fp in eng.root.flat_params if fp.requires_grad]
+        assert {e.names[0] for e in norm.entries} == {"norm.weight", "norm.bias"}
+        assert [e.names[0] for e in head.entries] == ["head.weight"]
         assert [e.names[0] for e in emb.entries] == ["emb.weight"]
         chunks = math.ceil(head.shard_numel / 1024)
         assert chunks > 4  # more chunks than blocks: some are left for the head's own gather
@@ -2050,7 +2057,8 @@ def test_step_in_forward_streams_the_lm_head_update_while_the_blocks_run(tmp_pat
         # one chunk as each block is gathered (the next block's prefetch gathers it early)
         assert sum(at["block0"] < i < at["block3"] for i in head_updates) >= 3
         assert all(i < at["head"] for i in head_updates)  # and the rest just before the head
-        assert events[at["head"]][1:] == ("unsharded", "unsharded")
+        # (gathered only when the LM head runs: still sharded as its first pre-hook runs)
+        assert events[at["head"]][1:] == ("sharded", "unsharded")
 
 
 def test_step_in_forward_an_error_while_the_lm_head_streams_then_evaluation(tmp_path,
@@ -2143,7 +2151,8 @@ def test_step_in_forward_reads_the_first_blocks_state_during_backward(tmp_path, 
             phases.append((r1 - r0, r2 - r1, eng.store.read_bytes - r2))
         ring = eng.pools["optimizer_prefetch"].count
         blocks = [u.flat_params[0].shard_numel for u in eng.scheduler.order]
-        head = next(fp for fp in eng.trainable if fp.name == "root.trainable").shard_numel
+        # the root's parts used after the blocks: the final norm's and the LM head's
+        head = sum(flat_param_of(eng, name).shard_numel for name in ("norm.weight", "head.weight"))
         first, rest = sum(blocks[:ring]), sum(blocks[ring:])
         # the last blocks' write-backs wait for the forward's last update (at most the ring's
         # buffers less one per later pending update: here the last two blocks')
@@ -2151,9 +2160,9 @@ def test_step_in_forward_reads_the_first_blocks_state_during_backward(tmp_path, 
         assert deferred[1] == deferred[2] == last
         held = sum(fp.shard_numel for fp in last)
         # backward: the first blocks' states whole (12 bytes an element), the others' fp32
-        # parameter shards (4) but for those held; forward: the other blocks' states and the LM
-        # head's, and the LM head's shard for its gather (a root no larger than a block has no
-        # buffer to keep its updated shard in); step(): nothing
+        # parameter shards (4) but for those held; forward: the other blocks' states and the
+        # final norm's and LM head's, and their shards for their gathers (a root no larger than
+        # a block has no buffer to keep its updated shards in); step(): nothing
         assert phases[1] == phases[2] == (12 * (rest + head) + 4 * head,
                                           12 * first + 4 * (rest - held), 0)
 
@@ -2194,7 +2203,8 @@ def test_step_in_forward_writes_the_last_blocks_back_after_the_forwards_last_upd
                 continue  # (the order is recorded in the first forward)
             names = [u.flat_params[0].name for u in b.scheduler.order]
             last = max(k for k, e in enumerate(forward) if e[0] == "applied")
-            assert forward[last] == ("applied", "root.trainable")  # the LM head's stream
+            # the LM head's stream (queued after the final norm's)
+            assert forward[last] == ("applied", flat_param_of(b, "head.weight").name)
             writes = [(k, key) for k, (kind, key) in enumerate(forward) if kind == "write"]
             late = {key for k, key in writes if k > last}
             early = {key for k, key in writes if k < last}
@@ -2241,8 +2251,10 @@ def test_step_in_forward_spreads_the_lm_heads_stream_over_the_blocks(tmp_path, m
                 eng.backward(lm_loss(eng(x), y))
                 eng.step()
         n = len(b.scheduler.order)
-        head = next(fp for fp in b.trainable if fp.name == "root.trainable")
-        total = -(-head.shard_numel // 1024)
+        # (the final norm's small update streams too, queued before the LM head's)
+        norm, head = flat_param_of(b, "norm.weight"), flat_param_of(b, "head.weight")
+        assert norm is not head
+        total = -(-norm.shard_numel // 1024) - (-head.shard_numel // 1024)
         assert n == 4 and total >= 2 * n
         # (a block is gathered twice: its parameter read starts one block ahead)
         assert sorted(set(seen)) == [(k, -(-total * (k + 1) // n), total, True) for k in range(n)]
@@ -2475,7 +2487,7 @@ def test_step_in_forward_bad_settings_raise(kwargs, match):
 def test_step_in_forward_is_the_default_with_the_optimizer_state_on_nvme_at_stage_3(
         kwargs, on, tmp_path):
     """step_in_forward=None (the default) turns it on where the plain step's NVMe state I/O
-    would stall between backward and forward: the root split in two, three read-ahead
+    would stall between backward and forward: the root split by gradient order, three read-ahead
     buffers, the update applied in the next forward."""
     nvme = "nvme" in (kwargs.get("offload"), kwargs.get("offload_optimizer"),
                       kwargs.get("offload_param"))
@@ -2483,7 +2495,8 @@ def test_step_in_forward_is_the_default_with_the_optimizer_state_on_nvme_at_stag
         assert eng.config.step_in_forward is on
         roots = [fp.name for fp in eng.root.flat_params if fp.requires_grad]
         split = on or kwargs.get("step_in_backward", False)
-        assert roots == (["root.trainable", "root.trainable.1"] if split else ["root.trainable"])
+        assert roots == (["root.trainable", "root.trainable.1", "root.trainable.2"] if split
+                         else ["root.trainable"])
         ring = eng.memory_report()["pools"].get("optimizer_prefetch")
         assert (ring is not None) is (split and eng.config.offload_optimizer == "nvme")
         assert not on or ring["buffers"] == 3

@@ -12,7 +12,7 @@ from offload_zero.estimator import (KINDS, OFFLOADS, STAGES, TIERS, assumed_layo
                                     estimate_memory, format_table, model_layout)
 from offload_zero.memory.accounting import TierAccountant
 from offload_zero.partition.flat_param import FlatParam, build_entries
-from models import TinyLM, batches, lm_loss
+from models import TinyLM, batches, big_root_lm, flat_param_of, lm_loss
 
 GB = 1e9
 
@@ -122,10 +122,10 @@ def test_stage_3_nvme_counts_step_in_forward_as_the_engine_does_by_default():
     with pytest.raises(ValueError, match="step_in_forward=True needs stage 3"):
         estimate_memory(11_000, **dict(kw, stage=2), step_in_forward=True)
     # the footnote says what applies to which rows
-    assert "with step_in_forward (3 nvme): the root in two flat parameters; with NVMe" in \
+    assert "with step_in_forward (3 nvme): the root split by gradient order; with NVMe" in \
         format_table(auto)
     text = format_table(estimate_memory(11_000, **dict(kw, offload="cpu"), step_in_forward=True))
-    assert "with step_in_forward (3 none, 3 cpu, 3 nvme): the root in two flat parameters; " \
+    assert "with step_in_forward (3 none, 3 cpu, 3 nvme): the root split by gradient order; " \
         "with NVMe" in text
 
 
@@ -322,7 +322,8 @@ def test_placement_bytes_count_the_read_ahead(offload_param, mode, tmp_path):
         eng(batches(1)[0][0])  # (step_in_forward: the last step's updates run here)
         rep = eng.memory_report()
         # (both keep the embeddings' state in host memory here: counted the same)
-        assert [fp.name for fp in eng.trainable if eng.store.in_host(fp)] == ["root.trainable.1"]
+        assert [fp.name for fp in eng.trainable if eng.store.in_host(fp)] == [
+            flat_param_of(eng, "emb.weight").name]
         ring = rep["pools"]["optimizer_prefetch"]["capacity_bytes"]
     assert est.extras["host"]["buffers"] - plain.extras["host"]["buffers"] == ring > 0
     for tier in TIERS:
@@ -355,12 +356,13 @@ def test_step_in_backward_on_one_cpu_rank_holds_one_gradient_of_each_size(offloa
 
 
 class _NearSizedRoot(nn.Module):
-    """Input embeddings and an LM head (with its final norm and a bias) of nearly one size:
-    with step_in_backward the root's two flat parameters differ by 1.6%."""
+    """Input embeddings (with 80 spare rows) and an LM head's weight of nearly one size: with
+    step_in_backward the root's two large flat parameters differ by 1.6% (the third holds the
+    final norm and the LM head's bias)."""
 
     def __init__(self, vocab=5000, width=64):
         super().__init__()
-        self.emb = nn.Embedding(vocab, width)
+        self.emb = nn.Embedding(vocab + 80, width)
         self.blocks = nn.ModuleList(nn.Linear(width, width) for _ in range(3))
         self.norm = nn.LayerNorm(width)
         self.head = nn.Linear(width, vocab)
@@ -374,8 +376,8 @@ class _NearSizedRoot(nn.Module):
 
 def test_step_in_backward_shares_one_gradient_buffer_between_near_sizes(tmp_path):
     """The LM head's and the embeddings' gradients (sizes within NEAR_SIZE) take turns in
-    one lent buffer: host gradient bytes are the blocks' one buffer plus one of the root's
-    larger size, as the estimate says."""
+    one buffer: host gradient bytes are the blocks' one buffer, the final norm's part's and
+    one of the root's larger size, as the estimate says."""
     from offload_zero.estimator import placement_bytes
     torch.manual_seed(0)
     model = _NearSizedRoot()
@@ -385,7 +387,8 @@ def test_step_in_backward_shares_one_gradient_buffer_between_near_sizes(tmp_path
                        step_in_backward=True) as eng:
         root = sorted((fp.shard_numel for fp in eng.trainable if fp.name.startswith("root")),
                       reverse=True)
-        assert len(root) == 2 and root[0] != root[1] and root[0] < 1.0625 * root[1]
+        assert len(root) == 3 and root[0] != root[1] and root[0] < 1.0625 * root[1]
+        assert root[2] * 1.0625 < root[1]
         block = {fp.shard_numel for fp in eng.trainable if not fp.name.startswith("root")}
         g = torch.Generator().manual_seed(1)
         for _ in range(3):
@@ -394,4 +397,37 @@ def test_step_in_backward_shares_one_gradient_buffer_between_near_sizes(tmp_path
             eng.step()
         measured = eng.memory_report()["host"]["by_kind"]["gradients"]["peak_bytes"]
     assert len(block) == 1
-    assert measured == est.model_states["host"]["gradients"] == 4 * (root[0] + block.pop())
+    assert measured == est.model_states["host"]["gradients"] == 4 * (root[0] + root[2]
+                                                                      + block.pop())
+
+
+@pytest.mark.parametrize("dtype,tail,root_buffers", [
+    (torch.float32, False, 2), (torch.float32, True, 1), (torch.bfloat16, True, 2)])
+def test_the_roots_small_part_goes_through_the_block_sized_buffers(dtype, tail, root_buffers,
+                                                                   tmp_path):
+    """Parameter shards on NVMe, the root split by gradient order (step_in_forward) into the
+    final norm, the LM head and the embeddings, the last two larger than a block: only those
+    two get root-sized host buffers (one less when the embeddings' fp32 state, their shard,
+    stays in host memory); the final norm's part goes through the block-sized ones. The host
+    buffer bytes equal the estimate's."""
+    from offload_zero.estimator import placement_bytes
+    torch.manual_seed(0)
+    model = big_root_lm(3, vocab_scale=6)
+    est = placement_bytes(model, 3, "nvme", "nvme", dtype=dtype, accelerator=False,
+                          tail_state_in_host=tail)
+    with OffloadEngine(model, stage=3, offload="nvme", path=str(tmp_path), dtype=dtype,
+                       tail_state_in_host=tail) as eng:
+        assert eng.config.step_in_forward
+        norm, head, emb = (flat_param_of(eng, n) for n in ("norm.weight", "head.weight",
+                                                            "emb.weight"))
+        block = max(fp.shard_numel for u in eng.blocks for fp in u.flat_params)
+        assert len({norm, head, emb}) == 3 and norm.shard_numel <= block
+        assert min(head.shard_numel, emb.shard_numel) > block
+        for x, y in batches(2):
+            eng.backward(lm_loss(eng(x), y))
+            eng.step()
+        eng(batches(1)[0][0])  # (the last step's updates run here)
+        rep = eng.memory_report()
+    assert rep["pools"]["param_shards_root"]["buffers"] == root_buffers
+    assert rep["host"]["by_kind"]["buffers"]["peak_bytes"] == (
+        est.model_states["host"].get("buffers", 0) + est.extras["host"]["buffers"])

@@ -189,3 +189,59 @@ def test_a_one_parameter_flat_gradient_is_taken_as_autograd_made_it(kw, tmp_path
         state = eng.full_state_dict()
     for name, p in ref.named_parameters():
         torch.testing.assert_close(state[name], p.detach(), rtol=0, atol=1e-5)
+
+
+class _HeadAndNorm(nn.Module):
+    """Input embeddings and an LM head of 1024x64 each (no padding), a final norm, and blocks
+    far smaller: the root's parameters outweigh the blocks', as in an LM."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(1024, 64)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(3))
+        self.norm = nn.LayerNorm(64)
+        self.head = nn.Linear(64, 1024, bias=False)
+
+    def forward(self, x):
+        h = self.emb(x)
+        for b in self.blocks:
+            h = h + b(h)
+        return self.head(self.norm(h))
+
+
+@pytest.mark.parametrize("kw", [
+    dict(stage=3, offload="cpu", step_in_forward=True),
+    dict(stage=3, offload="cpu", step_in_backward=True),
+    dict(stage=3, offload="nvme"),
+], ids=["stage3-cpu-sif", "stage3-cpu-sib", "stage3-nvme"])
+def test_the_lm_head_is_a_flat_parameter_of_its_own_and_borrows_no_gradient_buffer(kw, tmp_path):
+    """Where the root is split by gradient order, the LM head's weight (most of the part used
+    after the blocks) is a flat parameter of its own, apart from the final norm: autograd's
+    gradient of it is its flat gradient, so no buffer of its size is ever lent or kept. (With
+    the final norm in the same flat parameter, a buffer of both sat idle from the update to the
+    next backward and was written at the LM head's backward, the bench model's peak, beside
+    autograd's gradient: 131 MB there.) The weights are plain AdamW's."""
+    torch.manual_seed(5)
+    model = _HeadAndNorm()
+    ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.1)
+    g = torch.Generator().manual_seed(2)
+    xs = [torch.randint(0, 1024, (2, 5), generator=g) for _ in range(3)]
+    if kw["offload"] == "nvme":
+        kw = dict(kw, path=str(tmp_path))
+    with OffloadEngine(model, lr=1e-3, weight_decay=0.1, **kw) as eng:
+        parts = [[e.names[0] for e in fp.entries] for fp in eng.root.flat_params]
+        assert parts == [["norm.weight", "norm.bias"], ["head.weight"], ["emb.weight"]]
+        seen_sizes = set()
+        for x in xs:
+            eng.backward(eng(x).square().mean())
+            seen_sizes |= {b.numel() for b in eng.grads._lent.values()}
+            eng.step()
+            seen_sizes |= {b.numel() for bufs in eng.grads._free.values() for b in bufs}
+            opt.zero_grad()
+            ref(x).square().mean().backward()
+            opt.step()
+        assert seen_sizes and max(seen_sizes) < 1024 * 64  # nothing of the LM head's size
+        state = eng.full_state_dict()
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(state[name], p.detach(), rtol=0, atol=1e-5)

@@ -27,7 +27,7 @@ buffer nothing holds any more (a gradient autograd added into another instead of
 The free list keeps what was lent at once: with ``step_in_backward`` one buffer of each size
 (each gradient is used up by its update in backward, and the engine zeroes it then, so blocks
 of one size share one buffer, and so do sizes within ``NEAR_SIZE`` of each other, such as an
-LM head with its final norm and the input embeddings: :func:`size_classes`;
+LM head and input embeddings with spare rows: :func:`size_classes`;
 :func:`offload_zero.estimator.placement_bytes` counts the same), every flat parameter's
 gradient for a plain
 step at world size 1 (held until the step, as plain torch holds its ``.grad`` until
@@ -42,7 +42,9 @@ A flat parameter of one parameter and no padding borrows nothing: autograd's gra
 parameter already is its flat gradient and is taken as it is (no copy). A buffer lent to it
 would sit idle from its update to the next backward, beside the activations (an LM head's or
 an embedding's: 131 MB each on the bench model, the step's peak RSS 0.12 GB higher), for the
-faults of one fresh allocation a step, which plain torch pays for every parameter.
+faults of one fresh allocation a step, which plain torch pays for every parameter. This is why
+:func:`offload_zero.partition.units.split_by_gradient_order` gives an LM head's weight a flat
+parameter of its own, apart from the final norm.
 """
 from __future__ import annotations
 
@@ -58,7 +60,7 @@ from offload_zero.partition.flat_param import FlatParam
 
 NEAR_SIZE = 1.0625
 """Gradients whose sizes differ by at most this factor share lent buffers (with
-``share_near_sizes``): an LM head with its final norm and the input embeddings, say."""
+``share_near_sizes``): an LM head and input embeddings with spare rows, say."""
 
 
 def size_classes(sizes: List[int]) -> Dict[int, int]:

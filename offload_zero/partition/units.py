@@ -127,12 +127,15 @@ def split_by_gradient_order(model: nn.Module, members: List[Tuple[nn.Parameter, 
     by when backward finishes their gradients and forward first uses them, for updates in
     backward (``step_in_backward``) or before the next use in forward (``step_in_forward``).
 
-    Returns ``[late]`` or ``[early, late]``: ``early`` holds the parameters that only modules
-    registered after the first block use (an LM head, a final norm: backward reaches them
-    first, forward last), ``late`` the rest (input embeddings, and any parameter also used
+    Returns ``[late]``, ``[early, late]`` or ``[rest, largest, late]``: the early part holds
+    the parameters that only modules registered after the first block use (an LM head, a
+    final norm: backward reaches them first, forward last); a parameter of more than half its
+    elements (the LM head's weight) goes alone in ``largest``, the others (the final norm's)
+    in ``rest``. ``late`` holds the rest of the members (input embeddings, and any parameter also used
     before the blocks, such as an embedding tied to the LM head: its gradient is final only at
-    the end of backward, and forward needs it first). Module registration order stands for execution order here; if a model runs its
-    modules in another order, only the timing of the updates changes, never their result.
+    the end of backward, and forward needs it first). Module registration order stands for
+    execution order here; if a model runs its modules in another order, only the timing of the
+    updates changes, never their result.
     Without blocks, or when either part is empty, the members stay one group.
     """
     if not block_names:
@@ -147,7 +150,16 @@ def split_by_gradient_order(model: nn.Module, members: List[Tuple[nn.Parameter, 
 
     early = [(p, refs) for p, refs in members if after_blocks(refs)]
     late = [(p, refs) for p, refs in members if not after_blocks(refs)]
-    return [early, late] if early and late else [members]
+    if not (early and late):
+        return [members]
+    # a parameter holding most of the early part (an LM head's weight) goes alone: a flat
+    # parameter of one parameter takes autograd's gradient as it is, with no gradient buffer
+    # held for it (see [Note: reused gradient memory] in offload_zero.partition.grads)
+    largest = max(range(len(early)), key=lambda i: early[i][0].numel())
+    rest = early[:largest] + early[largest + 1:]
+    if not rest or 2 * early[largest][0].numel() <= sum(p.numel() for p, _ in early):
+        return [early, late]
+    return [rest, [early[largest]], late]
 
 
 def host_tail_index(flat: Sequence[Tuple[bool, bool, int]],
