@@ -41,8 +41,7 @@ Rank r of N holds elements ``[r * shard_numel, (r + 1) * shard_numel)`` of each 
 world size: loading on M ranks reads, for each rank, the slices of the saved shards that overlap
 its own (resharding; see :func:`_load_shards`). Each parameter's place in its flat parameter is
 in ``parameters``, so an engine that groups the parameters into flat parameters otherwise (one
-built with or without ``step_in_backward`` or ``step_in_forward``, which split the root's) loads
-them too, parameter by parameter.
+built with other ``unit_classes``, say) loads them too, parameter by parameter.
 
 Its safetensors metadata (strings) names the ``rank`` and ``world_size`` it was written by and
 the ``save_id``, and gives a CRC-32 of each tensor's bytes (``crc32/<tensor name>``, 8 hex digits), checked on load.
@@ -176,10 +175,9 @@ def load_checkpoint(engine, folder) -> dict:
     ``offload="nvme"``, loaded with ``offload="cpu"``, say), and so may the world size and the
     ZeRO stage: a checkpoint of N ranks loads on M ranks, each rank reading the slices of the
     saved shards that make up its own (see :func:`_load_shards`). So may the grouping of the
-    parameters into flat parameters (``step_in_backward`` and ``step_in_forward`` split the
-    root's by gradient order; ``unit_classes`` cuts units otherwise), as long as the parameters of one
-    flat parameter here share one Adam step count there; the model's parameters (names,
-    shapes, ``requires_grad``) and the compute dtype may not change.
+    parameters into flat parameters (``unit_classes`` cuts units otherwise, say), as long as
+    the parameters of one flat parameter here share one Adam step count there; the model's
+    parameters (names, shapes, ``requires_grad``) and the compute dtype may not change.
 
     Every rank first checks its whole file (structure, dtypes, shapes, CRC-32 of every tensor;
     when resharding, every saved file it reads from) and the ranks agree before anything in the engine changes, so a bad checkpoint leaves the
@@ -588,8 +586,8 @@ def _match(where: Dict[str, tuple], names: List[str]) -> Optional[tuple]:
 def _segments(meta: dict, engine) -> Dict[object, List[tuple]]:
     """Where each of ``engine``'s flat parameters lies in the saved ones, parameter by
     parameter: ``{fp: [(offset in fp, numel, saved flat parameter name, its shard_numel,
-    offset in it)]}`` (elements). The checkpoint may group the parameters differently (a root
-    split by ``step_in_backward`` or ``step_in_forward`` on one side only, say); checked by
+    offset in it)]}`` (elements). The checkpoint may group the parameters differently (other
+    ``unit_classes`` on one side, say); checked by
     :func:`_check_matches`."""
     where = _saved_parameters(meta)
     out = {}
@@ -636,10 +634,10 @@ def _saved_steps(f, segs: Dict[object, List[tuple]], path: str) -> Dict[object, 
             raise ValueError(f"{path!r}: parameters that this engine keeps in one flat "
                              f"parameter ({fp.name!r}) have different Adam step counts in the "
                              f"checkpoint ({told}; the saving engine skipped a step "
-                             "for some only, as step_in_backward or step_in_forward do for a "
-                             "part without a gradient or with an overflow); load it into an "
-                             "engine that groups them as the saving one did (the same "
-                             "step_in_backward / step_in_forward)")
+                             "for some only, as it does for a flat parameter without a "
+                             "gradient, or step_in_backward for one with an overflow); load it "
+                             "into an engine that groups them as the saving one did (the same "
+                             "unit_classes)")
         steps[fp] = next(iter(found.values()), 0)
     return steps
 

@@ -92,13 +92,11 @@ class EngineConfig:
             hides behind backward; a state too large for the read-ahead buffers (an LM head) is
             streamed chunk by chunk while the next units run, and fp32 parameter shards on NVMe
             are gathered for backward from the state read. The root unit's trainable
-            parameters are split by gradient order: the ones after the blocks (final early in
-            backward: the LM head's weight, a flat parameter of its own, and the final norm)
-            and the rest (embeddings); see
-            :func:`offload_zero.partition.units.split_by_gradient_order`. Same numbers as the
-            plain step, except in a step where only some of those parts get gradients: the
-            others are skipped (as ``torch.optim`` skips a parameter without gradient) where
-            the plain step's single root flat parameter updates them with zeros. Needs stage >= 2, no
+            parameters (split by gradient order in every mode: the LM head's weight, the rest
+            of what runs after the blocks, the embeddings; see
+            :func:`offload_zero.partition.units.split_by_gradient_order`) are updated as their
+            gradients are final: the LM head's first, the embeddings' last. Same numbers as the
+            plain step. Needs stage >= 2, no
             ``max_grad_norm`` (the norm is known only after backward) and one ``backward`` per
             ``step`` (no gradient accumulation). Default False.
         step_in_forward: at stage 3, :meth:`OffloadEngine.step` decides the update (gradient
@@ -109,13 +107,12 @@ class EngineConfig:
             overlaps the next forward's compute instead of stalling between backward and
             forward. Works with ``max_grad_norm`` and gradient accumulation (unlike
             ``step_in_backward``); the updated parameter shards stay in their read buffers for
-            the gather. The root's trainable parameters are split by gradient order, as with
-            ``step_in_backward``: the input embeddings, updated as forward starts (their state in
-            host memory by default, see ``tail_state_in_host``), and those used after the
-            blocks (the LM head's weight alone, the final norm), whose updates stream in chunks
-            while the blocks run and which are gathered only when their modules run (or a
-            computation first reads their weights). Same numbers as the plain step (but see ``step_in_backward`` on a
-            root part without gradients). Costs host memory: the gradient shards of the units
+            the gather. Of the root's parts (see ``step_in_backward``), the input embeddings are
+            updated as forward starts (their state in host memory by default, see
+            ``tail_state_in_host``), and those used after the blocks (the LM head's weight, the
+            final norm) stream their updates in chunks while the blocks run and are gathered
+            only when their modules run (or a computation first reads their weights). Same
+            numbers as the plain step. Costs host memory: the gradient shards of the units
             not yet updated are held into the next forward, the read-ahead ring has three
             buffers of a block's whole state, and the embeddings' state stays in host memory
             by default. Needs stage 3 and ``step_in_backward=False``. ``None`` (default): on at

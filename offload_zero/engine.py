@@ -304,7 +304,7 @@ class OffloadEngine:
         """Units and, per unit, its trainable and frozen parameter groups (nothing built yet)."""
         cfg = self.config
         block_mods, planned, users = plan_flat_params(
-            model, cfg.unit_classes, split_root=cfg.step_in_backward or cfg.step_in_forward)
+            model, cfg.unit_classes)
         blocks = [Unit(i, n, m, is_root=False) for i, (n, m) in enumerate(block_mods)]
         root = Unit(len(blocks), "", model, is_root=True)
         units = blocks + [root]

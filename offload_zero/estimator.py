@@ -49,7 +49,7 @@ Besides model states this engine holds, at the peak of a step:
   shard is the master and the update writes it once), and for an outsized root unit buffers of
   its size: one per root flat parameter larger than a block's shard when all the root's
   parameters are trainable (each keeps its updated shard for the next forward), else one (the
-  root's small flat parameters, such as a final norm split off by ``step_in_forward``, go
+  root's small flat parameters, such as the final norm's part of its split, go
   through the block-sized buffers);
 - with ``step_in_backward`` and ``"nvme"``: two read-ahead buffers of the largest trainable block
   shard's whole state, ``2 * 12 * shard_numel`` bytes (three when fp32 parameter shards on NVMe
@@ -127,9 +127,8 @@ class Placement:
             (see [Note: engine extras]).
         gpus_per_node: ranks per node, to turn per-rank host and NVMe bytes into per-node bytes.
         engine_supported: False for stage 0 (plain data parallelism; a reference row only).
-        step_in_forward: whether the row counts the engine's ``step_in_forward`` (the root
-            split by gradient order, the embeddings' state in host memory when small, its read-ahead
-            buffers).
+        step_in_forward: whether the row counts the engine's ``step_in_forward`` (the
+            embeddings' state in host memory when small, its read-ahead buffers).
     """
 
     stage: int
@@ -274,20 +273,17 @@ def _param_count(value) -> int:
     return int(value)
 
 
-def model_layout(model: nn.Module, unit_classes: Sequence[type] = (),
-                 step_in_backward: bool = False, step_in_forward: bool = False) -> List[FlatSpec]:
+def model_layout(model: nn.Module, unit_classes: Sequence[type] = ()) -> List[FlatSpec]:
     """The engine's flat parameters of ``model``: one :class:`FlatSpec` per unit and
     ``requires_grad`` value, units found as :class:`offload_zero.OffloadEngine` finds them
-    (``step_in_backward`` or ``step_in_forward``: the root's trainable parameters split by
-    gradient order, as the engine splits them; see
+    (the root's trainable parameters split by gradient order, as the engine splits them; see
     :func:`offload_zero.partition.units.split_by_gradient_order`).
 
     A parameter shared by several modules (tied embeddings) is counted once. Works on models on
     the ``meta`` device (nothing is allocated). Units: elements.
     """
     from offload_zero.partition.units import plan_flat_params
-    block_mods, planned, _ = plan_flat_params(model, tuple(unit_classes),
-                                              split_root=step_in_backward or step_in_forward)
+    block_mods, planned, _ = plan_flat_params(model, tuple(unit_classes))
     specs = [FlatSpec(sum(p.numel() for p, _ in members), -1 if i == len(block_mods) else i,
                       trainable) for i, trainable, members in planned]
     if not specs:
@@ -569,10 +565,10 @@ def estimate_memory(model_or_num_params, world_size: int = 1, gpus_per_node: int
             needs no host staging buffer).
         step_in_forward: the engine's option of that name for the stage-3 rows; None (its
             default) counts it where the engine turns it on, the optimizer state on NVMe (see
-            :func:`offload_zero.config.default_step_in_forward`): the root split by
-            gradient order, the embeddings' state in host memory when small, three read-ahead
-            buffers. For a parameter count the split assumes the root's two embeddings of equal
-            size (a final norm is too small to count).
+            :func:`offload_zero.config.default_step_in_forward`): the embeddings' state in
+            host memory when small, three read-ahead buffers. For a parameter count the root's
+            split by gradient order (every mode) assumes its two embeddings of equal size (a
+            final norm is too small to count).
 
     Returns:
         :class:`MemoryEstimate` with the selected placement and the 12-row table (bytes).
@@ -598,19 +594,17 @@ def estimate_memory(model_or_num_params, world_size: int = 1, gpus_per_node: int
     if step_in_forward and stage != 3:
         raise ValueError(f"step_in_forward=True needs stage 3 (as the engine's); got "
                          f"stage={stage}")
-    layout_for, padded, source = _layout_of(model_or_num_params, unit_classes,
-                                            largest_unit_numel, root_numel)
-    layout = layout_for(False)
+    layout, padded, source = _layout_of(model_or_num_params, unit_classes, largest_unit_numel,
+                                        root_numel)
     rows = []
     for s in STAGES:
         for o in OFFLOADS:
             sif = s == 3 and (default_step_in_forward(s, o, False) if step_in_forward is None
                               else step_in_forward)
-            lay = layout_for(True) if sif else layout
-            tail = _tail_in_host(lay, s, o, world_size, itemsize, padded, False, None, sif)
-            states = _model_states(lay, s, o, world_size, itemsize, padded,
+            tail = _tail_in_host(layout, s, o, world_size, itemsize, padded, False, None, sif)
+            states = _model_states(layout, s, o, world_size, itemsize, padded,
                                    accelerator=accelerator, tail=tail)
-            extras = _extras(lay, s, o, world_size, itemsize, padded, prefetch, accelerator,
+            extras = _extras(layout, s, o, world_size, itemsize, padded, prefetch, accelerator,
                              tail=tail, step_in_forward=sif)
             rows.append(Placement(s, o, _to_bytes(states), _to_bytes(extras), gpus_per_node,
                                   engine_supported=s > 0, step_in_forward=sif))
@@ -649,8 +643,7 @@ def placement_bytes(model: nn.Module, stage: int, offload_optimizer: str, offloa
     dt = _resolve_dtype(dtype)
     k = torch.empty(0, dtype=dt).element_size()
     if layout is None:
-        layout = model_layout(model, unit_classes, step_in_backward=step_in_backward,
-                              step_in_forward=step_in_forward)
+        layout = model_layout(model, unit_classes)
     tail = _tail_in_host(layout, stage, offload_optimizer, world_size, k, True, step_in_backward,
                          tail_state_in_host, step_in_forward)
     states = _model_states(layout, stage, offload_optimizer, world_size, k, True, offload_param,
@@ -672,10 +665,9 @@ def placement_bytes(model: nn.Module, stage: int, offload_optimizer: str, offloa
 
 
 def _layout_of(obj, unit_classes, largest_unit_numel, root_numel):
-    """``(layout_for, padded, source)`` for any accepted model input: ``layout_for(split)``
-    is the layout with the root's trainable parameters whole, or split by gradient
-    order as ``step_in_forward`` splits them (for a parameter count: two equal halves, the
-    embeddings and the LM head)."""
+    """``(layout, padded, source)`` for any accepted model input: the layout has the root's
+    trainable parameters split by gradient order as the engine splits them (for a parameter
+    count: two equal halves, the embeddings and the LM head)."""
     if isinstance(obj, (str, os.PathLike)):
         obj, source = _preset_or_checkpoint(os.fspath(obj))
     else:
@@ -684,14 +676,7 @@ def _layout_of(obj, unit_classes, largest_unit_numel, root_numel):
         if largest_unit_numel is not None or root_numel is not None:
             raise ValueError("largest_unit_numel/root_numel are only for a parameter count; "
                              "with a model they come from its units")
-        layouts = {}
-
-        def layout_for(split: bool) -> List[FlatSpec]:
-            if split not in layouts:
-                layouts[split] = model_layout(obj, unit_classes, step_in_forward=split)
-            return layouts[split]
-        layout_for(False)  # (a model without parameters raises here)
-        return layout_for, True, source or f"model {type(obj).__name__}"
+        return model_layout(obj, unit_classes), True, source or f"model {type(obj).__name__}"
     num = _param_count(obj)
     if largest_unit_numel is not None:
         largest_unit_numel = check_int("largest_unit_numel", largest_unit_numel, 1)
@@ -702,7 +687,7 @@ def _layout_of(obj, unit_classes, largest_unit_numel, root_numel):
              for half in ([spec] if spec.unit != -1 or spec.numel < 2 else
                           [FlatSpec(spec.numel - spec.numel // 2, -1, True),
                            FlatSpec(spec.numel // 2, -1, True)])]
-    return (lambda s: split if s else layout), False, "parameter count"
+    return split, False, "parameter count"
 
 
 # -- command line: offload-zero estimate -----------------------------------------------------
@@ -805,11 +790,11 @@ def format_table(est: MemoryEstimate, unit: str = "GB") -> str:
               "stage 0 is plain data parallelism, shown for reference; the engine runs 1-3"]
     sif = [f"{p.stage} {p.offload}" for p in est.table if p.step_in_forward]
     if sif:
-        lines.append(f"with step_in_forward ({', '.join(sif)}): the root split by gradient order"
-                     + ("; with NVMe also the embeddings' optimizer state in host memory when "
-                        "small and three read-ahead buffers of a block's state"
-                        if any(p.step_in_forward and p.offload == "nvme" for p in est.table)
-                        else ""))
+        nvme = any(p.step_in_forward and p.offload == "nvme" for p in est.table)
+        lines.append(f"with step_in_forward ({', '.join(sif)}): updates applied in the next "
+                     "forward" + ("; with NVMe the embeddings' optimizer state in host memory "
+                                  "when small and three read-ahead buffers of a block's state"
+                                  if nvme else ""))
     if not est.padded:
         lines.append(f"layout assumed from the parameter count: largest unit "
                      f"{est.largest_unit_numel:,}, root {est.root_numel:,} elements")

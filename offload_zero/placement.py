@@ -92,7 +92,7 @@ def choose_placement(model: nn.Module, stage: int, world_size: int, dtype: torch
     from offload_zero.config import default_step_in_forward
     from offload_zero.estimator import model_layout, placement_bytes
     budgets = measure_budgets(device, path, max_device_bytes, max_host_bytes)
-    layouts = {}  # step_in_forward -> the model's layout (its root split, or not)
+    layout = None  # the model's flat parameters, once counted
     accelerator = device.type != "cpu"
     tried: List[str] = []
     last = None
@@ -112,11 +112,10 @@ def choose_placement(model: nn.Module, stage: int, world_size: int, dtype: torch
                 tried.append(f"{opt}+{param}: skipped, needs path= for NVMe files")
             continue
         label = f"{opt}+{param}" + (" step_in_forward" if sif else " plain step" if twin else "")
-        if sif not in layouts:
-            layouts[sif] = model_layout(model, unit_classes, step_in_backward=step_in_backward,
-                                        step_in_forward=sif)
+        if layout is None:
+            layout = model_layout(model, unit_classes)
         p = placement_bytes(model, stage, opt, param, world_size, dtype, prefetch, unit_classes,
-                            accelerator, layout=layouts[sif], step_in_backward=step_in_backward,
+                            accelerator, layout=layout, step_in_backward=step_in_backward,
                             tail_state_in_host=tail_state_in_host, step_in_forward=sif)
         need = {t: p.tier_bytes(t) for t in ("device", "host", "nvme")}
         short = _shortfall(need, budgets)

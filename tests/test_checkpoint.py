@@ -785,19 +785,21 @@ def test_files_of_two_saves_are_not_loaded_together(tmp_path):
 
 
 PLAIN = {"step_in_forward": False}
-REGROUPINGS = [(PLAIN, {"step_in_forward": True}), ({"step_in_forward": True}, PLAIN),
-               ({"step_in_backward": True}, PLAIN),
-               (PLAIN, {"step_in_backward": True, "offload": "cpu"})]
+LINEARS = {"unit_classes": (nn.Linear,)}  # each Linear a unit, the LayerNorms in the root
+ROOT_ONLY = {"unit_classes": (nn.GRU,)}   # no unit found: one root flat parameter
+REGROUPINGS = [(PLAIN, dict(PLAIN, **LINEARS)),
+               ({"step_in_forward": True}, dict(PLAIN, **ROOT_ONLY)),
+               ({"step_in_backward": True}, dict(PLAIN, **LINEARS)),
+               (dict(PLAIN, **ROOT_ONLY), {"step_in_backward": True, "offload": "cpu"})]
 
 
 @pytest.mark.parametrize("save_kw,load_kw", REGROUPINGS,
-                         ids=["plain-to-sif", "sif-to-plain", "sib-to-plain", "plain-to-sib-cpu"])
+                         ids=["plain-to-linears", "sif-to-root-only", "sib-to-linears",
+                              "root-only-to-sib-cpu"])
 def test_a_checkpoint_loads_into_an_engine_that_groups_the_root_otherwise(save_kw, load_kw,
                                                                           tmp_path):
-    """step_in_backward and step_in_forward split the root's trainable parameters into flat
-    parameters by gradient order (the final norm, the LM head, the embeddings); the plain step
-    keeps one.
-    A checkpoint of one grouping loads into the other parameter by parameter: the weights are
+    """Engines with other units (``unit_classes``) group the parameters into other flat
+    parameters. A checkpoint of one grouping loads into the other parameter by parameter: the weights are
     the saved ones, and one more step on both engines gives the same weights bit for bit (the
     moments and step counts came along)."""
     data = batches(3, seed=5)
@@ -825,19 +827,19 @@ def test_a_checkpoint_loads_into_an_engine_that_groups_the_root_otherwise(save_k
 def test_parameters_whose_step_counts_differ_cannot_share_a_flat_parameter(tmp_path):
     """With step_in_backward an overflow skips only the flat parameters that hold it, so the
     LM head's and the embeddings' step counts may differ; an engine that puts them in one flat
-    parameter (the plain step) cannot take both: the load is refused by name, and the engine is
-    as it was."""
+    parameter (no units: the root holds every parameter) cannot take both: the load is refused
+    by name, and the engine is as it was."""
     with OffloadEngine(_model(0), stage=3, offload="cpu", step_in_backward=True) as a:
         _train(a, batches(2))
         head = flat_param_of(a, "head.weight")
         a._step_count[head] -= 1  # as if its update had been skipped once
         a.save_checkpoint(tmp_path / "ckpt")
-    with OffloadEngine(_model(1), stage=3, offload="cpu") as b:
+    with OffloadEngine(_model(1), stage=3, offload="cpu", **ROOT_ONLY) as b:
         before = _snapshot(b)
         with pytest.raises(ValueError, match=r"one flat parameter \('root\.trainable'\) have "
                                              r"different Adam step counts in the checkpoint "
-                                             r"\(emb\.weight: 2 steps; norm\.weight, norm\.bias: "
-                                             r"2 steps; head\.weight: 1 steps"):
+                                             r"\(emb\.weight: 2 steps; blocks\.0\.ln\.weight, .*"
+                                             r"; head\.weight: 1 steps; the saving engine"):
             b.load_checkpoint(tmp_path / "ckpt")
         assert _differences(_snapshot(b), before) == []
 

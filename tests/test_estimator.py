@@ -84,12 +84,14 @@ def test_offload_moves_optimizer_state_and_gradient_shards(stage):
     # three pipeline host buffer sets of 3 x largest shard x 4 bytes; at stage 3 the pool of
     # parameter-shard buffers, 2 * (prefetch + 2) + 2 of the largest bf16 shard
     largest_shard = math.ceil(est.largest_unit_numel / n) if est.largest_unit_numel else 0
-    root_shard = math.ceil(est.root_numel / n)
+    # the root split by gradient order: for a parameter count two halves (the embeddings and
+    # the LM head)
+    root_shard = math.ceil(est.root_numel / 2 / n)
     biggest = max(largest_shard, root_shard)
     pool = 0
-    if stage == 3:  # block-sized main pool, plus a root-sized buffer when the root is bigger
+    if stage == 3:  # block-sized main pool, plus a buffer per root part bigger than a block
         pool = (2 * (1 + 2) + 2) * largest_shard * 2
-        pool += root_shard * 2 if root_shard > largest_shard else 0
+        pool += 2 * root_shard * 2 if root_shard > largest_shard else 0
     # (unpadded arithmetic: shards are fractions here, so allow the rounding of a few bytes)
     assert abs(nvme.extras["host"]["buffers"] - (3 * 3 * biggest * 4 + pool)) <= 16
     assert none.nvme_bytes == cpu.nvme_bytes == 0
@@ -122,11 +124,11 @@ def test_stage_3_nvme_counts_step_in_forward_as_the_engine_does_by_default():
     with pytest.raises(ValueError, match="step_in_forward=True needs stage 3"):
         estimate_memory(11_000, **dict(kw, stage=2), step_in_forward=True)
     # the footnote says what applies to which rows
-    assert "with step_in_forward (3 nvme): the root split by gradient order; with NVMe" in \
+    assert "with step_in_forward (3 nvme): updates applied in the next forward; with NVMe" in \
         format_table(auto)
     text = format_table(estimate_memory(11_000, **dict(kw, offload="cpu"), step_in_forward=True))
-    assert "with step_in_forward (3 none, 3 cpu, 3 nvme): the root split by gradient order; " \
-        "with NVMe" in text
+    assert "with step_in_forward (3 none, 3 cpu, 3 nvme): updates applied in the next " \
+        "forward; with NVMe" in text
 
 
 def test_fp32_master_aliases_parameter_shard():
@@ -184,8 +186,10 @@ def test_layout_matches_engine_units_and_frozen_split():
     model = TinyLM(n_blocks=3)
     model.blocks[1].ln.weight.requires_grad_(False)
     layout = model_layout(model)
+    # (the root split by gradient order: the final norm, the LM head, the embeddings)
     assert [(s.unit, s.trainable) for s in layout] == [
-        (0, True), (1, True), (1, False), (2, True), (-1, True)]
+        (0, True), (1, True), (1, False), (2, True), (-1, True), (-1, True), (-1, True)]
+    assert [s.numel for s in layout[-3:]] == [48, 53 * 24, 53 * 24]
     est = estimate_memory(model)
     assert est.trainable_params == est.num_params - 24
 

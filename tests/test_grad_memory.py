@@ -210,17 +210,23 @@ class _HeadAndNorm(nn.Module):
 
 
 @pytest.mark.parametrize("kw", [
+    dict(stage=2, offload="cpu"),
+    dict(stage=3, offload="cpu"),
     dict(stage=3, offload="cpu", step_in_forward=True),
     dict(stage=3, offload="cpu", step_in_backward=True),
     dict(stage=3, offload="nvme"),
-], ids=["stage3-cpu-sif", "stage3-cpu-sib", "stage3-nvme"])
+    dict(stage=3, offload="nvme", step_in_forward=False),
+], ids=["stage2-cpu", "stage3-cpu", "stage3-cpu-sif", "stage3-cpu-sib", "stage3-nvme",
+        "stage3-nvme-plain"])
 def test_the_lm_head_is_a_flat_parameter_of_its_own_and_borrows_no_gradient_buffer(kw, tmp_path):
-    """Where the root is split by gradient order, the LM head's weight (most of the part used
-    after the blocks) is a flat parameter of its own, apart from the final norm: autograd's
+    """The root is split by gradient order in every mode: the LM head's weight (most of the
+    part used after the blocks) is a flat parameter of its own, apart from the final norm and
+    the embeddings: autograd's
     gradient of it is its flat gradient, so no buffer of its size is ever lent or kept. (With
     the final norm in the same flat parameter, a buffer of both sat idle from the update to the
     next backward and was written at the LM head's backward, the bench model's peak, beside
-    autograd's gradient: 131 MB there.) The weights are plain AdamW's."""
+    autograd's gradient: 131 MB there; the plain step kept the root whole, LM head and
+    embeddings in one 262 MB buffer.) The weights are plain AdamW's."""
     torch.manual_seed(5)
     model = _HeadAndNorm()
     ref = copy.deepcopy(model)

@@ -124,8 +124,10 @@ def group_parameters(model: nn.Module, block_names: List[str]
 def split_by_gradient_order(model: nn.Module, members: List[Tuple[nn.Parameter, list]],
                             block_names: List[str]) -> List[List[Tuple[nn.Parameter, list]]]:
     """Split the root unit's ``members`` (``(param, refs)`` pairs from :func:`group_parameters`)
-    by when backward finishes their gradients and forward first uses them, for updates in
-    backward (``step_in_backward``) or before the next use in forward (``step_in_forward``).
+    by when backward finishes their gradients and forward first uses them: each part is updated
+    when its gradient is final (``step_in_backward``) or just before its next use
+    (``step_in_forward``), takes autograd's gradient without a copy where it is one parameter,
+    and is skipped in a step that gives it no gradient (every mode).
 
     Returns ``[late]``, ``[early, late]`` or ``[rest, largest, late]``: the early part holds
     the parameters that only modules registered after the first block use (an LM head, a
@@ -183,17 +185,15 @@ def host_tail_index(flat: Sequence[Tuple[bool, bool, int]],
     return tail[-1]
 
 
-def plan_flat_params(model: nn.Module, unit_classes: Sequence[type] = (),
-                     split_root: bool = False):
+def plan_flat_params(model: nn.Module, unit_classes: Sequence[type] = ()):
     """The flat parameters ``model`` is cut into, before anything is built (the engine builds
     them; the estimator counts them).
 
     Returns ``(block_modules, planned, users)``: ``block_modules`` from
     :func:`find_unit_modules`; ``planned`` lists ``(unit index, trainable, members)`` in
     construction order, one entry per unit and ``requires_grad`` value (the root unit's index
-    is ``len(block_modules)``; with ``split_root`` (the engine's ``step_in_backward`` or
-    ``step_in_forward``) its trainable members are split by :func:`split_by_gradient_order`);
-    ``users`` as from :func:`group_parameters`.
+    is ``len(block_modules)``; its trainable members are split by
+    :func:`split_by_gradient_order`); ``users`` as from :func:`group_parameters`.
     """
     block_mods = find_unit_modules(model, unit_classes)
     names = [n for n, _ in block_mods]
@@ -205,10 +205,12 @@ def plan_flat_params(model: nn.Module, unit_classes: Sequence[type] = (),
             if not members:
                 continue
             parts = [members]
-            if index == len(names) and trainable and split_root:
+            if index == len(names) and trainable:
                 # the LM head's gradient is final at the start of backward, the embeddings'
-                # at its end; forward needs the embeddings first, the LM head last: two flat
-                # parameters, each updated when it is ready or needed
+                # at its end; forward needs the embeddings first, the LM head last: flat
+                # parameters each updated when it is ready or needed (step_in_backward,
+                # step_in_forward), each one parameter where it can be (no gradient copy),
+                # and each skipped when it gets no gradient, in every mode alike
                 parts = split_by_gradient_order(model, members, names)
             planned.extend((index, trainable, part) for part in parts)
     return block_mods, planned, users
