@@ -198,8 +198,10 @@ class OffloadEngine:
                 outsized = {n for n, (u, _, m) in zip(names, plan[2])
                             if u.is_root and shard_of(m) > block_shard}
                 keep_root = all(trainable for u, trainable, _ in plan[2] if u.is_root)
-                count = len(outsized - {in_host}) if keep_root else 1
-                root = HostBufferPool("param_shards_root", max(count, 1), root_shard, cfg.dtype,
+                # (none when the only outsized one is a tail kept in host memory)
+                root_count = len(outsized - {in_host}) if keep_root else 1
+            if root_shard > block_shard and root_count:
+                root = HostBufferPool("param_shards_root", root_count, root_shard, cfg.dtype,
                                       self._host_alloc, self._acct)
                 self.pools["param_shards_root"] = root
                 pool_for = lambda fp: root if fp.name in outsized else main  # noqa: E731
@@ -231,8 +233,8 @@ class OffloadEngine:
         self.units: List[Unit] = self.blocks + [self.root]
         self.flat_params = [fp for u in self.units for fp in u.flat_params]
         self.trainable = [fp for fp in self.flat_params if fp.requires_grad]
-        # the root's trainable parameters split by gradient order (step_in_backward,
-        # step_in_forward) come as [used after the blocks (final norm, LM head)..., the rest]
+        # the root's trainable parameters, split by gradient order, come as [used after the
+        # blocks (final norm, LM head)..., the rest (embeddings)]
         root_trainable = [fp for fp in self.root.flat_params if fp.requires_grad]
         self._after_blocks = set(root_trainable[:-1])
         # whether forward reads block parameter shards from NVMe (see _read_ahead_in_forward)

@@ -513,7 +513,7 @@ def _extras(layout, stage, offload, n, k, padded, prefetch, accelerator, offload
                 count = len([i for i in outsized if not (ring == 0 and i == tail)])
             else:
                 count = 1
-            out["host"]["buffers"] += max(count, 1) * root_shard * k
+            out["host"]["buffers"] += count * root_shard * k
     if offload == "nvme" and ((step_in_backward and stage >= 2) or (step_in_forward and stage == 3)):
         # read-ahead buffers of a block's whole state (master + moments, fp32): two, three
         # when fp32 parameter shards on NVMe are gathered from them in backward, and with
