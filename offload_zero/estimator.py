@@ -38,8 +38,10 @@ Besides model states this engine holds, at the peak of a step:
   nothing is gathered (the shard is the whole parameter);
 - stages 2 and 3: one unit's full gradient in flight before it is reduce-scattered (the largest
   trainable flat parameter, ``padded_numel * K`` bytes, device gradients; on a CPU device a
-  device buffer kept from step to step, except where one rank's fp32 host shards adopt the
-  gradients);
+  device buffer kept from step to step, the size of the largest flat parameter of several
+  parameters or with padding, beside which the largest of one parameter without padding is a
+  device gradient while it is reduced (its gradient is taken as autograd made it), except where
+  one rank's fp32 host shards adopt the gradients);
 - (stage 1 needs no gradient buffer beyond the full gradients: without offload it reduces in
   place and the shard is a window of the full gradient);
 - ``"nvme"``: three pipeline host buffer sets of ``3 * min(largest shard_numel, chunk) * 4``
@@ -107,12 +109,15 @@ Number = Union[int, Fraction]
 class FlatSpec:
     """One flat parameter of the layout: ``numel`` real elements of one unit.
 
-    ``unit``: the unit's index (the root unit is ``-1``); ``trainable``: its ``requires_grad``.
+    ``unit``: the unit's index (the root unit is ``-1``); ``trainable``: its ``requires_grad``;
+    ``single``: it holds one parameter (unpadded, its gradient is taken as autograd made it; see
+    [Note: reused gradient memory] in offload_zero/partition/grads.py).
     """
 
     numel: int
     unit: int
     trainable: bool
+    single: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -285,7 +290,7 @@ def model_layout(model: nn.Module, unit_classes: Sequence[type] = ()) -> List[Fl
     from offload_zero.partition.units import plan_flat_params
     block_mods, planned, _ = plan_flat_params(model, tuple(unit_classes))
     specs = [FlatSpec(sum(p.numel() for p, _ in members), -1 if i == len(block_mods) else i,
-                      trainable) for i, trainable, members in planned]
+                      trainable, len(members) == 1) for i, trainable, members in planned]
     if not specs:
         raise ValueError(f"model {type(model).__name__} has no parameters")
     return specs
@@ -462,7 +467,7 @@ def _extras(layout, stage, offload, n, k, padded, prefetch, accelerator, offload
     ahead = max(0, min(prefetch, len({spec.unit for spec in layout if spec.unit != -1}) - 1))
     full = {}     # unit -> gathered bytes
     shards = []   # trainable shard_numel
-    grad_full = []
+    grad_full = []  # (bytes, taken as autograd made it) per trainable flat parameter
     all_shards, units_of = [], []
     for spec in layout:
         shard = _shard_numel(spec.numel, n, k, padded)
@@ -471,7 +476,8 @@ def _extras(layout, stage, offload, n, k, padded, prefetch, accelerator, offload
         full[spec.unit] = full.get(spec.unit, 0) + k * shard * n
         if spec.trainable:
             shards.append(shard)
-            grad_full.append(k * shard * n)
+            grad_full.append((k * shard * n, spec.single and (not padded
+                                                              or shard * n == spec.numel)))
     if stage == 3 and not (n == 1 and offload_param == "none"):
         # (one rank with its shards on the device keeps them as the parameters: nothing gathered)
         # the gather pool: slots of the largest block, and one of the root's size
@@ -483,8 +489,14 @@ def _extras(layout, stage, offload, n, k, padded, prefetch, accelerator, offload
         # on a CPU device the gradient in flight is one buffer kept from step to step, unless
         # one rank's fp32 host shards adopt the gradients themselves (see [Note: reused
         # gradient memory] in offload_zero/partition/grads.py)
+        # gradient memory, beside which a gradient taken as autograd made it (one parameter,
+        # no padding) is briefly a device gradient while it is reduced
         adopted = _shards_adopt_grads(stage, offload, n, k, accelerator)
-        out["device"]["gradients" if accelerator or adopted else "buffers"] += max(grad_full)
+        if accelerator or adopted:
+            out["device"]["gradients"] += max(b for b, _ in grad_full)
+        else:
+            out["device"]["buffers"] += max((b for b, as_is in grad_full if not as_is), default=0)
+            out["device"]["gradients"] += max((b for b, as_is in grad_full if as_is), default=0)
     if n > 1 and shards:  # the reduce-scatter scratch shard, sized at start-up
         out["device"]["buffers"] += max(shards) * k
     biggest = max(shards, default=0)
@@ -685,8 +697,8 @@ def _layout_of(obj, unit_classes, largest_unit_numel, root_numel):
     layout = assumed_layout(num, largest_unit_numel, root_numel)
     split = [half for spec in layout
              for half in ([spec] if spec.unit != -1 or spec.numel < 2 else
-                          [FlatSpec(spec.numel - spec.numel // 2, -1, True),
-                           FlatSpec(spec.numel // 2, -1, True)])]
+                          [FlatSpec(spec.numel - spec.numel // 2, -1, True, True),
+                           FlatSpec(spec.numel // 2, -1, True, True)])]
     return split, False, "parameter count"
 
 

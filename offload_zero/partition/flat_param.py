@@ -180,6 +180,8 @@ class FlatParam:
 
     Attributes:
         numel: real elements; shard_numel: elements per rank (aligned); padded_numel = N * shard_numel.
+        grad_as_is: one parameter and no padding: autograd's gradient of that parameter is the
+            flat gradient as it is (taken without a copy; no reused memory is lent for it).
         sharded: this rank's shard, shape (shard_numel,), compute dtype: on the device, in host
             memory (host home), or None (NVMe home: read into a pool buffer when gathered).
         full: the gathered buffer, shape (padded_numel,), 0 bytes while SHARDED.
@@ -204,6 +206,7 @@ class FlatParam:
         self.numel = sum(e.numel for e in entries)
         self.shard_numel = shard_numel_for(self.numel, world_size, dtype)
         self.padded_numel = self.shard_numel * world_size
+        self.grad_as_is = len(entries) == 1 and self.padded_numel == self.numel
         self.itemsize = torch.empty(0, dtype=dtype).element_size()
         self._bound = False  # full's storage borrows gather-pool memory
         # f() -> Tensor | None: memory the next gradient of ``full`` is written into, or None

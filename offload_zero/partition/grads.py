@@ -32,8 +32,9 @@ LM head and input embeddings with spare rows: :func:`size_classes`;
 gradient for a plain
 step at world size 1 (held until the step, as plain torch holds its ``.grad`` until
 ``zero_grad``), where one rank's host shards adopt the gradients; otherwise every size maps to
-one class, the largest flat parameter's, so the gradients (each reduced at once) take turns in
-one buffer: the gradient in flight of ZeRO's stages 2 and 3. Idle buffers count as host
+one class, the largest flat parameter's that borrows, so the gradients (each reduced at once)
+take turns in one buffer: the gradient in flight of ZeRO's stages 2 and 3 (beside it, briefly,
+a gradient taken as it is, below). Idle buffers count as host
 gradients where the shards adopt them (their memory between steps); otherwise every buffer
 counts as a device buffer, lent or not (the gradient in flight that
 :mod:`offload_zero.estimator` adds on a CPU device). On CUDA the caching allocator already
@@ -42,7 +43,8 @@ A flat parameter of one parameter and no padding borrows nothing: autograd's gra
 parameter already is its flat gradient and is taken as it is (no copy). A buffer lent to it
 would sit idle from its update to the next backward, beside the activations (an LM head's or
 an embedding's: 131 MB each on the bench model, the step's peak RSS 0.12 GB higher), for the
-faults of one fresh allocation a step, which plain torch pays for every parameter. This is why
+faults of one fresh allocation a step, which plain torch pays for every parameter (it counts
+as a device gradient while it is reduced; the estimator adds the largest such). This is why
 :func:`offload_zero.partition.units.split_by_gradient_order` gives an LM head's weight a flat
 parameter of its own, apart from the final norm.
 """
@@ -127,8 +129,11 @@ class GradientShards:
         self._free: Dict[tuple, List[torch.Tensor]] = {}   # (numel, dtype) -> idle buffers
         self._lent: Dict[int, torch.Tensor] = {}           # data_ptr -> buffer lent out
         sizes = [fp.padded_numel for fp in flat_params]
-        if not self._adopt:  # each reduced at once: one buffer of the largest size serves all
-            self._class_of = dict.fromkeys(sizes, max(sizes, default=0))
+        if not self._adopt:
+            # each reduced at once: one buffer of the largest size that borrows serves all (a
+            # gradient taken as it is borrows nothing, unless autograd made it non-contiguous)
+            top = max((fp.padded_numel for fp in flat_params if not fp.grad_as_is), default=0)
+            self._class_of = {n: max(n, top) for n in sizes}
         elif share_near_sizes:
             self._class_of = size_classes(sizes)
         else:
