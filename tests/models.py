@@ -54,6 +54,26 @@ def batches(n, seed=0, batch=4, seq=9):
              torch.randint(0, VOCAB, (batch, seq), generator=g)) for _ in range(n)]
 
 
+class UnpaddedHeadLM(nn.Module):
+    """Input embeddings and an LM head of ``vocab`` x ``width`` each (one parameter, no padding
+    for sizes of 1024 elements or more), a final norm, and residual blocks of two Linear layers
+    far smaller: the root outweighs the blocks, as in an LM."""
+
+    def __init__(self, vocab=1024, width=64):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, width)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(width, 2 * width), nn.GELU(),
+                                                  nn.Linear(2 * width, width)) for _ in range(3))
+        self.norm = nn.LayerNorm(width)
+        self.head = nn.Linear(width, vocab, bias=False)
+
+    def forward(self, x):
+        h = self.emb(x)
+        for b in self.blocks:
+            h = h + b(h)
+        return self.head(self.norm(h))
+
+
 def flat_param_of(engine, name: str):
     """The flat parameter of ``engine`` that holds the parameter named ``name``."""
     return next(fp for fp in engine.flat_params

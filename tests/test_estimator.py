@@ -12,7 +12,7 @@ from offload_zero.estimator import (KINDS, OFFLOADS, STAGES, TIERS, assumed_layo
                                     estimate_memory, format_table, model_layout)
 from offload_zero.memory.accounting import TierAccountant
 from offload_zero.partition.flat_param import FlatParam, build_entries
-from models import TinyLM, batches, big_root_lm, flat_param_of, lm_loss
+from models import TinyLM, UnpaddedHeadLM, batches, big_root_lm, flat_param_of, lm_loss
 
 GB = 1e9
 
@@ -441,25 +441,6 @@ def test_the_roots_small_part_goes_through_the_block_sized_buffers(dtype, tail, 
         est.model_states["host"].get("buffers", 0) + est.extras["host"]["buffers"])
 
 
-class _UnpaddedHeadLM(nn.Module):
-    """Blocks of two Linear layers, and input embeddings and an LM head of 512x32 (one
-    parameter each, no padding, larger than a block)."""
-
-    def __init__(self, vocab=512, width=32):
-        super().__init__()
-        self.emb = nn.Embedding(vocab, width)
-        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(width, 2 * width), nn.GELU(),
-                                                  nn.Linear(2 * width, width)) for _ in range(3))
-        self.norm = nn.LayerNorm(width)
-        self.head = nn.Linear(width, vocab, bias=False)
-
-    def forward(self, x):
-        h = self.emb(x)
-        for b in self.blocks:
-            h = h + b(h)
-        return self.head(self.norm(h))
-
-
 @pytest.mark.parametrize("stage,offload,dtype", [
     (2, "none", torch.float32), (3, "none", torch.float32), (3, "cpu", torch.bfloat16),
     (3, "nvme", torch.bfloat16), (2, "cpu", torch.float32)])
@@ -470,7 +451,7 @@ def test_estimate_counts_a_gradient_taken_as_autograd_made_it(stage, offload, dt
     reduced. The estimate's bytes per tier and kind equal memory_report's peaks (the estimate
     missed that gradient, and the buffer was the LM head's size)."""
     torch.manual_seed(0)
-    model = _UnpaddedHeadLM()
+    model = UnpaddedHeadLM(vocab=512, width=32)
     est = estimate_memory(model, stage=stage, offload=offload, dtype=dtype, accelerator=False)
     kw = {"path": str(tmp_path)} if offload == "nvme" else {}
     with OffloadEngine(model, stage=stage, offload=offload, dtype=dtype, **kw) as eng:

@@ -7,6 +7,7 @@ import torch
 import torch.nn as nn
 
 from offload_zero import OffloadEngine
+from models import UnpaddedHeadLM
 
 # one block: four 1536x1536 layers, each one's gradient (9.4 MB) small enough for malloc to
 # recycle, the block's flat gradient (37.8 MB) not (malloc maps anything over 32 MiB afresh)
@@ -191,24 +192,6 @@ def test_a_one_parameter_flat_gradient_is_taken_as_autograd_made_it(kw, tmp_path
         torch.testing.assert_close(state[name], p.detach(), rtol=0, atol=1e-5)
 
 
-class _HeadAndNorm(nn.Module):
-    """Input embeddings and an LM head of 1024x64 each (no padding), a final norm, and blocks
-    far smaller: the root's parameters outweigh the blocks', as in an LM."""
-
-    def __init__(self):
-        super().__init__()
-        self.emb = nn.Embedding(1024, 64)
-        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(3))
-        self.norm = nn.LayerNorm(64)
-        self.head = nn.Linear(64, 1024, bias=False)
-
-    def forward(self, x):
-        h = self.emb(x)
-        for b in self.blocks:
-            h = h + b(h)
-        return self.head(self.norm(h))
-
-
 @pytest.mark.parametrize("kw", [
     dict(stage=2, offload="cpu"),
     dict(stage=3, offload="cpu"),
@@ -228,7 +211,7 @@ def test_the_lm_head_is_a_flat_parameter_of_its_own_and_borrows_no_gradient_buff
     autograd's gradient: 131 MB there; the plain step kept the root whole, LM head and
     embeddings in one 262 MB buffer.) The weights are plain AdamW's."""
     torch.manual_seed(5)
-    model = _HeadAndNorm()
+    model = UnpaddedHeadLM(vocab=1024, width=64)
     ref = copy.deepcopy(model)
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.1)
     g = torch.Generator().manual_seed(2)
