@@ -486,11 +486,11 @@ def _extras(layout, stage, offload, n, k, padded, prefetch, accelerator, offload
         gathered = 1 if offload_param == "nvme" else ahead + 1
         out["device"]["buffers"] += gathered * largest + full.get(-1, 0)
     if stage >= 2 and grad_full:
-        # on a CPU device the gradient in flight is one buffer kept from step to step, unless
-        # one rank's fp32 host shards adopt the gradients themselves (see [Note: reused
-        # gradient memory] in offload_zero/partition/grads.py)
-        # gradient memory, beside which a gradient taken as autograd made it (one parameter,
-        # no padding) is briefly a device gradient while it is reduced
+        # on a CPU device the gradient in flight is one buffer kept from step to step, beside
+        # which a gradient taken as autograd made it (one parameter, no padding) is briefly a
+        # device gradient while it is reduced, unless one rank's fp32 host shards adopt the
+        # gradients themselves (see [Note: reused gradient memory] in
+        # offload_zero/partition/grads.py)
         adopted = _shards_adopt_grads(stage, offload, n, k, accelerator)
         if accelerator or adopted:
             out["device"]["gradients"] += max(b for b, _ in grad_full)

@@ -34,8 +34,8 @@ step at world size 1 (held until the step, as plain torch holds its ``.grad`` un
 ``zero_grad``), where one rank's host shards adopt the gradients; otherwise every size maps to
 one class, the largest flat parameter's that borrows, so the gradients (each reduced at once)
 take turns in one buffer: the gradient in flight of ZeRO's stages 2 and 3 (beside it, briefly,
-a gradient taken as it is, below). Idle buffers count as host
-gradients where the shards adopt them (their memory between steps); otherwise every buffer
+a gradient taken as it is, below). Idle buffers count as host gradients where the shards adopt
+them (their memory between steps); otherwise every buffer
 counts as a device buffer, lent or not (the gradient in flight that
 :mod:`offload_zero.estimator` adds on a CPU device). On CUDA the caching allocator already
 recycles device memory, and nothing is lent.
