@@ -664,10 +664,16 @@ def placement_bytes(model: nn.Module, stage: int, offload_optimizer: str, offloa
                                                 accelerator):
         # one rank on a CPU device: the host shards are the gradients' own memory, each used up
         # by its update in backward and reused by the next gradient of its size (see [Note:
-        # reused gradient memory] in offload_zero/partition/grads.py): one of each size class
+        # reused gradient memory] in offload_zero/partition/grads.py): one of each size class,
+        # and one gradient taken as autograd made it (one parameter, no padding: no buffer is
+        # kept for those, and each is used up before the next)
         from offload_zero.partition.grads import size_classes
-        sizes = [_shard_numel(spec.numel, 1, k, True) for spec in layout if spec.trainable]
-        states["host"]["gradients"] = 4 * sum(set(size_classes(sizes).values()))
+        sizes = [(_shard_numel(spec.numel, 1, k, True), spec) for spec in layout
+                 if spec.trainable]
+        borrowed = [n for n, spec in sizes if not (spec.single and n == spec.numel)]
+        taken = [n for n, spec in sizes if spec.single and n == spec.numel]
+        states["host"]["gradients"] = 4 * (sum(set(size_classes(borrowed).values()))
+                                           + max(taken, default=0))
     extras = _extras(layout, stage, offload_optimizer, world_size, k, True, prefetch, accelerator,
                      offload_param, step_in_backward=step_in_backward, tail=tail,
                      step_in_forward=step_in_forward)

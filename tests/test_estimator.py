@@ -467,3 +467,33 @@ def test_estimate_counts_a_gradient_taken_as_autograd_made_it(stage, offload, dt
         measured = {k: rep[tier]["by_kind"][k]["peak_bytes"] for k in KINDS}
         assert measured == {k: est.selected.model_states[tier].get(k, 0)
                             + est.selected.extras[tier].get(k, 0) for k in KINDS}, tier
+
+
+@pytest.mark.parametrize("offload", ["cpu", "nvme"])
+def test_step_in_backward_keeps_no_buffer_for_gradients_taken_as_autograd_made_them(offload,
+                                                                                   tmp_path):
+    """step_in_backward on one CPU rank: the flat parameters of one unpadded parameter (here a
+    tied embedding and the LM head's bias, 4096 elements) take autograd's gradients as they
+    are, each used up before the next: the host gradient bytes are one buffer per size class
+    of the others plus the largest of those, as the estimate says (it counted a class for
+    each, and the engine's classes took them in)."""
+    from offload_zero.estimator import placement_bytes
+    torch.manual_seed(0)
+    model = UnpaddedHeadLM(vocab=4096, width=16)
+    model.head.weight = model.emb.weight
+    model.head.bias = nn.Parameter(torch.zeros(4096))
+    param = "nvme" if offload == "nvme" else "none"
+    est = placement_bytes(model, 3, offload, param, dtype=torch.float32, accelerator=False,
+                          step_in_backward=True)
+    kw = {"path": str(tmp_path)} if offload == "nvme" else {}
+    with OffloadEngine(model, stage=3, offload=offload, step_in_backward=True, **kw) as eng:
+        taken = [fp.padded_numel for fp in eng.trainable if fp.grad_as_is]
+        others = {fp.padded_numel for fp in eng.trainable if not fp.grad_as_is}
+        assert sorted(taken) == [4096, 4096 * 16]
+        g = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            x = torch.randint(0, 4096, (2, 7), generator=g)
+            eng.backward(lm_loss(eng(x), x))
+            eng.step()
+        measured = eng.memory_report()["host"]["by_kind"]["gradients"]["peak_bytes"]
+    assert measured == est.model_states["host"]["gradients"] == 4 * (4096 * 16 + sum(others))

@@ -135,7 +135,9 @@ class GradientShards:
             top = max((fp.padded_numel for fp in flat_params if not fp.grad_as_is), default=0)
             self._class_of = {n: max(n, top) for n in sizes}
         elif share_near_sizes:
-            self._class_of = size_classes(sizes)
+            # (a gradient taken as it is borrows nothing: it joins no class)
+            classes = size_classes([fp.padded_numel for fp in flat_params if not fp.grad_as_is])
+            self._class_of = {n: classes.get(n, n) for n in sizes}
         else:
             self._class_of = {n: n for n in sizes}         # padded_numel -> buffer numel
         self._lends = stage >= 2 and all(fp.device.type == "cpu" for fp in flat_params)
