@@ -359,6 +359,20 @@ def test_step_in_backward_on_one_cpu_rank_holds_one_gradient_of_each_size(offloa
     assert measured == est.model_states["host"]["gradients"] == 4 * sum(sizes) < every_shard
 
 
+def _train_on_tokens(eng, vocab, steps=3, forward_after=False):
+    """``steps`` steps of ``eng`` on random tokens below ``vocab`` (each batch its own target),
+    then (``forward_after``) one more forward, where step_in_forward applies the last step's
+    updates; returns ``memory_report()``."""
+    g = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        x = torch.randint(0, vocab, (2, 7), generator=g)
+        eng.backward(lm_loss(eng(x).float(), x))
+        eng.step()
+    if forward_after:
+        eng(x)
+    return eng.memory_report()
+
+
 class _NearSizedRoot(nn.Module):
     """Input embeddings (with 80 spare rows) and an LM head's weight of nearly one size: with
     step_in_backward the root's two large flat parameters differ by 1.6% (the third holds the
@@ -394,12 +408,7 @@ def test_step_in_backward_shares_one_gradient_buffer_between_near_sizes(tmp_path
         assert len(root) == 3 and root[0] != root[1] and root[0] < 1.0625 * root[1]
         assert root[2] * 1.0625 < root[1]
         block = {fp.shard_numel for fp in eng.trainable if not fp.name.startswith("root")}
-        g = torch.Generator().manual_seed(1)
-        for _ in range(3):
-            x = torch.randint(0, 5000, (2, 7), generator=g)
-            eng.backward(lm_loss(eng(x), x))
-            eng.step()
-        measured = eng.memory_report()["host"]["by_kind"]["gradients"]["peak_bytes"]
+        measured = _train_on_tokens(eng, 5000)["host"]["by_kind"]["gradients"]["peak_bytes"]
     assert len(block) == 1
     assert measured == est.model_states["host"]["gradients"] == 4 * (root[0] + root[2]
                                                                       + block.pop())
@@ -456,13 +465,7 @@ def test_estimate_counts_a_gradient_taken_as_autograd_made_it(stage, offload, dt
     kw = {"path": str(tmp_path)} if offload == "nvme" else {}
     with OffloadEngine(model, stage=stage, offload=offload, dtype=dtype, **kw) as eng:
         assert flat_param_of(eng, "head.weight").grad_as_is
-        g = torch.Generator().manual_seed(1)
-        for _ in range(2):
-            x = torch.randint(0, 512, (4, 8), generator=g)
-            eng.backward(lm_loss(eng(x).float(), x))
-            eng.step()
-        eng(x)  # (step_in_forward: the last step's updates run here)
-        rep = eng.memory_report()
+        rep = _train_on_tokens(eng, 512, steps=2, forward_after=True)
     for tier in TIERS:
         measured = {k: rep[tier]["by_kind"][k]["peak_bytes"] for k in KINDS}
         assert measured == {k: est.selected.model_states[tier].get(k, 0)
@@ -490,10 +493,5 @@ def test_step_in_backward_keeps_no_buffer_for_gradients_taken_as_autograd_made_t
         taken = [fp.padded_numel for fp in eng.trainable if fp.grad_as_is]
         others = {fp.padded_numel for fp in eng.trainable if not fp.grad_as_is}
         assert sorted(taken) == [4096, 4096 * 16]
-        g = torch.Generator().manual_seed(1)
-        for _ in range(3):
-            x = torch.randint(0, 4096, (2, 7), generator=g)
-            eng.backward(lm_loss(eng(x), x))
-            eng.step()
-        measured = eng.memory_report()["host"]["by_kind"]["gradients"]["peak_bytes"]
+        measured = _train_on_tokens(eng, 4096)["host"]["by_kind"]["gradients"]["peak_bytes"]
     assert measured == est.model_states["host"]["gradients"] == 4 * (4096 * 16 + sum(others))
