@@ -495,3 +495,24 @@ def test_step_in_backward_keeps_no_buffer_for_gradients_taken_as_autograd_made_t
         assert sorted(taken) == [4096, 4096 * 16]
         measured = _train_on_tokens(eng, 4096)["host"]["by_kind"]["gradients"]["peak_bytes"]
     assert measured == est.model_states["host"]["gradients"] == 4 * (4096 * 16 + sum(others))
+
+
+def test_a_parameter_under_1024_elements_is_not_split_from_the_final_norm(tmp_path):
+    """A tied LM head with a bias of 53 elements beside a final norm of 48: the bias is most of
+    the part after the blocks but is padded in any dtype (4096-byte aligned shards), so it
+    stays with the final norm (a part of its own would save nothing). With step_in_backward on
+    NVMe (an update deferred while the next gradient arrives) the host gradient bytes then
+    equal the estimate (two 1024-element parts of one size class were held at once)."""
+    from offload_zero.estimator import placement_bytes
+    torch.manual_seed(0)
+    model = TinyLM(n_blocks=2, tie=True)
+    model.head.bias = nn.Parameter(torch.zeros(model.head.out_features))
+    est = placement_bytes(model, 3, "nvme", "nvme", dtype=torch.float32, accelerator=False,
+                          step_in_backward=True)
+    with OffloadEngine(model, stage=3, offload="nvme", path=str(tmp_path),
+                       step_in_backward=True) as eng:
+        norm = flat_param_of(eng, "norm.weight")
+        assert norm is flat_param_of(eng, "head.bias")
+        rep = _train_on_tokens(eng, 53, steps=2, forward_after=True)
+    assert rep["host"]["by_kind"]["gradients"]["peak_bytes"] == \
+        est.model_states["host"]["gradients"]

@@ -15,7 +15,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.nn as nn
 
-from offload_zero.partition.flat_param import FlatParam, ParamEntry
+from offload_zero.partition.flat_param import ALIGN_BYTES, FlatParam, ParamEntry
 
 
 class UnitState(enum.Enum):
@@ -132,8 +132,8 @@ def split_by_gradient_order(model: nn.Module, members: List[Tuple[nn.Parameter, 
     Returns ``[late]``, ``[early, late]`` or ``[rest, largest, late]``: the early part holds
     the parameters that only modules registered after the first block use (an LM head, a
     final norm: backward reaches them first, forward last); a parameter of more than half its
-    elements (the LM head's weight) goes alone in ``largest``, the others (the final norm's)
-    in ``rest``. ``late`` holds the rest of the members (input embeddings, and any parameter
+    elements and at least 1024 (the LM head's weight) goes alone in ``largest``, the others
+    (the final norm's) in ``rest``. ``late`` holds the rest of the members (input embeddings, and any parameter
     also used before the blocks, such as an embedding tied to the LM head: its gradient is
     final only at the end of backward, and forward needs it first). Module registration order stands for
     execution order here; if a model runs its modules in another order, only the timing of the
@@ -157,9 +157,12 @@ def split_by_gradient_order(model: nn.Module, members: List[Tuple[nn.Parameter, 
     # a parameter holding most of the early part (an LM head's weight) goes alone: a flat
     # parameter of one parameter takes autograd's gradient as it is, with no gradient buffer
     # held for it (see [Note: reused gradient memory] in offload_zero.partition.grads)
+    # (one under 1024 elements is padded in any dtype, its shard being 4096-byte aligned: its
+    # gradient is copied anyway, and a part of its own would save nothing)
     largest = max(range(len(early)), key=lambda i: early[i][0].numel())
     rest = early[:largest] + early[largest + 1:]
-    if not rest or 2 * early[largest][0].numel() <= sum(p.numel() for p, _ in early):
+    n = early[largest][0].numel()
+    if not rest or n < ALIGN_BYTES // 4 or 2 * n <= sum(p.numel() for p, _ in early):
         return [early, late]
     return [rest, [early[largest]], late]
 
