@@ -447,6 +447,13 @@ def _model_states(layout, stage, offload, n, k, padded, offload_param=None,
     return out
 
 
+def _grad_as_is(spec: FlatSpec, shard, n: int, padded: bool) -> bool:
+    """Whether the flat parameter ``spec`` (``shard`` elements per rank of ``n``) takes
+    autograd's gradient as it is: one parameter and no padding (unpadded arithmetic assumes
+    none), as :attr:`offload_zero.partition.flat_param.FlatParam.grad_as_is`."""
+    return spec.single and (not padded or shard * n == spec.numel)
+
+
 def _shards_adopt_grads(stage, offload, n, k, accelerator) -> bool:
     """Whether the host gradient shards are the full gradients' own memory: one rank on a CPU
     device at stage 2 or 3, with offload and fp32 gradients (``GradientShards``' adoption; see
@@ -476,8 +483,7 @@ def _extras(layout, stage, offload, n, k, padded, prefetch, accelerator, offload
         full[spec.unit] = full.get(spec.unit, 0) + k * shard * n
         if spec.trainable:
             shards.append(shard)
-            grad_full.append((k * shard * n, spec.single and (not padded
-                                                              or shard * n == spec.numel)))
+            grad_full.append((k * shard * n, _grad_as_is(spec, shard, n, padded)))
     if stage == 3 and not (n == 1 and offload_param == "none"):
         # (one rank with its shards on the device keeps them as the parameters: nothing gathered)
         # the gather pool: slots of the largest block, and one of the root's size
@@ -670,8 +676,8 @@ def placement_bytes(model: nn.Module, stage: int, offload_optimizer: str, offloa
         from offload_zero.partition.grads import size_classes
         sizes = [(_shard_numel(spec.numel, 1, k, True), spec) for spec in layout
                  if spec.trainable]
-        borrowed = [n for n, spec in sizes if not (spec.single and n == spec.numel)]
-        taken = [n for n, spec in sizes if spec.single and n == spec.numel]
+        borrowed = [n for n, spec in sizes if not _grad_as_is(spec, n, 1, True)]
+        taken = [n for n, spec in sizes if _grad_as_is(spec, n, 1, True)]
         states["host"]["gradients"] = 4 * (sum(set(size_classes(borrowed).values()))
                                            + max(taken, default=0))
     extras = _extras(layout, stage, offload_optimizer, world_size, k, True, prefetch, accelerator,

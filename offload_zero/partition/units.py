@@ -133,11 +133,11 @@ def split_by_gradient_order(model: nn.Module, members: List[Tuple[nn.Parameter, 
     the parameters that only modules registered after the first block use (an LM head, a
     final norm: backward reaches them first, forward last); a parameter of more than half its
     elements and at least 1024 (the LM head's weight) goes alone in ``largest``, the others
-    (the final norm's) in ``rest``. ``late`` holds the rest of the members (input embeddings, and any parameter
-    also used before the blocks, such as an embedding tied to the LM head: its gradient is
-    final only at the end of backward, and forward needs it first). Module registration order stands for
-    execution order here; if a model runs its modules in another order, only the timing of the
-    updates changes, never their result.
+    (the final norm's) in ``rest``. ``late`` holds the rest of the members (input embeddings,
+    and any parameter also used before the blocks, such as an embedding tied to the LM head:
+    its gradient is final only at the end of backward, and forward needs it first). Module
+    registration order stands for execution order here; if a model runs its modules in another
+    order, only the timing of the updates changes, never their result.
     Without blocks, or when either part is empty, the members stay one group.
     """
     if not block_names:
