@@ -81,7 +81,8 @@ import zlib
 from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
-import torch.distributed as dist
+
+from offload_zero.lockstep import mark_agreed
 
 log = logging.getLogger("offload_zero")
 
@@ -237,7 +238,7 @@ def _load(engine, final: str) -> dict:
     with torch.no_grad():
         for fp in engine.flat_params:
             if fp.keep_unsharded:  # stages 1 and 2: every rank's new shard into the full values
-                engine.comm.all_gather_into(fp.full_values(), fp.sharded)
+                engine.comm.all_gather_into(fp.full_values(), fp.sharded, what=fp.name)
     return meta.get("client_state") or {}
 
 
@@ -336,10 +337,10 @@ def _agree(engine, error: Optional[BaseException], what: str, exc_type=RuntimeEr
     if on_failure is not None:
         on_failure()
     first = _first_error(engine, failed, error)  # (a barrier too: the cleanup is done)
-    if error is not None:
-        raise error
-    raise exc_type(f"[rank {engine.rank}] {what} failed on rank(s) {failed}: rank {failed[0]}: "
-                   f"{first}")
+    if error is None:
+        error = exc_type(f"[rank {engine.rank}] {what} failed on rank(s) {failed}: "
+                         f"rank {failed[0]}: {first}")
+    raise mark_agreed(error)  # (every rank raises it: no failure record, see [Note: lockstep])
 
 
 def _first_error(engine, failed: List[int], error: Optional[BaseException]) -> str:
@@ -347,9 +348,7 @@ def _first_error(engine, failed: List[int], error: Optional[BaseException]) -> s
     text = f"{type(error).__name__}: {error}" if error is not None else ""
     if engine.comm.world_size == 1:
         return text
-    texts = [None] * engine.comm.world_size
-    dist.all_gather_object(texts, text, group=engine.comm.group)
-    return texts[failed[0]]
+    return engine.comm.all_gather_object(text, what="checkpoint errors")[failed[0]]
 
 
 def _shared_save_id(engine) -> str:
@@ -357,7 +356,7 @@ def _shared_save_id(engine) -> str:
     value = secrets.randbits(62) if engine.rank == 0 else 0
     if engine.comm.world_size > 1:
         t = torch.tensor([value], dtype=torch.int64, device=engine.device)
-        dist.all_reduce(t, group=engine.comm.group)  # a sum: only rank 0 adds anything
+        engine.comm.all_reduce_sum(t, what="checkpoint id", count=False)  # only rank 0 adds
         value = int(t.item())
     return f"{value:016x}"
 
@@ -369,7 +368,7 @@ def _failed_ranks(engine, failed: bool) -> List[int]:
         return [0] if failed else []
     flags = torch.zeros(comm.world_size, dtype=torch.int32, device=engine.device)
     flags[comm.rank] = int(failed)
-    dist.all_reduce(flags, group=comm.group)  # not through Comm: no training traffic counted
+    comm.all_reduce_sum(flags, what="checkpoint flags", count=False)  # not training traffic
     return [r for r, f in enumerate(flags.tolist()) if f]
 
 

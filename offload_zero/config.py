@@ -68,6 +68,18 @@ class EngineConfig:
             run, >= 0. Live units never exceed ``prefetch + 1`` blocks plus the root. Default 1.
         unit_classes: module classes whose instances become units; empty means each block of
             the model's largest ``nn.ModuleList``. Default ``()``.
+        leaf_modules: module classes, or qualified module names (``"experts"``,
+            ``"model.layers.0.mlp"``), whose whole subtree is one unit: it is gathered whole and
+            every parameter in it gets a gradient (zeros where unused) on every rank, so
+            routing that differs per rank (mixture-of-experts layers) is exact at stage 3. No
+            unit is cut inside a leaf. The sparse MoE blocks of transformers models (classes
+            named ``*SparseMoeBlock``: Mixtral, Qwen2-MoE, ...) are leaves without asking
+            (DeepSpeed's ``set_z3_leaf_modules``). Default ``()``.
+        check_collectives: before each collective, check with one small all-gather that every
+            rank is at the same one (step, index, kind, size, phase, flat parameter): a
+            mismatch raises :class:`offload_zero.lockstep.CollectiveMismatch` on every rank
+            instead of pairing different tensors (see [Note: lockstep]). World size > 1 only.
+            Default True.
         max_grad_norm: clip the global gradient 2-norm to this value before the update; ``None``
             disables clipping. Default ``None``.
         aio_backend: NVMe I/O backend, ``"auto"``, ``"libaio"`` or ``"threads"``. Default auto.
@@ -155,6 +167,8 @@ class EngineConfig:
     device: Optional[torch.device] = None
     prefetch: int = 1
     unit_classes: Tuple[type, ...] = ()
+    leaf_modules: Tuple[object, ...] = ()
+    check_collectives: bool = True
     max_grad_norm: Optional[float] = None
     aio_backend: str = "auto"
     aio_block_size: Optional[int] = None
@@ -265,6 +279,16 @@ class EngineConfig:
         for cls in self.unit_classes:
             if not (isinstance(cls, type) and issubclass(cls, torch.nn.Module)):
                 raise ValueError(f"unit_classes entry {cls!r} is not a torch.nn.Module subclass")
+        if isinstance(self.leaf_modules, (str, type)):
+            object.__setattr__(self, "leaf_modules", (self.leaf_modules,))
+        object.__setattr__(self, "leaf_modules", tuple(self.leaf_modules))
+        for leaf in self.leaf_modules:
+            if not (isinstance(leaf, str) or (isinstance(leaf, type)
+                                              and issubclass(leaf, torch.nn.Module))):
+                raise ValueError(f"leaf_modules entry {leaf!r} is neither a torch.nn.Module "
+                                 "subclass nor a qualified module name (str)")
+        if not isinstance(self.check_collectives, bool):
+            raise ValueError(f"check_collectives={self.check_collectives!r} must be True or False")
         object.__setattr__(self, "device", _resolve_device(self.device))
         # name the setting that asked for NVMe: offload="nvme" alone, or the finer keywords
         nvme = [f"{k}='nvme'" for k, v in (("offload_optimizer", self.offload_optimizer),

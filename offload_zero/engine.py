@@ -21,6 +21,7 @@ import torch
 import torch.nn as nn
 
 from offload_zero.comm import Comm, init_from_env
+from offload_zero.lockstep import Phase
 from offload_zero.config import EngineConfig, Tier, check_number
 from offload_zero.memory.accounting import StateKind, TierAccountant
 from offload_zero.memory.aligned import aligned_empty
@@ -29,7 +30,8 @@ from offload_zero.memory.tiers import (DeviceStore, HostParamHome, HostStore, NV
                                        NVMeStore)
 from offload_zero.partition.flat_param import FlatParam, build_entries, shard_numel_for
 from offload_zero.partition.grads import GradientShards
-from offload_zero.partition.schedule import UnitScheduler
+from offload_zero.partition.reduce_order import OrderedReduction, grad_order, reduce_stage1
+from offload_zero.partition.schedule import UnitScheduler, runs_itself
 from offload_zero.partition.units import Unit, host_tail_index, plan_flat_params
 
 log = logging.getLogger("offload_zero")
@@ -100,7 +102,8 @@ class OffloadEngine:
         self.device = cfg.device
         timeout_s = check_number("timeout_s", timeout_s, low=0.0, low_inclusive=False)
         init_from_env(timeout_s, self.device)
-        self.comm = Comm(process_group)
+        self.comm = Comm(process_group, device=self.device,
+                         check_collectives=cfg.check_collectives, timeout_s=timeout_s)
         self.rank, self.world_size = self.comm.rank, self.comm.world_size
         self.placement = None
         if cfg.offload == "auto":
@@ -109,7 +112,7 @@ class OffloadEngine:
                 model, cfg.stage, self.world_size, cfg.dtype, cfg.prefetch, cfg.unit_classes,
                 self.device, cfg.path, cfg.max_device_bytes, cfg.max_host_bytes,
                 step_in_backward=cfg.step_in_backward, tail_state_in_host=cfg.tail_state_in_host,
-                step_in_forward=cfg.step_in_forward)
+                step_in_forward=cfg.step_in_forward, leaf_modules=cfg.leaf_modules)
             self.config = cfg = dataclasses.replace(
                 cfg, offload_optimizer=self.placement.offload_optimizer,
                 offload_param=self.placement.offload_param,
@@ -233,6 +236,11 @@ class OffloadEngine:
         self.units: List[Unit] = self.blocks + [self.root]
         self.flat_params = [fp for u in self.units for fp in u.flat_params]
         self.trainable = [fp for fp in self.flat_params if fp.requires_grad]
+        # one order of the gradients' reductions on every rank (see [Note: reduction order])
+        self._grad_order = grad_order(model, self.trainable)
+        if self.comm.lockstep is not None:
+            self.comm.lockstep.register_names({fp.name: f"{fp.name} of {u.label}"
+                                               for u in self.units for fp in u.flat_params})
         # the root's trainable parameters, split by gradient order, come as [used after the
         # blocks (final norm, LM head)..., the rest (embeddings)]
         root_trainable = [fp for fp in self.root.flat_params if fp.requires_grad]
@@ -285,9 +293,18 @@ class OffloadEngine:
             self.store.enable_prefetch(ring)
             if cfg.step_in_backward:
                 on_unit_forward = _weakly(self._read_ahead_in_forward)
+        self._reduction = None
+        if cfg.stage == 2 and self.world_size > 1:
+            # (the engine held weakly, as for every scheduler callback)
+            self._reduction = OrderedReduction(self._grad_order, on_grad, self.grads, self.comm,
+                                               flags_in_update=cfg.step_in_backward)
+            on_grad = self._reduction.grad_ready
         self.scheduler = UnitScheduler(self.blocks, self.root, self.comm, cfg.prefetch,
                                        reshard_after_forward=cfg.stage == 3,
                                        on_grad=on_grad, pool_for=pool_for, staging=staging,
+                                       on_end_backward=(None if self._reduction is None
+                                                        else self._reduction.end_backward),
+                                       on_forward_error=self.comm.report_failure,
                                        on_unit_backward=on_unit_backward, on_forward=on_forward,
                                        on_unit_forward=on_unit_forward,
                                        before_gather=before_gather, gather_late=gather_late,
@@ -300,13 +317,16 @@ class OffloadEngine:
                 log.info("activation_checkpointing: set model.config.use_cache = False")
             offload = cfg.offload_activations and self.device.type != "cpu"
             for unit in self.blocks:
-                _checkpoint_forward(unit.module, offload)
+                # (a container unit's children each recompute)
+                for mod in ([unit.module] if runs_itself(unit.module)
+                            else unit.module.children()):
+                    _checkpoint_forward(mod, offload)
 
     def _plan_units(self, model: nn.Module):
         """Units and, per unit, its trainable and frozen parameter groups (nothing built yet)."""
         cfg = self.config
         block_mods, planned, users = plan_flat_params(
-            model, cfg.unit_classes)
+            model, cfg.unit_classes, cfg.leaf_modules)
         blocks = [Unit(i, n, m, is_root=False) for i, (n, m) in enumerate(block_mods)]
         root = Unit(len(blocks), "", model, is_root=True)
         units = blocks + [root]
@@ -459,19 +479,21 @@ class OffloadEngine:
             raise RuntimeError("step_in_backward=True updates the weights during backward, so "
                                "gradients cannot accumulate over several backward calls: call "
                                "step() after each backward, or use step_in_backward=False")
-        self.apply_pending_updates()  # (units the last forward did not run)
-        self._backward_pending = True
-        if self.loss_scaler is not None:
-            # in fp32: a scaled fp16 loss would overflow long before its gradients do
-            loss = loss.float() * self.loss_scaler.scale
-        try:
-            loss.backward()
-        except BaseException as exc:
-            with _not_replacing(exc, self.rank, "ending the backward"):
-                self.scheduler.end_backward()  # the end-of-backward callback does not run on error
-                if self.config.step_in_backward and isinstance(exc, Exception):
-                    self.step()  # (not on Ctrl-C or exit: no more I/O then; zero_grad() ends it)
-            raise
+        with self._together(Phase.BACKWARD):
+            self.apply_pending_updates()  # (units the last forward did not run)
+            self._backward_pending = True
+            if self.loss_scaler is not None:
+                # in fp32: a scaled fp16 loss would overflow long before its gradients do
+                loss = loss.float() * self.loss_scaler.scale
+            try:
+                loss.backward()
+            except BaseException as exc:
+                with _not_replacing(exc, self.rank, "ending the backward"):
+                    self.scheduler.end_backward()  # (the end-of-backward callback did not run)
+                    if (self.config.step_in_backward and isinstance(exc, Exception)
+                            and not _collective_error(exc)):
+                        self.step()  # (not on Ctrl-C or exit: no more I/O; zero_grad() ends it)
+                raise
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop the gradients accumulated since the last :meth:`step` (to skip a batch, say
@@ -581,10 +603,22 @@ class OffloadEngine:
         self.grads.on_full_grad(fp)
         if fp in self._early or not self.grads.has_grad[fp]:
             return
+        known_finite = False
+        if self.world_size > 1:
+            # the flags now, right after the reduction, in the same order on every rank: an
+            # update streamed later must issue no collective of its own (its chunks advance
+            # from hooks that differ per rank), and a flat parameter no rank used is not
+            # updated (see [Note: reduction order])
+            bad, unused = self._grad_flags([fp])
+            if fp in bad or fp in unused:
+                self._early[fp] = fp in unused  # (inf/nan: skipped, an overflow of the step)
+                self.grads.zero(only=[fp])
+                return
+            known_finite = True
         if isinstance(self.store, NVMeStore) and not self.store.prefetched(fp):
             skipped: set = set()
             # (the learning rate of this backward, whatever set_lr() does before it ends)
-            update = self._iter_updates([fp], self._unscale(), False, skipped, self.lr)
+            update = self._iter_updates([fp], self._unscale(), known_finite, skipped, self.lr)
 
             def done(fp=fp, skipped=skipped):
                 self._early[fp] = fp not in skipped
@@ -594,7 +628,7 @@ class OffloadEngine:
             self._early[fp] = False  # until its last chunk is updated (see _pump)
             self._pump()
             return
-        self._early[fp] = fp not in self._update_states([fp], self._unscale(), known_finite=False)
+        self._early[fp] = fp not in self._update_states([fp], self._unscale(), known_finite)
         # its gradient is used up: where one rank's shards adopt the gradients, its memory
         # serves the next one (see [Note: reused gradient memory])
         self.grads.zero(only=[fp])
@@ -604,16 +638,27 @@ class OffloadEngine:
         return 1.0 if self.loss_scaler is None else 1.0 / self.loss_scaler.scale
 
     def _nonfinite_on_any_rank(self, fps: List[FlatParam]) -> set:
-        """The flat parameters of ``fps`` whose gradient holds an inf or nan on any rank: one
-        all-reduce of a flag per flat parameter (4 bytes each), so that every rank skips the
-        same ones (each rank sees only its own gradient shard). Collective: every rank calls
-        it with the same ``fps`` in the same order."""
+        """The flat parameters of ``fps`` whose gradient holds an inf or nan on any rank (see
+        :meth:`_grad_flags`). Collective."""
+        return self._grad_flags(fps)[0]
+
+    def _grad_flags(self, fps: List[FlatParam]):
+        """``(nonfinite, unused)``: the flat parameters of ``fps`` whose gradient holds an inf
+        or nan on any rank, and those no rank's backward used (their gradients are the zeros
+        of [Note: reduction order]). One all-reduce of a float per flat parameter (4 bytes
+        each), so that every rank skips the same ones (each rank sees only its own gradient
+        shard): ``used + (N + 1) * nonfinite`` summed over the N ranks, exact in fp32 for
+        any N below 4096. Collective: every rank calls it with the same ``fps`` in the same
+        order."""
         if not fps:
-            return set()
-        flags = torch.tensor([0.0 if _all_finite(self.grads.buf[fp]) else 1.0 for fp in fps],
-                             dtype=torch.float32, device=self.device)
-        flags = self.comm.all_reduce_sum(flags).tolist()
-        return {fp for fp, f in zip(fps, flags) if f > 0}
+            return set(), set()
+        used = (lambda fp: True) if self._reduction is None else self._reduction.used.__contains__
+        base = self.world_size + 1
+        flags = torch.tensor([float(used(fp)) + (0.0 if _all_finite(self.grads.buf[fp]) else base)
+                              for fp in fps], dtype=torch.float32, device=self.device)
+        flags = [int(f) for f in self.comm.all_reduce_sum(flags, what="inf/nan flags").tolist()]
+        return ({fp for fp, f in zip(fps, flags) if f >= base},
+                {fp for fp, f in zip(fps, flags) if f % base == 0})
 
     def _pump(self, all_of_them: bool = False) -> None:
         """Advance the oldest streaming update (``_deferred``: ``(flat param, generator of
@@ -789,17 +834,25 @@ class OffloadEngine:
         dynamic scale halves (``loss_scaler``).
         """
         self._check_open()
+        with self._together(Phase.STEP):
+            self._step()
+
+    @torch.no_grad()
+    def _step(self) -> None:
         cfg = self.config
         self.scheduler.reshard_all()  # a training forward without backward leaves the root gathered
+        if self._reduction is not None:
+            self._reduction.end_backward()  # (a backward whose end-of-backward callback did not run)
         self._finish_updates()  # (step_in_forward: a step without a forward since the last)
         if cfg.stage == 1:
-            self.grads.reduce_all_full(self.trainable)
+            reduce_stage1(self.grads, self._grad_order, self.comm)
         coef = self._unscale()  # the gradients carry the loss scale (1.0 without one)
         known_finite = False
         # (with step_in_backward most flat parameters were updated in backward already)
         with_grad = [fp for fp in self.trainable if self.grads.has_grad[fp] and fp not in self._early]
         if cfg.max_grad_norm is not None:
-            sq = self.comm.all_reduce_sum(self.grads.sum_of_squares().to(self.device)).item()
+            sq = self.comm.all_reduce_sum(self.grads.sum_of_squares().to(self.device),
+                                         what="grad norm").item()
             norm = math.sqrt(sq) * coef
             self.last_grad_norm = norm
             if not math.isfinite(norm):  # inf/nan somewhere on some rank: skip the whole step
@@ -837,7 +890,7 @@ class OffloadEngine:
         self._backward_pending = False
         if cfg.stage < 3:
             for fp in self.trainable:
-                self.comm.all_gather_into(fp.full_values(), fp.sharded)
+                self.comm.all_gather_into(fp.full_values(), fp.sharded, what=fp.name)
         self.grads.zero()
         self.comm.end_step()
 
@@ -890,9 +943,9 @@ class OffloadEngine:
         ``defer_write_back``: see :meth:`NVMeStore.iter_states`."""
         if not known_finite and self.world_size > 1:
             # every rank skips the same flat parameters, whichever rank's shard holds the inf/nan
-            bad = self._nonfinite_on_any_rank(fps)
+            bad, unused = self._grad_flags(fps)
             skipped |= bad
-            fps = [fp for fp in fps if fp not in bad]
+            fps = [fp for fp in fps if fp not in bad and fp not in unused]
             known_finite = True
         try:
             # the store yields each flat parameter's state whole, or (NVMe) in chunks
@@ -1028,6 +1081,10 @@ class OffloadEngine:
         gathers). Shapes: the original parameter shapes.
         """
         self._check_open()
+        with self._together(Phase.EXPORT):
+            return self._full_state_dict(rank0_only)
+
+    def _full_state_dict(self, rank0_only: bool) -> Dict[str, torch.Tensor]:
         self._finish_updates()
         out: Dict[str, torch.Tensor] = {}
         for fp in self.flat_params:
@@ -1038,7 +1095,7 @@ class OffloadEngine:
             else:
                 shard = fp.sharded.float()
             full = torch.empty(fp.padded_numel, dtype=torch.float32, device=self.device)
-            self.comm.all_gather_into(full, shard)
+            self.comm.all_gather_into(full, shard, what=fp.name)
             full = full.cpu()
             for e in fp.entries:
                 value = full[e.offset:e.offset + e.numel].view(e.shape).clone()
@@ -1061,7 +1118,8 @@ class OffloadEngine:
         a data position) that :meth:`load_checkpoint` returns. Collective; call it between
         steps. Layout, dtypes and errors: :func:`offload_zero.checkpoint.save_checkpoint`."""
         from offload_zero.checkpoint import save_checkpoint
-        save_checkpoint(self, folder, client_state)
+        with self._together(Phase.CHECKPOINT):
+            save_checkpoint(self, folder, client_state)
 
     def load_checkpoint(self, folder) -> dict:
         """Restore the state :meth:`save_checkpoint` wrote to ``folder`` (same world size,
@@ -1070,12 +1128,25 @@ class OffloadEngine:
         Collective; call it between steps. Raises ValueError naming the mismatched field or
         the bad file: :func:`offload_zero.checkpoint.load_checkpoint`."""
         from offload_zero.checkpoint import load_checkpoint
-        return load_checkpoint(self, folder)
+        with self._together(Phase.CHECKPOINT):
+            return load_checkpoint(self, folder)
 
     # -- lifetime ------------------------------------------------------------------------------
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError(f"[rank {self.rank}] this OffloadEngine is closed")
+
+    @contextlib.contextmanager
+    def _together(self, phase: Phase) -> Iterator[None]:
+        """The body's collectives carry ``phase`` in their lockstep fingerprints, and an error
+        in it is recorded for the other ranks, which stop waiting for this one (see [Note:
+        lockstep])."""
+        with self.comm.phase(phase):
+            try:
+                yield
+            except BaseException as exc:
+                self.comm.report_failure(exc)
+                raise
 
     def close(self) -> None:
         """Release buffers, remove swap files and hooks; idempotent. Also runs on garbage
@@ -1089,8 +1160,15 @@ class OffloadEngine:
         try:
             while self._deferred:  # updates cut short by an error: end their I/O first
                 self._deferred.pop(0)[1].close()
+        except BaseException as exc:
+            self.comm.report_failure(exc)
+            raise
         finally:
-            self._finalizer()
+            try:
+                self._finalizer()
+            except BaseException as exc:
+                self.comm.report_failure(exc)
+                raise
 
     def __enter__(self) -> "OffloadEngine":
         return self
@@ -1126,6 +1204,13 @@ def _exit_on_sigterm() -> None:
 
 def _sigterm_exit(signum, frame):
     raise SystemExit(128 + signum)
+
+
+def _collective_error(exc: BaseException) -> bool:
+    """Whether ``exc`` says the ranks fell out of step (another rank failed, or they were at
+    different collectives): no further collective can be run then."""
+    from offload_zero.lockstep import CollectiveMismatch, PeerFailure
+    return isinstance(exc, (CollectiveMismatch, PeerFailure))
 
 
 def _weakly(method):

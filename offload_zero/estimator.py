@@ -278,7 +278,8 @@ def _param_count(value) -> int:
     return int(value)
 
 
-def model_layout(model: nn.Module, unit_classes: Sequence[type] = ()) -> List[FlatSpec]:
+def model_layout(model: nn.Module, unit_classes: Sequence[type] = (),
+                 leaf_modules: Sequence[object] = ()) -> List[FlatSpec]:
     """The engine's flat parameters of ``model``: one :class:`FlatSpec` per unit and
     ``requires_grad`` value, units found as :class:`offload_zero.OffloadEngine` finds them
     (the root's trainable parameters split by gradient order, as the engine splits them; see
@@ -288,7 +289,7 @@ def model_layout(model: nn.Module, unit_classes: Sequence[type] = ()) -> List[Fl
     the ``meta`` device (nothing is allocated). Units: elements.
     """
     from offload_zero.partition.units import plan_flat_params
-    block_mods, planned, _ = plan_flat_params(model, tuple(unit_classes))
+    block_mods, planned, _ = plan_flat_params(model, tuple(unit_classes), tuple(leaf_modules))
     specs = [FlatSpec(sum(p.numel() for p, _ in members), -1 if i == len(block_mods) else i,
                       trainable, len(members) == 1) for i, trainable, members in planned]
     if not specs:

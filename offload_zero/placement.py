@@ -76,7 +76,8 @@ def choose_placement(model: nn.Module, stage: int, world_size: int, dtype: torch
                      max_host_bytes: Optional[int] = None,
                      step_in_backward: bool = False,
                      tail_state_in_host: Optional[bool] = None,
-                     step_in_forward: Optional[bool] = None) -> PlacementChoice:
+                     step_in_forward: Optional[bool] = None,
+                     leaf_modules=()) -> PlacementChoice:
     """Pick the first of :data:`CANDIDATES` whose bytes fit the budgets (``step_in_backward``,
     ``step_in_forward``: count their NVMe read-ahead buffers too). ``step_in_forward=None``
     (the engine's default) tries each candidate as the engine would run it (see
@@ -113,7 +114,7 @@ def choose_placement(model: nn.Module, stage: int, world_size: int, dtype: torch
             continue
         label = f"{opt}+{param}" + (" step_in_forward" if sif else " plain step" if twin else "")
         if layout is None:
-            layout = model_layout(model, unit_classes)
+            layout = model_layout(model, unit_classes, leaf_modules)
         p = placement_bytes(model, stage, opt, param, world_size, dtype, prefetch, unit_classes,
                             accelerator, layout=layout, step_in_backward=step_in_backward,
                             tail_state_in_host=tail_state_in_host, step_in_forward=sif)

@@ -265,7 +265,7 @@ class FlatParam:
             else:
                 shard = shard.to(self.device)
         with torch.no_grad():
-            comm.all_gather_into(self._full_alias, shard)
+            comm.all_gather_into(self._full_alias, shard, what=self.name)
         if self.home is not None:
             self.home.done_with(self)
         self.state = ShardedState.UNSHARDED

@@ -223,7 +223,8 @@ class GradientShards:
                 window = g.detach()[lo:lo + fp.shard_numel]
                 if self.comm.world_size > 1:
                     self.comm.reduce_scatter_avg(window, g.detach(),
-                                                 scratch=self.scratch[:fp.shard_numel])
+                                                 scratch=self.scratch[:fp.shard_numel],
+                                                 what=fp.name)
                 self.buf[fp] = window
                 self.has_grad[fp] = True
                 continue
@@ -241,7 +242,7 @@ class GradientShards:
             shard = g.detach()
         else:
             shard = self.scratch[:fp.shard_numel]
-            self.comm.reduce_scatter_avg(shard, g.detach())
+            self.comm.reduce_scatter_avg(shard, g.detach(), what=fp.name)
         if self._adopt and not self.has_grad[fp]:
             self.buf[fp] = shard  # the caller drops its own reference to the full gradient
             self._acct.add(self.tier, StateKind.GRADS, shard.numel() * shard.element_size())
@@ -253,6 +254,12 @@ class GradientShards:
         else:
             buf.copy_(shard)
             self.has_grad[fp] = True
+
+    def forget(self, fp: FlatParam) -> None:
+        """``fp`` has no gradient after all: the one reduced into its shard is every rank's
+        zeros (no rank used it; see [Note: reduction order]). World size > 1 only, where no
+        shard adopts a gradient."""
+        self.has_grad[fp] = False
 
     def sum_of_squares(self) -> torch.Tensor:
         """Sum of squared gradient elements of this rank's shards, fp64 scalar on the host."""

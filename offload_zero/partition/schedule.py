@@ -25,10 +25,13 @@ from __future__ import annotations
 
 from typing import Callable, List, Optional
 
+import sys
+
 import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from offload_zero.lockstep import Phase
 from offload_zero.partition.units import Unit, UnitState
 
 
@@ -57,6 +60,9 @@ class UnitScheduler:
             ``before_gather(root)`` in a training forward: True leaves it sharded until the
             first module using it runs (see the note above); or None (never).
         before_late_gather: ``f(flat_param)`` called just before such a late gather, or None.
+        on_end_backward: ``f()`` called when a backward ends normally (from the autograd
+            engine's end-of-backward callback, before the units are resharded), or None.
+        on_forward_error: ``f(exception)`` called when the model's forward raises, or None.
 
     Attributes:
         live_peak: the most units gathered at once since construction.
@@ -70,7 +76,9 @@ class UnitScheduler:
                  on_unit_forward: Optional[Callable] = None,
                  before_gather: Optional[Callable] = None,
                  gather_late: Optional[Callable] = None,
-                 before_late_gather: Optional[Callable] = None):
+                 before_late_gather: Optional[Callable] = None,
+                 on_end_backward: Optional[Callable] = None,
+                 on_forward_error: Optional[Callable] = None):
         self.blocks, self.root, self.comm = blocks, root, comm
         self.prefetch = prefetch
         self.reshard_after_forward = reshard_after_forward
@@ -83,6 +91,9 @@ class UnitScheduler:
         self._before_gather = before_gather
         self._gather_late = gather_late
         self._before_late_gather = before_late_gather
+        self._on_end_backward = on_end_backward
+        self._on_forward_error = on_forward_error
+        self._forward_done = True
         self._late = {}                      # root flat param -> its part of the root's slot
         # root flat parameters a late gather can serve: used only by modules other than the
         # model itself (their first user's pre-forward hook gathers them)
@@ -97,12 +108,22 @@ class UnitScheduler:
         self._pending = {}                   # unit -> trainable flat params awaiting gradients
         self._handles = []
         self._inputs_pending = {}             # unit -> forwards whose input gradients are due
+        self._open_container: Optional[Unit] = None  # a container unit gathered in forward
         for unit in blocks:
-            self._handles.append(unit.module.register_forward_pre_hook(
-                self._make_pre_forward(unit), with_kwargs=True))
-            self._handles.append(unit.module.register_forward_hook(self._make_post_forward(unit)))
+            # a container (a ModuleList of experts made a leaf unit) has no forward of its own:
+            # its children's forwards gather it whole, and it stays gathered until forward
+            # moves on to another unit, so every rank gathers it once whichever children run
+            callers = [unit.module] if runs_itself(unit.module) else list(unit.module.children())
+            for mod in callers:
+                self._handles.append(mod.register_forward_pre_hook(
+                    self._make_pre_forward(unit), with_kwargs=True))
+                self._handles.append(mod.register_forward_hook(
+                    self._make_post_forward(unit, keep=mod is not unit.module)))
         self._handles.append(root.module.register_forward_pre_hook(self._root_pre_forward))
         self._handles.append(root.module.register_forward_hook(self._root_post_forward))
+        # (after the one above: it runs on success too, and finds the forward done then)
+        self._handles.append(root.module.register_forward_hook(self._root_forward_failed,
+                                                               always_call=True))
         self._fresh_views: set = set()       # root flat params given fresh views this forward
         for fp in root.flat_params:
             users = {id(m): m for e in fp.entries for m, _, _ in e.refs if m is not root.module}
@@ -217,7 +238,24 @@ class UnitScheduler:
                 self.prefetch_unit(self.order[k])
 
     # -- forward -----------------------------------------------------------------------------
+    def _phase(self) -> Phase:
+        if self._in_backward:
+            return Phase.BACKWARD
+        return Phase.FORWARD if torch.is_grad_enabled() else Phase.FORWARD_NO_GRAD
+
+    def _root_forward_failed(self, module, args, output):
+        """Runs after the model's forward whether it raised or not: when it raised (the
+        post-forward hook did not run), report the error (see [Note: lockstep])."""
+        if self._forward_done:
+            return
+        self._forward_done = True
+        exc = sys.exc_info()[1]
+        if exc is not None and self._on_forward_error is not None:
+            self._on_forward_error(exc)
+
     def _root_pre_forward(self, module, args):
+        self._forward_done = False
+        self.comm.set_phase(self._phase())
         if self._on_forward is not None:
             self._on_forward()
         if not self._in_backward:
@@ -247,6 +285,8 @@ class UnitScheduler:
         return hook
 
     def _root_post_forward(self, module, args, output):
+        self._forward_done = True
+        self._close_container(None)
         self._training_forward = False
         if self._recording is not None:
             if self._recording != self.order:
@@ -260,6 +300,8 @@ class UnitScheduler:
             for u in self.blocks + ([] if keep_root else [self.root]):
                 self.reshard(u)
         self._register_pre_backward(self.root, output)
+        if not self._in_backward:
+            self.comm.set_phase(Phase.IDLE)
 
     def _make_pre_forward(self, unit: Unit):
         has_frozen = any(not fp.requires_grad for fp in unit.flat_params)
@@ -267,6 +309,7 @@ class UnitScheduler:
         def hook(module, args, kwargs):
             if self._recording is not None and unit not in self._recording:
                 self._recording.append(unit)
+            self._close_container(unit)
             self._activate(unit)
             if self._in_backward:
                 return None
@@ -297,12 +340,23 @@ class UnitScheduler:
         self._inputs_pending[unit] -= 1
         self._maybe_reshard_after_backward(unit)
 
-    def _make_post_forward(self, unit: Unit):
+    def _make_post_forward(self, unit: Unit, keep: bool = False):
         def hook(module, args, output):
-            if self.reshard_after_forward and not self._in_backward:
+            if keep:  # one child of a container unit: the unit stays gathered for the others
+                if not self._in_backward:
+                    self._open_container = unit
+            elif self.reshard_after_forward and not self._in_backward:
                 self.reshard(unit)
             self._register_pre_backward(unit, output)
         return hook
+
+    def _close_container(self, unit: Optional[Unit]) -> None:
+        """Forward moved on to ``unit`` (None: the forward ended): reshard a container unit
+        left gathered for its children, unless it is ``unit``."""
+        open_unit = self._open_container
+        if open_unit is not None and open_unit is not unit and not self._in_backward:
+            self._open_container = None
+            self.reshard(open_unit)
 
     # -- backward ----------------------------------------------------------------------------
     def _register_pre_backward(self, unit: Unit, output) -> None:
@@ -323,6 +377,7 @@ class UnitScheduler:
                                    "before close()")
             if not self._in_backward:
                 self._in_backward = True
+                self.comm.set_phase(Phase.BACKWARD)
                 torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
             self._activate(unit)
             if self._on_unit_backward is not None:
@@ -356,6 +411,8 @@ class UnitScheduler:
         self.reshard(unit)
 
     def _end_of_backward(self) -> None:
+        if self._on_end_backward is not None:
+            self._on_end_backward()
         self.end_backward()
 
     def end_backward(self) -> None:
@@ -363,6 +420,7 @@ class UnitScheduler:
         unit. Runs from a callback at the end of each backward; the engine also calls it when
         an error ends a backward early (the callback does not run then)."""
         self._in_backward = False
+        self.comm.set_phase(Phase.IDLE)
         self._pending.clear()
         self._inputs_pending.clear()
         if self.reshard_after_forward:
@@ -373,6 +431,12 @@ class UnitScheduler:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+
+
+def runs_itself(module: nn.Module) -> bool:
+    """Whether ``module`` has a forward of its own (a ``ModuleList`` or ``ModuleDict`` has
+    none: only its children run)."""
+    return type(module).forward is not nn.Module.forward
 
 
 class _InputGrads(torch.autograd.Function):

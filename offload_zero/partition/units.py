@@ -52,33 +52,80 @@ class Unit:
         return f"Unit({self.label}, {self.state.value})"
 
 
-def find_unit_modules(model: nn.Module, unit_classes: Sequence[type] = ()) -> List[Tuple[str, nn.Module]]:
+AUTO_LEAF_SUFFIX = "SparseMoeBlock"
+"""Module classes whose names end so (transformers' Mixtral, Qwen2-MoE, Qwen3-MoE, ... sparse
+MoE blocks) are leaf modules without being named in ``leaf_modules``."""
+
+
+def find_leaf_modules(model: nn.Module, leaf_modules: Sequence[object] = ()) -> List[str]:
+    """Qualified names of the outermost leaf modules of ``model``, in module order: instances of
+    the classes in ``leaf_modules``, modules named there, and sparse MoE blocks (see
+    :data:`AUTO_LEAF_SUFFIX`). The model itself is never a leaf (it is the root unit).
+
+    Raises:
+        ValueError: a name in ``leaf_modules`` that no module of ``model`` has (naming a few
+            that exist).
+    """
+    classes = tuple(c for c in leaf_modules if isinstance(c, type))
+    names = {n for n in leaf_modules if isinstance(n, str)}
+    modules = dict(model.named_modules())
+    missing = sorted(n for n in names if n not in modules or n == "")
+    if missing:
+        some = [n for n in modules if n][:6]
+        raise ValueError(f"leaf_modules names {missing}, which are not modules of "
+                         f"{type(model).__name__}; qualified module names look like {some}")
+    found: List[str] = []
+    for name, mod in modules.items():
+        if mod is model or _inside(name, found):
+            continue
+        if (name in names or (classes and isinstance(mod, classes))
+                or type(mod).__name__.endswith(AUTO_LEAF_SUFFIX)):
+            found.append(name)
+    return found
+
+
+def _inside(name: str, prefixes: Sequence[str]) -> bool:
+    """Whether module ``name`` lies strictly inside one of the modules ``prefixes``."""
+    return any(name.startswith(p + ".") for p in prefixes)
+
+
+def find_unit_modules(model: nn.Module, unit_classes: Sequence[type] = (),
+                      leaf_modules: Sequence[object] = ()) -> List[Tuple[str, nn.Module]]:
     """Return ``[(qualified name, module)]`` of the block units, in module order.
 
     With ``unit_classes``: every outermost module that is an instance of one of them.
     Otherwise: the children of the ``nn.ModuleList`` holding the most parameter elements
     (ties broken by length). A model with no ``ModuleList`` has no block units (root only).
+    Leaf modules (:func:`find_leaf_modules`) are never cut: no unit lies inside one, and a
+    leaf that no unit holds is a unit of its own.
     """
+    leaves = find_leaf_modules(model, leaf_modules)
     if unit_classes:
         found, taken = [], []
         for name, mod in model.named_modules():
             if mod is model or not isinstance(mod, tuple(unit_classes)):
                 continue
-            if any(name.startswith(t + ".") for t in taken):
+            if _inside(name, taken) or _inside(name, leaves):
                 continue
             found.append((name, mod))
             taken.append(name)
+    else:
+        best, best_key = None, (0, 0)
+        for name, mod in model.named_modules():
+            if (isinstance(mod, nn.ModuleList) and len(mod) > 0 and name not in leaves
+                    and not _inside(name, leaves)):
+                key = (sum(p.numel() for p in mod.parameters()), len(mod))
+                if key > best_key:
+                    best, best_key = (name, mod), key
+        found = [] if best is None else [
+            (f"{best[0]}.{i}" if best[0] else str(i), child) for i, child in enumerate(best[1])]
+    taken = [n for n, _ in found]
+    modules = dict(model.named_modules())
+    extra = [(n, modules[n]) for n in leaves if n not in taken and not _inside(n, taken)]
+    if not extra:
         return found
-    best, best_key = None, (0, 0)
-    for name, mod in model.named_modules():
-        if isinstance(mod, nn.ModuleList) and len(mod) > 0:
-            key = (sum(p.numel() for p in mod.parameters()), len(mod))
-            if key > best_key:
-                best, best_key = (name, mod), key
-    if best is None:
-        return []
-    prefix = best[0]
-    return [(f"{prefix}.{i}" if prefix else str(i), child) for i, child in enumerate(best[1])]
+    order = {n: i for i, n in enumerate(modules)}
+    return sorted(found + extra, key=lambda item: order[item[0]])
 
 
 def group_parameters(model: nn.Module, block_names: List[str]
@@ -188,17 +235,18 @@ def host_tail_index(flat: Sequence[Tuple[bool, bool, int]],
     return tail[-1]
 
 
-def plan_flat_params(model: nn.Module, unit_classes: Sequence[type] = ()):
+def plan_flat_params(model: nn.Module, unit_classes: Sequence[type] = (),
+                     leaf_modules: Sequence[object] = ()):
     """The flat parameters ``model`` is cut into, before anything is built (the engine builds
     them; the estimator counts them).
 
     Returns ``(block_modules, planned, users)``: ``block_modules`` from
-    :func:`find_unit_modules`; ``planned`` lists ``(unit index, trainable, members)`` in
+    :func:`find_unit_modules` (with ``unit_classes`` and ``leaf_modules``); ``planned`` lists ``(unit index, trainable, members)`` in
     construction order, one entry per unit and ``requires_grad`` value (the root unit's index
     is ``len(block_modules)``; its trainable members are split by
     :func:`split_by_gradient_order`); ``users`` as from :func:`group_parameters`.
     """
-    block_mods = find_unit_modules(model, unit_classes)
+    block_mods = find_unit_modules(model, unit_classes, leaf_modules)
     names = [n for n, _ in block_mods]
     groups, users = group_parameters(model, names)
     planned = []
