@@ -5,8 +5,8 @@ loopback up and one end of a veth pair (``v<tag>a`` / ``v<tag>b``, the interface
 GLOO_SOCKET_IFNAME takes) holding ``10.77.0.1/24`` and ``10.77.0.2/24``: traffic between the two
 goes over that link and nowhere else (no route leaves either namespace). ``close()`` deletes
 both namespaces, which removes the link with them. Where namespaces cannot be made (not root,
-no ``ip`` binary, ``ip netns add`` refused) ``create`` raises :class:`NamespacesUnavailable`
-with the reason.
+no ``ip`` binary, ``ip netns add`` or the veth pair refused) ``create`` raises
+:class:`NamespacesUnavailable` with the reason.
 """
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from typing import List, Sequence
 
 ADDRESSES = ("10.77.0.1", "10.77.0.2")
 PREFIX_LEN = 24
+IFNAME_MAX_LEN = 15  # Linux's IFNAMSIZ less the terminating NUL
 
 
 class NamespacesUnavailable(RuntimeError):
@@ -46,6 +47,8 @@ class NodePair:
     @classmethod
     def create(cls, tag: str) -> "NodePair":
         """Make both namespaces and the link; undo what was made if a later step fails."""
+        if len(f"v{tag}a") > IFNAME_MAX_LEN:
+            raise ValueError(f"tag {tag!r} makes interface names over {IFNAME_MAX_LEN} characters")
         if os.geteuid() != 0:
             raise NamespacesUnavailable(f"network namespaces need root (euid {os.geteuid()})")
         if shutil.which("ip") is None:
@@ -67,8 +70,10 @@ class NodePair:
 
     def _link(self) -> None:
         (ns_a, ns_b), (if_a, if_b) = self.namespaces, self.ifnames
-        _check(_ip("link", "add", if_a, "netns", ns_a, "type", "veth",
-                   "peer", "name", if_b, "netns", ns_b))
+        result = _ip("link", "add", if_a, "netns", ns_a, "type", "veth",
+                     "peer", "name", if_b, "netns", ns_b)
+        if result.returncode != 0:  # e.g. a kernel or container without veth
+            raise NamespacesUnavailable(f"`{' '.join(result.args)}` failed: {result.stderr.strip()}")
         for ns, ifname, addr in zip(self.namespaces, self.ifnames, self.addresses):
             _check(_ip("-n", ns, "addr", "add", f"{addr}/{PREFIX_LEN}", "dev", ifname))
             _check(_ip("-n", ns, "link", "set", ifname, "up"))
