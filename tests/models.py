@@ -1,4 +1,6 @@
 """Small models shared by the tests: awkward widths on purpose."""
+import copy
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -46,6 +48,18 @@ class TinyLM(nn.Module):
 
 def lm_loss(logits, y):
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+
+def adamw_reference(model, global_batches, lr=1e-2, wd=0.1):
+    """A copy of ``model`` trained by single-process ``torch.optim.AdamW`` on each whole global
+    batch in turn: ``{name: parameter}``, what data-parallel training on its slices must give."""
+    ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW(ref.parameters(), lr=lr, weight_decay=wd, foreach=False)
+    for x, y in global_batches:
+        opt.zero_grad()
+        lm_loss(ref(x), y).backward()
+        opt.step()
+    return {n: p.detach() for n, p in ref.named_parameters()}
 
 
 def batches(n, seed=0, batch=4, seq=9):

@@ -9,22 +9,12 @@ import torch
 import torch.nn as nn
 
 from dist_harness import run_ranks
-from models import (BackwardFault, TinyLM, WideNet, batches, big_root_lm, lm_loss,
-                    unique_storage_bytes)
+from models import (BackwardFault, TinyLM, WideNet, adamw_reference, batches, big_root_lm,
+                    lm_loss, unique_storage_bytes)
 
 STEPS = 5
 CASES_WS2 = [(s, o) for s in (1, 2, 3) for o in ("none", "cpu", "nvme")]
 CASES_WS4 = [(3, "none"), (3, "nvme")]
-
-
-def _reference(model, global_batches, lr=1e-2, wd=0.1):
-    ref = copy.deepcopy(model)
-    opt = torch.optim.AdamW(ref.parameters(), lr=lr, weight_decay=wd, foreach=False)
-    for x, y in global_batches:
-        opt.zero_grad()
-        lm_loss(ref(x), y).backward()
-        opt.step()
-    return {n: p.detach() for n, p in ref.named_parameters()}
 
 
 def _equivalence_rank(rank, world_size, cases):
@@ -34,7 +24,7 @@ def _equivalence_rank(rank, world_size, cases):
         torch.manual_seed(0)
         model = TinyLM()
         global_batches = batches(STEPS, seed=1, batch=2 * world_size)
-        expected = _reference(model, global_batches)
+        expected = adamw_reference(model, global_batches)
         with tempfile.TemporaryDirectory() as d:
             eng = OffloadEngine(model, stage=stage, offload=offload,
                                 path=d if offload == "nvme" else None, lr=1e-2, weight_decay=0.1)
@@ -343,7 +333,7 @@ def test_two_torchrun_nodes_end_identical(tmp_path):
     for k in sd0:
         assert torch.equal(sd0[k], sd1[k]), k
     torch.manual_seed(0)
-    expected = _reference(TinyLM(), batches(3, seed=1, batch=4), wd=0.0)
+    expected = adamw_reference(TinyLM(), batches(3, seed=1, batch=4), wd=0.0)
     assert max((sd0[n] - v).abs().max().item() for n, v in expected.items()) <= 1e-6
 
 
@@ -358,7 +348,7 @@ def _subgroup_rank(rank, world_size):
     torch.manual_seed(0)
     model = TinyLM()
     data = batches(3, seed=1 + mine, batch=4)  # each group trains on its own data
-    expected = _reference(model, data, wd=0.0)
+    expected = adamw_reference(model, data, wd=0.0)
     with OffloadEngine(model, stage=3, offload="cpu", lr=1e-2, process_group=groups[mine]) as eng:
         assert (eng.world_size, eng.rank) == (2, rank % 2)
         for x, y in data:
