@@ -110,7 +110,9 @@ def save_checkpoint(engine, folder, client_state: Optional[dict] = None) -> None
     Layout: [Note: checkpoint layout]. ``folder`` is created if missing; a previous checkpoint
     there is replaced only once the new one is complete. ``client_state``: a dict of the
     caller's own (JSON-serialisable: numbers, strings, lists, dicts), kept in
-    ``checkpoint.json`` and returned by :func:`load_checkpoint`; rank 0's is the one kept.
+    ``checkpoint.json`` and returned by :func:`load_checkpoint` on every rank. It is saved
+    from rank 0 only: the other ranks' ``client_state`` is ignored, so a per-rank value (each
+    rank's data position, say) must reach rank 0 first (e.g. ``all_gather_object``).
 
     Raises:
         RuntimeError: gradients of a ``backward()`` are waiting for ``step()``, or the engine

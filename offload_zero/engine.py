@@ -1058,8 +1058,9 @@ class OffloadEngine:
         ``rank<r>.safetensors``, and rank 0 writes ``checkpoint.json`` (lr, skipped_steps, the
         loss scaler's state, the layout). Atomic: a failed save leaves a previous checkpoint
         in ``folder`` intact. ``client_state``: a JSON-ready dict of your own (a step counter,
-        a data position) that :meth:`load_checkpoint` returns. Collective; call it between
-        steps. Layout, dtypes and errors: :func:`offload_zero.checkpoint.save_checkpoint`."""
+        a data position) that :meth:`load_checkpoint` returns on every rank; it is saved from
+        rank 0 only (the other ranks' is ignored). Collective; call it between steps.
+        Layout, dtypes and errors: :func:`offload_zero.checkpoint.save_checkpoint`."""
         from offload_zero.checkpoint import save_checkpoint
         save_checkpoint(self, folder, client_state)
 
