@@ -87,7 +87,8 @@ Text comes from --data files or directories, or by default from the Python stand
 of --seq-len tokens per rank; under torchrun every rank gets a disjoint share of the windows.
 
 Shows a progress bar (loss, tokens/s) and ends with a summary on stdout: first and last loss,
-peak bytes per tier (device, host, nvme), NVMe bytes read and written, wall time and tokens/s.
+peak bytes per tier (device, host, nvme; the engine's own accounting) beside the process's
+peak RSS, NVMe bytes read and written, wall time and tokens/s.
 --json FILE writes the same summary as JSON. --save DIR writes the trained weights to
 DIR/model.safetensors, with the model's config.json, its generation_config.json (eos/pad ids
 and other generate() settings) and its tokenizer (if it has a Hugging Face one): a folder that
@@ -344,6 +345,19 @@ def _peak(report: Dict[str, Any], tier: str) -> int:
     return int(report.get(tier, {}).get("peak_bytes", 0))
 
 
+def peak_rss_bytes() -> int:
+    """This process's peak resident set size in bytes, as the OS counts it (``getrusage``'s
+    ``ru_maxrss``: KiB on Linux): everything the process touched, torch and the
+    activations included, unlike the engine's accounting of its own buffers. 0 where
+    ``resource`` is missing (Windows)."""
+    try:
+        import resource
+    except ImportError:
+        return 0
+    maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(maxrss if sys.platform == "darwin" else maxrss * 1024)  # macOS: bytes
+
+
 def summarize(losses: List[float], report: Dict[str, Any], *, wall_s: float, tokens: int,
               extra: Dict[str, Any]) -> Dict[str, Any]:
     """Build the run summary (a JSON-ready dict).
@@ -351,8 +365,10 @@ def summarize(losses: List[float], report: Dict[str, Any], *, wall_s: float, tok
     ``losses`` are per-step training losses (nats/token); ``first_loss``/``last_loss`` average
     the first/last ``max(1, min(5, steps // 3))`` of them. ``report`` is
     ``engine.memory_report()``; peak bytes per tier and NVMe read/written bytes are taken from
-    it. ``wall_s`` is the training loop's wall time in seconds and ``tokens`` the number of
-    tokens it consumed on all ranks. ``extra`` entries are copied in first.
+    it: what the engine holds by its own accounting, not the process's RSS (``extra``'s
+    ``peak_rss_bytes``, from :func:`peak_rss_bytes`). ``wall_s`` is the training loop's wall
+    time in seconds and ``tokens`` the number of tokens it consumed on all ranks. ``extra``
+    entries are copied in first.
     """
     k = max(1, min(5, len(losses) // 3))
     nvme = report.get("nvme", {})
@@ -395,8 +411,10 @@ def format_summary(s: Dict[str, Any]) -> str:
         + (", step in forward" if s.get("step_in_forward") else ""),
         f"  loss         first {s['first_loss']:.4f} -> last {s['last_loss']:.4f} "
         f"(mean of {k} step(s) each)" + _skipped_note(s),
-        f"  peak memory  device {_fmt_bytes(peak['device'])} | host {_fmt_bytes(peak['host'])}"
-        f" | nvme {_fmt_bytes(peak['nvme'])}",
+        f"  peak memory  engine-held (accounting): device {_fmt_bytes(peak['device'])} | "
+        f"host {_fmt_bytes(peak['host'])} | nvme {_fmt_bytes(peak['nvme'])}",
+    ] + ([f"  peak memory  process peak RSS {_fmt_bytes(s['peak_rss_bytes'])} (the OS's count: "
+          "torch, the model, activations and all)"] if s.get("peak_rss_bytes") else []) + [
         f"  nvme i/o     read {_fmt_bytes(s['nvme_read_bytes'])} | "
         f"written {_fmt_bytes(s['nvme_written_bytes'])}",
         f"  time         {s['wall_s']:.1f} s for {s['steps']} steps "
@@ -531,29 +549,30 @@ def plot_memory(trace: List[Dict[str, int]], path: str, title: str = "") -> None
         plt.close(fig)
 
 
-def _reduce_across_ranks(losses: List[float], report: Dict[str, Any]
-                         ) -> Tuple[List[float], Dict[str, Any]]:
-    """Make the summary global: mean loss per step over ranks, max peak bytes per tier, summed
-    NVMe traffic. Needs the engine's process group (call before ``engine.close()``)."""
+def _reduce_across_ranks(losses: List[float], report: Dict[str, Any], peak_rss: int
+                         ) -> Tuple[List[float], Dict[str, Any], int]:
+    """Make the summary global: mean loss per step over ranks, max peak bytes per tier and
+    max peak RSS (bytes), summed NVMe traffic. Needs the engine's process group (call before
+    ``engine.close()``)."""
     import torch.distributed as dist
 
     if not dist.is_available() or not dist.is_initialized():
-        return losses, report
+        return losses, report, peak_rss
     loss_sum = torch.tensor(losses, dtype=torch.float64)
     dist.all_reduce(loss_sum)
     tiers = ("device", "host", "nvme")
-    peaks = torch.tensor([report.get(t, {}).get("peak_bytes", 0) for t in tiers],
+    peaks = torch.tensor([report.get(t, {}).get("peak_bytes", 0) for t in tiers] + [peak_rss],
                          dtype=torch.int64)
     dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
     nvme = report.get("nvme", {})
     traffic = torch.tensor([nvme.get("read_bytes", 0), nvme.get("written_bytes", 0)],
                            dtype=torch.int64)
     dist.all_reduce(traffic)
-    merged = {t: dict(report.get(t, {}), peak_bytes=int(v)) for t, v in zip(tiers, peaks)}
+    merged = {t: dict(report.get(t, {}), peak_bytes=int(v)) for t, v in zip(tiers, peaks[:3])}
     merged["nvme"].update(read_bytes=int(traffic[0]), written_bytes=int(traffic[1]))
     merged["rank0"] = report
     world_size = dist.get_world_size()
-    return (loss_sum / world_size).tolist(), merged
+    return (loss_sum / world_size).tolist(), merged, int(peaks[3])
 
 
 @contextlib.contextmanager
@@ -922,8 +941,8 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     Flags are checked by :func:`check_args` before anything is built. Only rank 0 shows
     progress (its own loss), prints the summary and writes ``--json`` and ``--save`` (every
     rank takes part in gathering the weights; see :func:`save_checkpoint`); with several ranks
-    the summary's losses are means over ranks, peak bytes the largest rank's and NVMe traffic
-    the sum over ranks. Raises ``ValueError`` on bad input (from this module, the data pipeline
+    the summary's losses are means over ranks, peak bytes and peak RSS the largest rank's and
+    NVMe traffic the sum over ranks. Raises ``ValueError`` on bad input (from this module, the data pipeline
     or the engine) and when ``--save`` cannot be written.
     """
     from offload_zero import OffloadEngine
@@ -981,8 +1000,9 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         report = engine.memory_report()
         skipped = engine.skipped_steps - skipped_before
         loss_scale = engine.loss_scaler.scale if engine.loss_scaler is not None else None
+        peak_rss = peak_rss_bytes()
         if world_size > 1:
-            losses, report = _reduce_across_ranks(losses, report)
+            losses, report, peak_rss = _reduce_across_ranks(losses, report, peak_rss)
         # every rank takes part in the gathers; only rank 0 gets (and writes) the weights
         state = engine.full_state_dict(rank0_only=True) if args.save else {}
 
@@ -1005,7 +1025,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
                             lr=args.lr, warmup=warmup, seed=args.seed, setup_s=setup_s,
                             step_in_backward=step_in_backward,
                             step_in_forward=engine.config.step_in_forward, skipped_steps=skipped,
-                            loss_scale=loss_scale, saved=saved))
+                            loss_scale=loss_scale, peak_rss_bytes=peak_rss, saved=saved))
     if rank == 0:
         print(format_summary(summary), flush=True)
         if args.memory_plot:

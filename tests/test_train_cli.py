@@ -328,6 +328,17 @@ def test_summary_averages_first_and_last_steps():
     json.dumps(s)
 
 
+def test_summary_labels_the_engines_bytes_and_the_process_peak_rss(capsys):
+    """The summary's per-tier bytes are the engine's own accounting, far below the process's
+    peak RSS (torch, the model, activations): both are printed, each labelled as what it is."""
+    summary = train.run(_parse("--preset", "tiny", "--steps", 1, "--no-progress", *FAST))
+    text = capsys.readouterr().out
+    assert summary["peak_rss_bytes"] > summary["peak_bytes"]["host"] > 0
+    assert "engine-held (accounting): device" in text
+    assert "process peak RSS" in text
+    assert train._fmt_bytes(summary["peak_rss_bytes"]) in text
+
+
 def test_memory_plot_auto_offload_and_checkpointing(tmp_path):
     pytest.importorskip("matplotlib")
     png = tmp_path / "mem.png"
