@@ -1065,8 +1065,8 @@ class OffloadEngine:
         save_checkpoint(self, folder, client_state)
 
     def load_checkpoint(self, folder) -> dict:
-        """Restore the state :meth:`save_checkpoint` wrote to ``folder`` (same world size,
-        stage, dtype and model; the offload tiers may differ), including lr, skipped_steps and
+        """Restore the state :meth:`save_checkpoint` wrote to ``folder`` (same model; the
+        world size, stage, compute dtype and offload tiers may differ), including lr, skipped_steps and
         the loss scaler; returns the ``client_state`` saved with it (``{}`` if none).
         Collective; call it between steps. Raises ValueError naming the mismatched field or
         the bad file: :func:`offload_zero.checkpoint.load_checkpoint`."""
