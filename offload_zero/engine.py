@@ -46,7 +46,9 @@ class OffloadEngine:
         offload: ``"none"``, ``"cpu"`` or ``"nvme"`` — where fp32 master weights and Adam
             moments live (see :class:`offload_zero.config.EngineConfig`).
         path: existing writable folder for NVMe swap files (``offload="nvme"``); files go to
-            ``path/rank<r>/`` with mode 0600 and are removed by :meth:`close`.
+            ``path/rank<r>/`` with mode 0600 and are removed by :meth:`close`; its ``.owner``
+            file (pid, boot id) lets a later engine take over the folder of a process that is
+            gone (with a warning), and refuse it while that process runs (ValueError).
         stage: ZeRO stage 1, 2 or 3.
         lr, betas, eps, weight_decay, adamw: the optimizer (AdamW when ``adamw`` else Adam with
             L2), with torch's exact semantics.
@@ -164,7 +166,7 @@ class OffloadEngine:
             _exit_on_sigterm()
             self.swapper = Swapper(os.path.join(os.fspath(cfg.path), f"rank{self.rank}"),
                                    backend=cfg.aio_backend, block_size=cfg.aio_block_size,
-                                   queue_depth=cfg.aio_queue_depth)
+                                   queue_depth=cfg.aio_queue_depth, claim=True)
         def shard_of(members):
             return shard_numel_for(sum(p.numel() for p, _ in members), self.world_size, cfg.dtype)
 
