@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import hashlib
 import json
 import logging
@@ -575,6 +576,67 @@ def _reduce_across_ranks(losses: List[float], report: Dict[str, Any], peak_rss: 
     return (loss_sum / world_size).tolist(), merged, int(peaks[3])
 
 
+def nvme_bytes_needed(args: argparse.Namespace, model: torch.nn.Module, step_in_backward: bool,
+                      step_in_forward: Optional[bool]) -> int:
+    """Bytes the swap files of ``--offload nvme`` take on ``--path``'s file system: one rank's
+    (:func:`offload_zero.estimator.placement_bytes` on the engine's layout, at the world size
+    of ``WORLD_SIZE``) times the ranks of this node (``LOCAL_WORLD_SIZE``), which share it."""
+    from offload_zero.estimator import default_offload_param, placement_bytes
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size)))
+    placement = placement_bytes(model, args.stage, "nvme",
+                                default_offload_param("nvme", args.stage), world_size,
+                                _DTYPES[args.dtype], accelerator=torch.cuda.is_available(),
+                                step_in_backward=step_in_backward,
+                                step_in_forward=step_in_forward)
+    return placement.nvme_bytes_per_rank * local_ranks
+
+
+def _disk_folder(path: Optional[str]) -> str:
+    """The folder whose file system holds the swap files: ``--path`` (or its nearest existing
+    ancestor, if it is still to be created), else the system temp dir."""
+    folder = os.path.abspath(path) if path is not None else tempfile.gettempdir()
+    while not os.path.isdir(folder) and os.path.dirname(folder) != folder:
+        folder = os.path.dirname(folder)
+    return folder
+
+
+def _disk_advice(path: Optional[str], need: Optional[int]) -> str:
+    """The end of both no-space messages: what is free on ``path``'s file system beside what
+    the run needs (bytes), and what to do."""
+    free = shutil.disk_usage(_disk_folder(path)).free
+    needs = f"the run needs {_fmt_bytes(need)} of swap files there, " if need is not None else ""
+    return (f"{needs}{_fmt_bytes(free)} free: train a smaller model, use --offload auto (it "
+            "keeps on disk only what does not fit in memory), or give another --path on a "
+            "larger disk")
+
+
+def check_disk_space(path: Optional[str], need: int) -> None:
+    """Raise ValueError (one line: the bytes needed, the bytes free, what to do) if ``need``
+    bytes of swap files do not fit in the free space of ``path``'s file system (``None``: the
+    system temp dir, where the run's temporary swap folder goes). Creates nothing."""
+    if need > shutil.disk_usage(_disk_folder(path)).free:
+        where = path if path is not None else tempfile.gettempdir()
+        raise ValueError(f"--offload nvme: not enough space on the file system of {where!r}: "
+                         f"{_disk_advice(path, need)}")
+
+
+@contextlib.contextmanager
+def _disk_full_as_value_error(path: Optional[str], need: Optional[int]) -> Iterator[None]:
+    """Turn a swap file's ENOSPC (the disk filled up after :func:`check_disk_space`, another
+    job writing there, say) into the same one-line ValueError, instead of a SwapIOError that
+    names one file's bytes."""
+    from offload_zero.memory.swapper import SwapIOError
+    try:
+        yield
+    except SwapIOError as exc:
+        if exc.errno != errno.ENOSPC:
+            raise
+        where = path if path is not None else tempfile.gettempdir()
+        raise ValueError(f"--offload nvme: no space left on the file system of {where!r} "
+                         f"(writing {exc.path}): {_disk_advice(path, need)}") from None
+
+
 @contextlib.contextmanager
 def _swap_folder(offload: str, path: Optional[str]) -> Iterator[Optional[str]]:
     """Yield the NVMe swap folder: ``path`` (created if missing, and then removed on exit if
@@ -969,8 +1031,13 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     params = sum(p.numel() for p in model.parameters())
     tied = tied_weight_patterns(model)
     warmup = args.warmup if args.warmup is not None else min(100, args.steps // 10)
+    nvme_need = None
+    if args.offload == "nvme":
+        nvme_need = nvme_bytes_needed(args, model, step_in_backward, step_in_forward)
+        check_disk_space(args.path, nvme_need)
 
-    with _swap_folder(args.offload, args.path) as path, OffloadEngine(
+    with _disk_full_as_value_error(args.path, nvme_need), \
+            _swap_folder(args.offload, args.path) as path, OffloadEngine(
             model, offload=args.offload, path=path, stage=args.stage, lr=args.lr,
             weight_decay=args.weight_decay, dtype=_DTYPES[args.dtype],
             activation_checkpointing=args.activation_checkpointing,
