@@ -93,6 +93,8 @@ _STATE_KEYS = ("master", "exp_avg", "exp_avg_sq")
 _RANK_FILE_RE = re.compile(r"rank\d{5,}\.safetensors")
 _ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
               torch.int64: "I64"}
+_COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16,
+                   "float16": torch.float16}  # checkpoint.json's "dtype" -> torch dtype
 
 TensorSpec = Tuple[str, torch.dtype, Tuple[int, ...]]
 
@@ -111,7 +113,9 @@ def save_checkpoint(engine, folder, client_state: Optional[dict] = None) -> None
     Layout: [Note: checkpoint layout]. ``folder`` is created if missing; a previous checkpoint
     there is replaced only once the new one is complete. ``client_state``: a dict of the
     caller's own (JSON-serialisable: numbers, strings, lists, dicts), kept in
-    ``checkpoint.json`` and returned by :func:`load_checkpoint`; rank 0's is the one kept.
+    ``checkpoint.json`` and returned by :func:`load_checkpoint` on every rank. It is saved
+    from rank 0 only: the other ranks' ``client_state`` is ignored, so a per-rank value (each
+    rank's data position, say) must reach rank 0 first (e.g. ``all_gather_object``).
 
     Raises:
         RuntimeError: gradients of a ``backward()`` are waiting for ``step()``, or the engine
@@ -170,15 +174,18 @@ def load_checkpoint(engine, folder) -> dict:
     ``client_state`` saved with it (``{}`` if none).
 
     Collective. Restores every flat parameter's fp32 master weights, Adam moments and step
-    count, the compute-dtype parameter shards (the saved ones, bit for bit; at stages 1 and 2
+    count, the compute-dtype parameter shards (the saved ones, bit for bit, or derived from the
+    fp32 master weights when the saving engine's compute dtype was another; at stages 1 and 2
     all-gathered into the full parameters), ``engine.lr``, ``engine.skipped_steps`` and the
     loss scaler's state. The tiers may differ from the saving engine's (saved with
     ``offload="nvme"``, loaded with ``offload="cpu"``, say), and so may the world size and the
     ZeRO stage: a checkpoint of N ranks loads on M ranks, each rank reading the slices of the
     saved shards that make up its own (see :func:`_load_shards`). So may the grouping of the
     parameters into flat parameters (``unit_classes`` cuts units otherwise, say), as long as
-    the parameters of one flat parameter here share one Adam step count there; the model's
-    parameters (names, shapes, ``requires_grad``) and the compute dtype may not change.
+    the parameters of one flat parameter here share one Adam step count there. So may the
+    compute dtype (the master weights are fp32 in every one; a frozen parameter's shard is
+    the saved one cast; a loss scaler on one side only is not restored, with a warning); the
+    model's parameters (names, shapes, ``requires_grad``) may not change.
 
     Every rank first checks its whole file (structure, dtypes, shapes, CRC-32 of every tensor;
     when resharding, every saved file it reads from) and the ranks agree before anything in the engine changes, so a bad checkpoint leaves the
@@ -186,9 +193,10 @@ def load_checkpoint(engine, folder) -> dict:
     failing NVMe write) leaves the engine partly loaded.
 
     Raises:
-        ValueError: the metadata does not match this engine (``dtype``, a parameter missing
+        ValueError: the metadata does not match this engine (a parameter missing
             on either side or with another shape or ``requires_grad``, a flat parameter's
-            ``shard_numel`` too small for its ``numel``, ``loss_scaler`` present in one only,
+            ``shard_numel`` too small for its ``numel``, ``loss_scaler`` present in one only
+            at the same compute dtype, an unknown ``dtype``,
             parameters of one flat parameter here with different step counts there): the
             message names the field, the saved value and this engine's; ``folder`` or
             ``checkpoint.json`` missing or unreadable; a rank file missing, truncated,
@@ -227,10 +235,11 @@ def _load(engine, final: str) -> dict:
     _agree(engine, error, f"load_checkpoint({final!r})", exc_type=ValueError)
     try:
         with torch.no_grad():
-            _load_shards(final, engine, segments, sources, steps)
+            _load_shards(final, engine, segments, sources, steps,
+                         _COMPUTE_DTYPES[meta["dtype"]])
         engine.set_lr(meta["lr"])
         engine.skipped_steps = meta["skipped_steps"]
-        if meta["loss_scaler"] is not None:
+        if meta["loss_scaler"] is not None and _scaler(engine) is not None:
             engine.loss_scaler.load_state_dict(meta["loss_scaler"])
     except Exception as exc:
         error = exc
@@ -485,8 +494,9 @@ def _mismatch(path: str, field: str, saved, mine) -> ValueError:
 def _check_matches(meta: dict, engine, path: str) -> None:
     """Raise ValueError naming the first field of ``meta`` that does not fit ``engine``."""
     mine = _layout(engine)
-    if meta.get("dtype") != mine["dtype"]:
-        raise _mismatch(path, "dtype", meta.get("dtype"), mine["dtype"])
+    if meta.get("dtype") not in _COMPUTE_DTYPES:
+        raise ValueError(f"{path!r}: dtype is {meta.get('dtype')!r}; a checkpoint's is one of "
+                         f"{sorted(_COMPUTE_DTYPES)}")
     world = meta.get("world_size")
     if not isinstance(world, int) or isinstance(world, bool) or world < 1:
         raise ValueError(f"{path!r}: world_size is {world!r}; a checkpoint's is a positive "
@@ -529,10 +539,14 @@ def _check_matches(meta: dict, engine, path: str) -> None:
         log.warning("%s: saved without the model's buffers (an older checkpoint): %s keep their "
                     "current values", path, ", ".join(mine["buffers"][:5]))
     has_saved, has_mine = meta.get("loss_scaler") is not None, _scaler(engine) is not None
-    if has_saved != has_mine:
+    if has_saved != has_mine and meta["dtype"] == mine["dtype"]:
         state = {True: "present", False: "absent"}
         raise _mismatch(path, "loss_scaler", state[has_saved], state[has_mine])
-    if has_saved:  # a bad scaler state must fail here, before the engine changes
+    if has_saved != has_mine:
+        log.warning("%s: saved in %s with%s a loss scaler, loaded in %s with%s one: the loss "
+                    "scale is not restored", path, meta["dtype"], "" if has_saved else "out",
+                    mine["dtype"], "" if has_mine else "out")
+    elif has_saved:  # a bad scaler state must fail here, before the engine changes
         try:
             copy.deepcopy(_scaler(engine)).load_state_dict(meta["loss_scaler"])
         except (ValueError, TypeError, KeyError) as exc:
@@ -681,11 +695,11 @@ def _tensor_specs(engine) -> List[TensorSpec]:
 
 def _saved_specs(meta: dict, engine) -> List[TensorSpec]:
     """``(name, dtype, shape)`` of every tensor in a rank file of the engine that wrote
-    ``meta``, in file order: its flat parameters from the metadata, the compute dtype and
+    ``meta``, in file order: its flat parameters and compute dtype from the metadata, the
     buffers as ``engine``'s (checked equal by :func:`_check_matches`)."""
     flat = [(f["name"], bool(f.get("requires_grad")), f["shard_numel"])
             for f in meta["flat_params"]]
-    return _flat_specs(flat, engine.config.dtype) + (
+    return _flat_specs(flat, _COMPUTE_DTYPES[meta["dtype"]]) + (
         _buffer_specs(engine) if "buffers" in meta else [])
 
 
@@ -825,7 +839,7 @@ def _source_ranks(segments: Dict[object, List[tuple]], engine) -> List[int]:
 
 
 def _load_shards(final: str, engine, segments: Dict[object, List[tuple]], sources: List[int],
-                 steps: Dict[object, int]) -> None:
+                 steps: Dict[object, int], saved_dtype: torch.dtype) -> None:
     """Write this rank's shards of the checkpoint in ``final`` (verified) into the engine's
     store and parameter shards, at the saving world size or another (resharding), with the
     parameters grouped into flat parameters as the saving engine did or otherwise.
@@ -839,7 +853,10 @@ def _load_shards(final: str, engine, segments: Dict[object, List[tuple]], source
     flat parameter at a time (12 bytes per element of its shard in host memory, plus the
     shard); the padding is zeros, as in a fresh engine's (a zero weight with zero gradient and
     moments stays zero under Adam/AdamW). Buffers are the same in every file; ``steps`` are
-    the step counts :func:`_saved_steps` read (and checked) before anything changed."""
+    the step counts :func:`_saved_steps` read (and checked) before anything changed.
+    ``saved_dtype`` is the saving engine's compute dtype: where it is not this engine's, a
+    trainable parameter shard is its master weights cast to this engine's dtype (rounded to
+    nearest, as an update writes it) and a frozen one the saved shard cast."""
     from contextlib import ExitStack
     from safetensors import safe_open
     with ExitStack() as stack:
@@ -861,7 +878,10 @@ def _load_shards(final: str, engine, segments: Dict[object, List[tuple]], source
                 master, m, v = (gather(key, torch.float32) for key in _STATE_KEYS)
                 engine.store.write_all(fp, master, m, v)
                 engine._step_count[fp] = steps[fp]
-            values = gather("param", fp.dtype) if _saves_param(fp) else master
+            if fp.requires_grad and (saved_dtype != fp.dtype or not _saves_param(fp)):
+                values = master.to(fp.dtype)  # as an update writes it (fp32: the masters)
+            else:
+                values = gather("param", saved_dtype).to(fp.dtype)
             _write_param_shard(fp, values)
         _load_buffers(first, engine)
     if engine.param_home is not None:

@@ -48,7 +48,9 @@ class OffloadEngine:
         offload: ``"none"``, ``"cpu"`` or ``"nvme"`` — where fp32 master weights and Adam
             moments live (see :class:`offload_zero.config.EngineConfig`).
         path: existing writable folder for NVMe swap files (``offload="nvme"``); files go to
-            ``path/rank<r>/`` with mode 0600 and are removed by :meth:`close`.
+            ``path/rank<r>/`` with mode 0600 and are removed by :meth:`close`; its ``.owner``
+            file (pid, boot id) lets a later engine take over the folder of a process that is
+            gone (with a warning), and refuse it while that process runs (ValueError).
         stage: ZeRO stage 1, 2 or 3.
         lr, betas, eps, weight_decay, adamw: the optimizer (AdamW when ``adamw`` else Adam with
             L2), with torch's exact semantics.
@@ -167,7 +169,7 @@ class OffloadEngine:
             _exit_on_sigterm()
             self.swapper = Swapper(os.path.join(os.fspath(cfg.path), f"rank{self.rank}"),
                                    backend=cfg.aio_backend, block_size=cfg.aio_block_size,
-                                   queue_depth=cfg.aio_queue_depth)
+                                   queue_depth=cfg.aio_queue_depth, claim=True)
         def shard_of(members):
             return shard_numel_for(sum(p.numel() for p, _ in members), self.world_size, cfg.dtype)
 
@@ -1115,15 +1117,16 @@ class OffloadEngine:
         ``rank<r>.safetensors``, and rank 0 writes ``checkpoint.json`` (lr, skipped_steps, the
         loss scaler's state, the layout). Atomic: a failed save leaves a previous checkpoint
         in ``folder`` intact. ``client_state``: a JSON-ready dict of your own (a step counter,
-        a data position) that :meth:`load_checkpoint` returns. Collective; call it between
-        steps. Layout, dtypes and errors: :func:`offload_zero.checkpoint.save_checkpoint`."""
+        a data position) that :meth:`load_checkpoint` returns on every rank; it is saved from
+        rank 0 only (the other ranks' is ignored). Collective; call it between steps.
+        Layout, dtypes and errors: :func:`offload_zero.checkpoint.save_checkpoint`."""
         from offload_zero.checkpoint import save_checkpoint
         with self._together(Phase.CHECKPOINT):
             save_checkpoint(self, folder, client_state)
 
     def load_checkpoint(self, folder) -> dict:
-        """Restore the state :meth:`save_checkpoint` wrote to ``folder`` (same world size,
-        stage, dtype and model; the offload tiers may differ), including lr, skipped_steps and
+        """Restore the state :meth:`save_checkpoint` wrote to ``folder`` (same model; the
+        world size, stage, compute dtype and offload tiers may differ), including lr, skipped_steps and
         the loss scaler; returns the ``client_state`` saved with it (``{}`` if none).
         Collective; call it between steps. Raises ValueError naming the mismatched field or
         the bad file: :func:`offload_zero.checkpoint.load_checkpoint`."""

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import hashlib
 import json
 import logging
@@ -87,7 +88,8 @@ Text comes from --data files or directories, or by default from the Python stand
 of --seq-len tokens per rank; under torchrun every rank gets a disjoint share of the windows.
 
 Shows a progress bar (loss, tokens/s) and ends with a summary on stdout: first and last loss,
-peak bytes per tier (device, host, nvme), NVMe bytes read and written, wall time and tokens/s.
+peak bytes per tier (device, host, nvme; the engine's own accounting) beside the process's
+peak RSS, NVMe bytes read and written, wall time and tokens/s.
 --json FILE writes the same summary as JSON. --save DIR writes the trained weights to
 DIR/model.safetensors, with the model's config.json, its generation_config.json (eos/pad ids
 and other generate() settings) and its tokenizer (if it has a Hugging Face one): a folder that
@@ -344,6 +346,19 @@ def _peak(report: Dict[str, Any], tier: str) -> int:
     return int(report.get(tier, {}).get("peak_bytes", 0))
 
 
+def peak_rss_bytes() -> int:
+    """This process's peak resident set size in bytes, as the OS counts it (``getrusage``'s
+    ``ru_maxrss``: KiB on Linux): everything the process touched, torch and the
+    activations included, unlike the engine's accounting of its own buffers. 0 where
+    ``resource`` is missing (Windows)."""
+    try:
+        import resource
+    except ImportError:
+        return 0
+    maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(maxrss if sys.platform == "darwin" else maxrss * 1024)  # macOS: bytes
+
+
 def summarize(losses: List[float], report: Dict[str, Any], *, wall_s: float, tokens: int,
               extra: Dict[str, Any]) -> Dict[str, Any]:
     """Build the run summary (a JSON-ready dict).
@@ -351,8 +366,10 @@ def summarize(losses: List[float], report: Dict[str, Any], *, wall_s: float, tok
     ``losses`` are per-step training losses (nats/token); ``first_loss``/``last_loss`` average
     the first/last ``max(1, min(5, steps // 3))`` of them. ``report`` is
     ``engine.memory_report()``; peak bytes per tier and NVMe read/written bytes are taken from
-    it. ``wall_s`` is the training loop's wall time in seconds and ``tokens`` the number of
-    tokens it consumed on all ranks. ``extra`` entries are copied in first.
+    it: what the engine holds by its own accounting, not the process's RSS (``extra``'s
+    ``peak_rss_bytes``, from :func:`peak_rss_bytes`). ``wall_s`` is the training loop's wall
+    time in seconds and ``tokens`` the number of tokens it consumed on all ranks. ``extra``
+    entries are copied in first.
     """
     k = max(1, min(5, len(losses) // 3))
     nvme = report.get("nvme", {})
@@ -395,8 +412,10 @@ def format_summary(s: Dict[str, Any]) -> str:
         + (", step in forward" if s.get("step_in_forward") else ""),
         f"  loss         first {s['first_loss']:.4f} -> last {s['last_loss']:.4f} "
         f"(mean of {k} step(s) each)" + _skipped_note(s),
-        f"  peak memory  device {_fmt_bytes(peak['device'])} | host {_fmt_bytes(peak['host'])}"
-        f" | nvme {_fmt_bytes(peak['nvme'])}",
+        f"  peak memory  engine-held (accounting): device {_fmt_bytes(peak['device'])} | "
+        f"host {_fmt_bytes(peak['host'])} | nvme {_fmt_bytes(peak['nvme'])}",
+    ] + ([f"  peak memory  process peak RSS {_fmt_bytes(s['peak_rss_bytes'])} (the OS's count: "
+          "torch, the model, activations and all)"] if s.get("peak_rss_bytes") else []) + [
         f"  nvme i/o     read {_fmt_bytes(s['nvme_read_bytes'])} | "
         f"written {_fmt_bytes(s['nvme_written_bytes'])}",
         f"  time         {s['wall_s']:.1f} s for {s['steps']} steps "
@@ -531,29 +550,91 @@ def plot_memory(trace: List[Dict[str, int]], path: str, title: str = "") -> None
         plt.close(fig)
 
 
-def _reduce_across_ranks(losses: List[float], report: Dict[str, Any]
-                         ) -> Tuple[List[float], Dict[str, Any]]:
-    """Make the summary global: mean loss per step over ranks, max peak bytes per tier, summed
-    NVMe traffic. Needs the engine's process group (call before ``engine.close()``)."""
+def _reduce_across_ranks(losses: List[float], report: Dict[str, Any], peak_rss: int
+                         ) -> Tuple[List[float], Dict[str, Any], int]:
+    """Make the summary global: mean loss per step over ranks, max peak bytes per tier and
+    max peak RSS (bytes), summed NVMe traffic. Needs the engine's process group (call before
+    ``engine.close()``)."""
     import torch.distributed as dist
 
     if not dist.is_available() or not dist.is_initialized():
-        return losses, report
+        return losses, report, peak_rss
     loss_sum = torch.tensor(losses, dtype=torch.float64)
     dist.all_reduce(loss_sum)
     tiers = ("device", "host", "nvme")
-    peaks = torch.tensor([report.get(t, {}).get("peak_bytes", 0) for t in tiers],
+    peaks = torch.tensor([report.get(t, {}).get("peak_bytes", 0) for t in tiers] + [peak_rss],
                          dtype=torch.int64)
     dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
     nvme = report.get("nvme", {})
     traffic = torch.tensor([nvme.get("read_bytes", 0), nvme.get("written_bytes", 0)],
                            dtype=torch.int64)
     dist.all_reduce(traffic)
-    merged = {t: dict(report.get(t, {}), peak_bytes=int(v)) for t, v in zip(tiers, peaks)}
+    merged = {t: dict(report.get(t, {}), peak_bytes=int(v)) for t, v in zip(tiers, peaks[:3])}
     merged["nvme"].update(read_bytes=int(traffic[0]), written_bytes=int(traffic[1]))
     merged["rank0"] = report
     world_size = dist.get_world_size()
-    return (loss_sum / world_size).tolist(), merged
+    return (loss_sum / world_size).tolist(), merged, int(peaks[3])
+
+
+def nvme_bytes_needed(args: argparse.Namespace, model: torch.nn.Module, step_in_backward: bool,
+                      step_in_forward: Optional[bool]) -> int:
+    """Bytes the swap files of ``--offload nvme`` take on ``--path``'s file system: one rank's
+    (:func:`offload_zero.estimator.placement_bytes` on the engine's layout, at the world size
+    of ``WORLD_SIZE``) times the ranks of this node (``LOCAL_WORLD_SIZE``), which share it."""
+    from offload_zero.estimator import default_offload_param, placement_bytes
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size)))
+    placement = placement_bytes(model, args.stage, "nvme",
+                                default_offload_param("nvme", args.stage), world_size,
+                                _DTYPES[args.dtype], accelerator=torch.cuda.is_available(),
+                                step_in_backward=step_in_backward,
+                                step_in_forward=step_in_forward)
+    return placement.nvme_bytes_per_rank * local_ranks
+
+
+def _disk_folder(path: Optional[str]) -> str:
+    """The folder whose file system holds the swap files: ``--path`` (or its nearest existing
+    ancestor, if it is still to be created), else the system temp dir."""
+    folder = os.path.abspath(path) if path is not None else tempfile.gettempdir()
+    while not os.path.isdir(folder) and os.path.dirname(folder) != folder:
+        folder = os.path.dirname(folder)
+    return folder
+
+
+def _disk_advice(path: Optional[str], need: Optional[int]) -> str:
+    """The end of both no-space messages: what is free on ``path``'s file system beside what
+    the run needs (bytes), and what to do."""
+    free = shutil.disk_usage(_disk_folder(path)).free
+    needs = f"the run needs {_fmt_bytes(need)} of swap files there, " if need is not None else ""
+    return (f"{needs}{_fmt_bytes(free)} free: train a smaller model, use --offload auto (it "
+            "keeps on disk only what does not fit in memory), or give another --path on a "
+            "larger disk")
+
+
+def check_disk_space(path: Optional[str], need: int) -> None:
+    """Raise ValueError (one line: the bytes needed, the bytes free, what to do) if ``need``
+    bytes of swap files do not fit in the free space of ``path``'s file system (``None``: the
+    system temp dir, where the run's temporary swap folder goes). Creates nothing."""
+    if need > shutil.disk_usage(_disk_folder(path)).free:
+        where = path if path is not None else tempfile.gettempdir()
+        raise ValueError(f"--offload nvme: not enough space on the file system of {where!r}: "
+                         f"{_disk_advice(path, need)}")
+
+
+@contextlib.contextmanager
+def _disk_full_as_value_error(path: Optional[str], need: Optional[int]) -> Iterator[None]:
+    """Turn a swap file's ENOSPC (the disk filled up after :func:`check_disk_space`, another
+    job writing there, say) into the same one-line ValueError, instead of a SwapIOError that
+    names one file's bytes."""
+    from offload_zero.memory.swapper import SwapIOError
+    try:
+        yield
+    except SwapIOError as exc:
+        if exc.errno != errno.ENOSPC:
+            raise
+        where = path if path is not None else tempfile.gettempdir()
+        raise ValueError(f"--offload nvme: no space left on the file system of {where!r} "
+                         f"(writing {exc.path}): {_disk_advice(path, need)}") from None
 
 
 @contextlib.contextmanager
@@ -922,8 +1003,8 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     Flags are checked by :func:`check_args` before anything is built. Only rank 0 shows
     progress (its own loss), prints the summary and writes ``--json`` and ``--save`` (every
     rank takes part in gathering the weights; see :func:`save_checkpoint`); with several ranks
-    the summary's losses are means over ranks, peak bytes the largest rank's and NVMe traffic
-    the sum over ranks. Raises ``ValueError`` on bad input (from this module, the data pipeline
+    the summary's losses are means over ranks, peak bytes and peak RSS the largest rank's and
+    NVMe traffic the sum over ranks. Raises ``ValueError`` on bad input (from this module, the data pipeline
     or the engine) and when ``--save`` cannot be written.
     """
     from offload_zero import OffloadEngine
@@ -950,8 +1031,13 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     params = sum(p.numel() for p in model.parameters())
     tied = tied_weight_patterns(model)
     warmup = args.warmup if args.warmup is not None else min(100, args.steps // 10)
+    nvme_need = None
+    if args.offload == "nvme":
+        nvme_need = nvme_bytes_needed(args, model, step_in_backward, step_in_forward)
+        check_disk_space(args.path, nvme_need)
 
-    with _swap_folder(args.offload, args.path) as path, OffloadEngine(
+    with _disk_full_as_value_error(args.path, nvme_need), \
+            _swap_folder(args.offload, args.path) as path, OffloadEngine(
             model, offload=args.offload, path=path, stage=args.stage, lr=args.lr,
             weight_decay=args.weight_decay, dtype=_DTYPES[args.dtype],
             activation_checkpointing=args.activation_checkpointing,
@@ -981,8 +1067,9 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         report = engine.memory_report()
         skipped = engine.skipped_steps - skipped_before
         loss_scale = engine.loss_scaler.scale if engine.loss_scaler is not None else None
+        peak_rss = peak_rss_bytes()
         if world_size > 1:
-            losses, report = _reduce_across_ranks(losses, report)
+            losses, report, peak_rss = _reduce_across_ranks(losses, report, peak_rss)
         # every rank takes part in the gathers; only rank 0 gets (and writes) the weights
         state = engine.full_state_dict(rank0_only=True) if args.save else {}
 
@@ -1005,7 +1092,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
                             lr=args.lr, warmup=warmup, seed=args.seed, setup_s=setup_s,
                             step_in_backward=step_in_backward,
                             step_in_forward=engine.config.step_in_forward, skipped_steps=skipped,
-                            loss_scale=loss_scale, saved=saved))
+                            loss_scale=loss_scale, peak_rss_bytes=peak_rss, saved=saved))
     if rank == 0:
         print(format_summary(summary), flush=True)
         if args.memory_plot:

@@ -307,8 +307,6 @@ def _wider_block_model():
 
 
 MISMATCHES = [
-    ("dtype", lambda: (_model(0), {"dtype": BF16}),
-     r"dtype is 'float32' in the checkpoint but 'bfloat16'"),
     ("depth", lambda: (_model(0, n_blocks=4), {}),
      r"parameter 'blocks\.3\.ln\.weight' of this engine is not in the checkpoint"),
     ("width", lambda: (_wider_block_model(), {}),
@@ -325,6 +323,55 @@ def test_mismatched_engine_is_refused_by_field(what, make, message, tmp_path):
     with OffloadEngine(model, offload="cpu", **{"stage": 3, **kw}) as b:
         with pytest.raises(ValueError, match=message):
             b.load_checkpoint(tmp_path / "ckpt")
+
+
+@pytest.mark.parametrize("offload,extra", [("cpu", {"offload_param": "cpu"}), ("nvme", {})],
+                         ids=["cpu", "nvme"])
+def test_a_checkpoint_loads_into_another_compute_dtype(offload, extra, tmp_path):
+    """The master weights are fp32 in every compute dtype: a bf16 run's checkpoint loads into
+    an fp32 engine (the weights, masters, moments and step counts bit for bit), whose own fp32
+    checkpoint loads back into a bf16 engine with the bf16 parameter shards derived from the
+    masters: that engine then equals the bf16 run that went on uninterrupted, bit for bit."""
+    data = batches(5)
+    kw = dict(stage=3, lr=1e-2, weight_decay=0.1, **extra)
+    with _engine(_model(0), offload, tmp_path / "swap_a", dtype=BF16, **kw) as a:
+        _train(a, data[:3])
+        a.save_checkpoint(tmp_path / "bf16")
+        at_save = _snapshot(a)
+        _train(a, data[3:])
+        at_end = _snapshot(a)
+    with _engine(_model(1), offload, tmp_path / "swap_f", dtype=F32, **kw) as f:
+        f.load_checkpoint(tmp_path / "bf16")
+        assert not _same_full_state(f.full_state_dict(), at_save["weights"])
+        f.save_checkpoint(tmp_path / "fp32")
+    saved_bf16, saved_fp32 = _full_state(tmp_path / "bf16"), _full_state(tmp_path / "fp32")
+    state = [k for k in saved_bf16 if not k.endswith("/param")]  # (fp32 holds no trainable param)
+    assert state and not _same_full_state({k: saved_fp32[k] for k in state},
+                                          {k: saved_bf16[k] for k in state})
+    with _engine(_model(2), offload, tmp_path / "swap_b", dtype=BF16, **kw) as b:
+        b.load_checkpoint(tmp_path / "fp32")
+        _assert_identical(_snapshot(b), at_save)
+        _train(b, data[3:])
+        _assert_identical(_snapshot(b), at_end)
+
+
+def test_a_loss_scaler_on_one_side_only_is_not_restored_across_dtypes(tmp_path, caplog):
+    """fp32 into fp16 and back: the masters load, the loss scale is not restored (a warning);
+    at the same dtype a scaler on one side only is still refused (the other tests)."""
+    with OffloadEngine(_model(0), offload="cpu", stage=3) as a:
+        _train(a, batches(1))
+        a.save_checkpoint(tmp_path / "fp32")
+        want = _snapshot(a)["state"]["unit0.trainable/master"]
+    with OffloadEngine(_model(1), offload="cpu", stage=3, dtype=torch.float16) as b:
+        with caplog.at_level("WARNING", logger="offload_zero"):
+            b.load_checkpoint(tmp_path / "fp32")
+        assert "the loss scale is not restored" in caplog.text
+        assert torch.equal(_snapshot(b)["state"]["unit0.trainable/master"], want)
+        assert b.loss_scaler.scale == 2.0 ** 16
+        b.save_checkpoint(tmp_path / "fp16")
+    with OffloadEngine(_model(2), offload="cpu", stage=3) as c:
+        c.load_checkpoint(tmp_path / "fp16")
+        assert torch.equal(_snapshot(c)["state"]["unit0.trainable/master"], want)
 
 
 def test_same_numel_other_shape_is_refused(tmp_path):
@@ -451,6 +498,8 @@ def test_a_stage_3_checkpoint_loads_at_another_stage(stage, tmp_path):
     ("world_size", 0, r"world_size is 0; a checkpoint's is a positive integer"),
     ("world_size", "2", r"world_size is '2'; a checkpoint's is a positive integer"),
     ("shard_numel", 4, r"shard_numel is 4: 2 shards of it cannot hold its 1885 elements"),
+    ("dtype", "int8", r"dtype is 'int8'; a checkpoint's is one of \['bfloat16', 'float16', "
+                      r"'float32'\]"),
 ])
 def test_impossible_or_edited_metadata_is_refused(field, value, message, tmp_path):
     with OffloadEngine(_model(0), offload="cpu", stage=3) as a:

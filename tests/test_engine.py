@@ -210,7 +210,7 @@ def test_nvme_swap_files(dtype, tmp_path):
     for x, y in batches(2):
         eng.backward(lm_loss(eng(x), y))
         eng.step()
-    files = sorted(folder.iterdir())
+    files = sorted(folder.glob("*.swp"))
     # per flat parameter: [master | exp_avg | exp_avg_sq] and, at stage 3, the parameter shard,
     # which in fp32 is the master's own bytes (no file of its own, never written separately)
     k = 4 if dtype == torch.float32 else 2
@@ -1063,6 +1063,51 @@ def test_unknown_keyword_and_stale_swap_files_are_named(tmp_path):
     (stale / "unit0.trainable.swp").write_bytes(b"")
     with pytest.raises(ValueError, match=r"earlier run was killed.*delete"):
         OffloadEngine(TinyLM(), offload="nvme", path=str(tmp_path))
+
+
+
+def _left_by(folder, pid, boot_id=None):
+    """A rank folder as a killed run leaves it: a swap file and the owner file naming ``pid``
+    (this boot's id unless ``boot_id``)."""
+    import json
+    import socket
+    folder.mkdir()
+    (folder / "unit0.trainable.swp").write_bytes(b"\0" * 4096)
+    boot = boot_id or open("/proc/sys/kernel/random/boot_id").read().strip()
+    (folder / ".owner").write_text(json.dumps({"pid": pid, "boot_id": boot,
+                                               "host": socket.gethostname()}))
+
+
+def test_a_rank_folder_whose_owner_is_gone_is_reclaimed_and_a_live_ones_refused(tmp_path):
+    """A run killed with SIGKILL leaves its rank folder; the owner file it holds (pid, boot id)
+    lets the next run take it over, with a warning, when that process is gone (or the machine
+    rebooted since), and refuse it while it runs. (Without an owner file, the older layout,
+    stale swap files are refused as before: test_unknown_keyword_and_stale_swap_files_are_named.)"""
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    for name, pid, boot in (("dead", dead.pid, None), ("rebooted", os.getpid(), "another-boot")):
+        path = tmp_path / name
+        path.mkdir()
+        _left_by(path / "rank0", pid, boot)
+        with pytest.warns(RuntimeWarning, match=rf"left by process {pid}.*gone.*removing 1 "
+                                                r"swap file"):
+            with OffloadEngine(TinyLM(), offload="nvme", path=str(path)) as eng:
+                for x, y in batches(1):
+                    eng.backward(lm_loss(eng(x), y))
+                    eng.step()
+        assert list((path / "rank0").iterdir()) == []  # its files and the owner file removed
+    live = subprocess.Popen(["sleep", "60"])
+    try:
+        path = tmp_path / "live"
+        path.mkdir()
+        _left_by(path / "rank0", live.pid)
+        with pytest.raises(ValueError, match=rf"is in use by process {live.pid}"):
+            OffloadEngine(TinyLM(), offload="nvme", path=str(path))
+        assert sorted(p.name for p in (path / "rank0").iterdir()) == [".owner",
+                                                                      "unit0.trainable.swp"]
+    finally:
+        live.kill()
+        live.wait()
 
 
 # -- the gather pool ------------------------------------------------------------------------------

@@ -328,6 +328,53 @@ def test_summary_averages_first_and_last_steps():
     json.dumps(s)
 
 
+def test_summary_labels_the_engines_bytes_and_the_process_peak_rss(capsys):
+    """The summary's per-tier bytes are the engine's own accounting, far below the process's
+    peak RSS (torch, the model, activations): both are printed, each labelled as what it is."""
+    summary = train.run(_parse("--preset", "tiny", "--steps", 1, "--no-progress", *FAST))
+    text = capsys.readouterr().out
+    assert summary["peak_rss_bytes"] > summary["peak_bytes"]["host"] > 0
+    assert "engine-held (accounting): device" in text
+    assert "process peak RSS" in text
+    assert train._fmt_bytes(summary["peak_rss_bytes"]) in text
+
+
+def test_a_disk_too_small_for_the_nvme_files_is_one_line_before_training(tmp_path, capsys,
+                                                                           monkeypatch):
+    """Checked before anything is built: the bytes the NVMe files need on --path's file system
+    (the estimator's count, this engine's files), what is free there, and what to do."""
+    swap = tmp_path / "swap"
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(train.shutil, "disk_usage",
+                        lambda path: usage._replace(free=1 << 20))  # 1 MiB free
+    assert cli.main(["train", "--preset", "tiny", "--steps", "1", "--offload", "nvme",
+                     "--path", str(swap), "--no-progress", *FAST]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+    assert f"{str(swap)!r}" in err and "1.0 MiB free" in err
+    assert "smaller model" in err and "--offload auto" in err and "another --path" in err
+    assert not swap.exists()  # nothing was created
+
+
+def test_a_disk_that_fills_up_during_the_run_is_the_same_one_line(tmp_path, capsys,
+                                                                  monkeypatch):
+    """A disk that fills up after the check (another job writing there) ends the run with the
+    same line, not a SwapIOError traceback naming one file's bytes."""
+    from offload_zero.memory import swapper
+
+    def full(fd, path, nbytes):
+        raise swapper.SwapIOError(errno.ENOSPC, f"cannot reserve {nbytes} bytes for {path}: "
+                                  "[Errno 28] No space left on device", path, 0, nbytes)
+    monkeypatch.setattr(swapper, "_reserve", full)
+    swap = tmp_path / "swap"
+    assert cli.main(["train", "--preset", "tiny", "--steps", "1", "--offload", "nvme",
+                     "--path", str(swap), "--no-progress", *FAST]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+    assert "no space left" in err and f"{str(swap)!r}" in err and " free" in err
+    assert "--offload auto" in err
+
+
 def test_memory_plot_auto_offload_and_checkpointing(tmp_path):
     pytest.importorskip("matplotlib")
     png = tmp_path / "mem.png"

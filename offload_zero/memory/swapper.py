@@ -30,6 +30,7 @@ import torch
 
 from offload_zero.memory.aligned import ALIGNMENT, aligned_empty
 from offload_zero.memory.aio_threads import ThreadsBackend
+from offload_zero.memory.owner import claim_folder, release_folder
 
 __all__ = ["Swapper", "SwapHandle", "SwapIOError", "measure_bandwidth", "BACKENDS"]
 
@@ -183,6 +184,7 @@ class _SwapperState:
         self.created_folder = created_folder
         self.files: dict = {}
         self.backend = None
+        self.owner_file: Optional[str] = None  # written by claim_folder, removed at close
         self.closed = False
         self.lock = threading.Lock()
 
@@ -207,6 +209,7 @@ class _SwapperState:
             except FileNotFoundError:
                 pass
         self.files.clear()
+        release_folder(self.owner_file)
         if self.created_folder:
             try:
                 os.rmdir(self.folder)
@@ -333,10 +336,13 @@ class Swapper:
         queue_depth: most requests in flight at once for this swapper (>= 1, default 8), or
             None: tuned likewise. An explicit value of one overrides the tuned one, and
             ``tuning`` holds what the probe or the cache said (None when both are explicit).
+        claim: record this process as the folder's owner (``<folder>/.owner``, removed by
+            ``close``) and take over a folder whose recorded owner is gone, removing its swap
+            files with a warning (see ``offload_zero.memory.owner``). Default False.
 
     Raises:
         ValueError: the folder's parent is missing/not a directory/not writable, the folder is
-            a file, the backend name is unknown, "libaio" was forced but cannot work (the
+            a file, ``claim`` and its recorded owner still runs, the backend name is unknown, "libaio" was forced but cannot work (the
             message says why), or block_size/queue_depth are invalid.
 
     Files are removed by ``close()``, which also runs when the swapper is garbage collected
@@ -344,7 +350,7 @@ class Swapper:
     """
 
     def __init__(self, folder: str, backend: str = "auto", block_size: Optional[int] = 1 << 20,
-                 queue_depth: Optional[int] = 8) -> None:
+                 queue_depth: Optional[int] = 8, claim: bool = False) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"unknown swap backend {backend!r}; choose one of {BACKENDS}")
         if block_size is not None:
@@ -358,6 +364,8 @@ class Swapper:
         self._state = _SwapperState(folder, created)
         self._finalizer = weakref.finalize(self, _SwapperState.close, self._state)
         try:
+            if claim:
+                self._state.owner_file = claim_folder(folder)
             if block_size is None or queue_depth is None:
                 self._apply_tuning(backend)
             self._state.backend, self._direct = self._pick_backend(backend)
