@@ -56,7 +56,9 @@ class EngineConfig:
             Default ``None``.
         stage: ZeRO stage, 1 (optimizer state partitioned), 2 (+ gradients) or 3 (+ parameters).
             Default 3.
-        lr: learning rate, > 0. Default 1e-3.
+        lr: learning rate, >= 0 (0 moves the moments, not the weights: a warmup's first step).
+            Default 1e-3. ``lr``, ``betas``, ``eps`` and ``weight_decay`` are the defaults of
+            the parameter groups (``engine.optimizer.param_groups``), which the updates read.
         betas: Adam (beta1, beta2), each in [0, 1). Default (0.9, 0.999).
         eps: term added to the denominator, >= 0. Default 1e-8.
         weight_decay: >= 0; decoupled (AdamW) when ``adamw`` else L2 added to the gradient.
@@ -203,7 +205,7 @@ class EngineConfig:
                 except ValueError:
                     raise ValueError(f"{name}={value!r} is not valid; it must be an int >= 0 "
                                      "(bytes) or None") from None
-        _check_float(self, "lr", low=0.0, low_inclusive=False)
+        _check_float(self, "lr", low=0.0)
         try:
             betas = tuple(self.betas)
         except TypeError:

@@ -49,13 +49,18 @@ class OffloadEngine:
             ``path/rank<r>/`` with mode 0600 and are removed by :meth:`close`.
         stage: ZeRO stage 1, 2 or 3.
         lr, betas, eps, weight_decay, adamw: the optimizer (AdamW when ``adamw`` else Adam with
-            L2), with torch's exact semantics.
+            L2), with torch's exact semantics; ``lr`` and the three after it are the parameter
+            groups' defaults.
         dtype: compute dtype of parameters and gradients on the device (float32, bfloat16,
             float16); master weights and moments are float32.
         device: the accelerator (default: CUDA when present, else the CPU).
         process_group: the data-parallel group (default: the world; none needed at world size 1).
         timeout_s: collective timeout in seconds when the engine initialises the process group
             (a finite number > 0; ValueError otherwise).
+        param_groups: None (one group of every trainable parameter), or torch's format: a list
+            of dicts, each with ``params`` (parameters of ``model``, taken before wrapping) and
+            any of ``lr``, ``betas``, ``eps``, ``weight_decay``. Trainable parameters in no group
+            go to a last group with the values above. See :attr:`optimizer`.
         **kwargs: further :class:`EngineConfig` fields (prefetch, unit_classes, max_grad_norm,
             aio_backend, aio_block_size, aio_queue_depth, step_in_backward, step_in_forward,
             ...). At stage 3 with the optimizer state on NVMe, ``step_in_forward`` is on by
@@ -64,9 +69,13 @@ class OffloadEngine:
 
     Raises:
         ValueError: any invalid argument, naming the value and the valid choices; a missing or
-            read-only ``path``; a model without parameters, or one another engine wraps.
+            read-only ``path``; a model without parameters, or one another engine wraps; a
+            parameter in two groups or not in ``model`` (named), a bad group value.
 
     Attributes:
+        optimizer: the :class:`offload_zero.optim.facade.EngineOptimizer` (a
+            ``torch.optim.Optimizer``) whose ``param_groups`` the updates read: give it to
+            torch's or transformers' LR schedulers.
         loss_scaler: the :class:`offload_zero.optim.loss_scale.LossScaler` (``loss_scale=``;
             dynamic by default with ``dtype=torch.float16``), or None without loss scaling.
         skipped_steps: steps that updated nothing (or, with ``step_in_backward``, not every flat
@@ -80,7 +89,8 @@ class OffloadEngine:
     def __init__(self, model: nn.Module, offload: str = "none", path: Optional[str] = None,
                  stage: int = 3, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, adamw: bool = True, dtype: torch.dtype = torch.float32,
-                 device=None, process_group=None, timeout_s: float = 300.0, **kwargs):
+                 device=None, process_group=None, timeout_s: float = 300.0,
+                 param_groups=None, **kwargs):
         if not isinstance(model, nn.Module):
             raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if getattr(model, _WRAPPED, False):
@@ -92,12 +102,15 @@ class OffloadEngine:
         unknown = sorted(set(kwargs) - fields)
         if unknown:
             raise ValueError(f"OffloadEngine got unknown keyword argument(s) {unknown}; valid "
-                             f"ones: {sorted(fields | {'process_group', 'timeout_s'})}")
+                             f"ones: {sorted(fields | {'process_group', 'timeout_s', 'param_groups'})}")
         self.config = EngineConfig(offload=offload, path=path, stage=stage, lr=lr, betas=betas,
                                    eps=eps, weight_decay=weight_decay, adamw=adamw, dtype=dtype,
                                    device=device, **kwargs)
         cfg = self.config
         self.device = cfg.device
+        from offload_zero.optim.facade import resolve_param_groups
+        defaults = dict(lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
+        groups, group_of = resolve_param_groups(model, param_groups, defaults)
         timeout_s = check_number("timeout_s", timeout_s, low=0.0, low_inclusive=False)
         init_from_env(timeout_s, self.device)
         self.comm = Comm(process_group)
@@ -115,7 +128,6 @@ class OffloadEngine:
                 offload_param=self.placement.offload_param,
                 step_in_forward=self.placement.step_in_forward)
         self.module = model
-        self.lr = cfg.lr
         self._closed = False
         self._acct = TierAccountant(self.rank)
         self._step_count: Dict[FlatParam, int] = {}
@@ -125,7 +137,7 @@ class OffloadEngine:
         self._pace = [0, 0]  # step_in_forward: [chunks streamed, chunks queued] (_pace_streams)
         self._lazy: Dict[FlatParam, None] = {}  # step_in_forward: updates decided, not applied,
         #                                         in the order the next forward needs them
-        self._lazy_step = (1.0, cfg.lr)         # (gradient factor, lr) of those updates
+        self._lazy_step = (1.0, ())             # (gradient factor, GroupHyper per group)
         self._keep_for_gather: set = set()      # flat params whose gather follows their update
         self._backward_pending = False
         self.skipped_steps = 0
@@ -139,6 +151,7 @@ class OffloadEngine:
         self.pools: Dict[str, object] = {}  # HostBufferPool | GatherPool, by name
         try:
             self._build(model)
+            self._build_optimizer(groups, group_of, defaults)
         except BaseException as exc:
             with _not_replacing(exc, self.rank):
                 _release(self._acct, getattr(self, "store", None), getattr(self, "param_home", None),
@@ -302,6 +315,28 @@ class OffloadEngine:
             for unit in self.blocks:
                 _checkpoint_forward(unit.module, offload)
 
+    def _build_optimizer(self, groups: List[dict], group_of: Dict[int, int],
+                         defaults: dict) -> None:
+        """``self.optimizer`` over ``groups`` (from :func:`resolve_param_groups`), and each
+        trainable flat parameter's group segments (see [Note: parameter groups] in
+        :mod:`offload_zero.optim.facade`): ``_entry_groups[fp]`` the group of each of its
+        parameters, ``_segments[fp]`` its shard's runs ``(lo, hi, group)``."""
+        from offload_zero.optim.facade import EngineOptimizer, shard_segments
+        planned = self._plan[2]
+        members = {name: m for (_, _, m), name in zip(planned, _flat_param_names(planned))}
+        self._entry_groups: Dict[FlatParam, List[int]] = {}
+        self._segments: Dict[FlatParam, List[tuple]] = {}
+        for fp in self.trainable:
+            self._entry_groups[fp] = [group_of[id(p)] for p, _ in members[fp.name]]
+            runs = [(e.offset, e.numel, g) for e, g in zip(fp.entries, self._entry_groups[fp])]
+            self._segments[fp] = shard_segments(runs, fp.rank * fp.shard_numel, fp.shard_numel)
+        self.optimizer = EngineOptimizer(self, groups, defaults)
+
+    def _hypers(self) -> tuple:
+        """Every parameter group's hyperparameters now (:meth:`EngineOptimizer.hypers`):
+        what an update decided now uses. Raises ValueError naming a bad value."""
+        return self.optimizer.hypers()
+
     def _plan_units(self, model: nn.Module):
         """Units and, per unit, its trainable and frozen parameter groups (nothing built yet)."""
         cfg = self.config
@@ -450,7 +485,8 @@ class OffloadEngine:
         SystemExit) starts no more I/O: :meth:`close`, or :meth:`zero_grad` to go on, ends it.
         With a loss scale (fp16) the loss is multiplied by ``loss_scaler.scale`` in fp32 first;
         the update divides it out.
-        Raises ValueError if ``loss`` is not a scalar tensor that requires grad.
+        Raises ValueError if ``loss`` is not a scalar tensor that requires grad, or (with
+        ``step_in_backward``) if a parameter group's hyperparameter is bad.
         """
         self._check_open()
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
@@ -459,6 +495,8 @@ class OffloadEngine:
             raise RuntimeError("step_in_backward=True updates the weights during backward, so "
                                "gradients cannot accumulate over several backward calls: call "
                                "step() after each backward, or use step_in_backward=False")
+        if self.config.step_in_backward:
+            self._hypers()  # a bad value fails here, not inside backward's hooks
         self.apply_pending_updates()  # (units the last forward did not run)
         self._backward_pending = True
         if self.loss_scaler is not None:
@@ -470,7 +508,7 @@ class OffloadEngine:
             with _not_replacing(exc, self.rank, "ending the backward"):
                 self.scheduler.end_backward()  # the end-of-backward callback does not run on error
                 if self.config.step_in_backward and isinstance(exc, Exception):
-                    self.step()  # (not on Ctrl-C or exit: no more I/O then; zero_grad() ends it)
+                    self._step()  # (not on Ctrl-C or exit: no more I/O then; zero_grad() ends it)
             raise
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -486,7 +524,7 @@ class OffloadEngine:
         if not self._backward_pending:
             return
         if self.config.step_in_backward:
-            self.step()
+            self._step()
             return
         self.grads.zero()  # (pending step_in_forward updates: backward applied them)
         self._backward_pending = False
@@ -583,8 +621,8 @@ class OffloadEngine:
             return
         if isinstance(self.store, NVMeStore) and not self.store.prefetched(fp):
             skipped: set = set()
-            # (the learning rate of this backward, whatever set_lr() does before it ends)
-            update = self._iter_updates([fp], self._unscale(), False, skipped, self.lr)
+            # (the hyperparameters in force now, whatever changes them before it ends)
+            update = self._iter_updates([fp], self._unscale(), False, skipped, self._hypers())
 
             def done(fp=fp, skipped=skipped):
                 self._early[fp] = fp not in skipped
@@ -594,7 +632,8 @@ class OffloadEngine:
             self._early[fp] = False  # until its last chunk is updated (see _pump)
             self._pump()
             return
-        self._early[fp] = fp not in self._update_states([fp], self._unscale(), known_finite=False)
+        self._early[fp] = fp not in self._update_states([fp], self._unscale(), False,
+                                                         self._hypers())
         # its gradient is used up: where one rank's shards adopt the gradients, its memory
         # serves the next one (see [Note: reused gradient memory])
         self.grads.zero(only=[fp])
@@ -669,14 +708,14 @@ class OffloadEngine:
                if fp in self._lazy and not self._streaming(fp) and fp not in stream]
         if fps:
             self._apply_lazy(fps)
-        coef, lr = self._lazy_step
+        coef, hypers = self._lazy_step
         if stream:
             self._pace = [0, sum(self.store.chunks(fp) for fp in stream)]
         for fp in stream:  # (after the others: they may stream through the same buffers)
             def done(fp=fp):
                 self._applied(fp)
 
-            self._deferred.append((fp, self._iter_updates([fp], coef, True, set(), lr), done))
+            self._deferred.append((fp, self._iter_updates([fp], coef, True, set(), hypers), done))
 
     def _pace_streams(self, unit: Unit) -> None:
         """Block ``unit`` is about to be gathered in forward: advance the streaming updates
@@ -711,7 +750,7 @@ class OffloadEngine:
         gradients; the write-backs stay in flight. The whole states of the next pending block
         updates are read ahead (as many as the read-ahead buffers hold), so their reads overlap
         the compute that runs before them."""
-        coef, lr = self._lazy_step
+        coef, hypers = self._lazy_step
         if self._deferred and isinstance(self.store, NVMeStore) and not all(
                 self.store.prefetched(fp) for fp in fps):
             # these stream through the pipeline buffers too: the streaming update ends first
@@ -720,7 +759,7 @@ class OffloadEngine:
         for fp in fps:
             # one at a time, each forgotten only once applied: an error (an I/O error, a pool
             # exhausted) leaves the updates not yet made pending, with their gradients
-            for _ in self._iter_updates([fp], coef, True, set(), lr,
+            for _ in self._iter_updates([fp], coef, True, set(), hypers,
                                         defer_write_back=self._may_defer_write_back(fp)):
                 pass
             self._applied(fp)
@@ -775,10 +814,11 @@ class OffloadEngine:
         if self._lazy:
             self._apply_lazy(list(self._lazy))
 
-    @torch.no_grad()
     def step(self) -> None:
         """Update every trainable flat parameter with Adam/AdamW, then zero the gradients.
 
+        Runs as ``engine.optimizer.step()`` (so a torch LR scheduler counts it as an optimizer
+        step). The hyperparameters are each parameter group's in ``engine.optimizer`` now.
         The update runs on this rank's shard: the C++ kernel for master weights on the host
         (or NVMe, streamed through host buffers), torch ops for master weights on an accelerator.
         New compute-dtype parameters are written back to the device shards (and all-gathered
@@ -786,9 +826,21 @@ class OffloadEngine:
         skipped for that flat parameter, on every rank whichever rank's shard holds it
         (``skipped_steps`` counts such steps). With a loss scale (fp16) the gradients are
         divided by it in the same pass; an inf/nan anywhere then skips the whole step and a
-        dynamic scale halves (``loss_scaler``).
+        dynamic scale halves (``loss_scaler``). Raises ValueError naming a group's bad value
+        (a negative lr, say), before anything changes.
         """
         self._check_open()
+        self.optimizer.step()
+
+    @torch.no_grad()
+    def _step(self) -> None:
+        """:meth:`step`'s work (``engine.optimizer.step()`` calls it)."""
+        self._check_open()
+        self._update_step(self._hypers())
+
+    def _update_step(self, hypers: tuple) -> None:
+        """Update every trainable flat parameter with the parameter groups' ``hypers``
+        (:meth:`_hypers`), then zero the gradients (see :meth:`step`)."""
         cfg = self.config
         self.scheduler.reshard_all()  # a training forward without backward leaves the root gathered
         self._finish_updates()  # (step_in_forward: a step without a forward since the last)
@@ -815,10 +867,10 @@ class OffloadEngine:
                 return
             known_finite = True
         if cfg.step_in_forward:
-            self._defer_step(with_grad, coef, known_finite)
+            self._defer_step(with_grad, coef, known_finite, hypers)
             return
         try:
-            skipped = self._update_states(with_grad, coef, known_finite)
+            skipped = self._update_states(with_grad, coef, known_finite, hypers)
         finally:
             # every write-back done before the next forward reads parameters (an fp32 shard on
             # NVMe is read from its master's bytes): updates made in backward included
@@ -841,10 +893,11 @@ class OffloadEngine:
         self.grads.zero()
         self.comm.end_step()
 
-    def _defer_step(self, with_grad: List[FlatParam], coef: float, known_finite: bool) -> None:
+    def _defer_step(self, with_grad: List[FlatParam], coef: float, known_finite: bool,
+                    hypers: tuple) -> None:
         """End a ``step_in_forward`` step: decide now which flat parameters update (those with
         an inf/nan gradient on any rank are skipped, as in the plain step, and counted in
-        ``skipped_steps``), with this gradient factor and learning rate; the updates
+        ``skipped_steps``), with this gradient factor and the groups' ``hypers``; the updates
         themselves run before each unit's next gather (:meth:`_apply_lazy`)."""
         skipped = set() if known_finite else self._nonfinite_on_any_rank(with_grad)
         # in the order the next forward needs them: the root's first (gathered as forward
@@ -853,7 +906,7 @@ class OffloadEngine:
         ready = dict.fromkeys(fp for fp in with_grad if fp not in skipped)
         self._lazy = dict.fromkeys(fp for u in units for fp in u.flat_params if fp in ready)
         self._lazy.update(ready)  # (any the forward order does not hold, after it)
-        self._lazy_step = (coef, self.lr)
+        self._lazy_step = (coef, hypers)
         if skipped:
             self.skipped_steps += 1
         if self.loss_scaler is not None:
@@ -873,19 +926,21 @@ class OffloadEngine:
         self.comm.end_step()
         self._backward_pending = False
 
-    def _update_states(self, fps: List[FlatParam], coef: float, known_finite: bool) -> set:
-        """Adam/AdamW on every flat parameter in ``fps`` (their gradients final); returns the
-        set skipped for inf/nan gradients. State read ahead (:meth:`NVMeStore.prefetch`) is
-        written back asynchronously; the step drains it."""
+    def _update_states(self, fps: List[FlatParam], coef: float, known_finite: bool,
+                       hypers: tuple) -> set:
+        """Adam/AdamW on every flat parameter in ``fps`` (their gradients final) with the
+        groups' ``hypers``; returns the set skipped for inf/nan gradients. State read ahead
+        (:meth:`NVMeStore.prefetch`) is written back asynchronously; the step drains it."""
         skipped: set = set()
-        for _ in self._iter_updates(fps, coef, known_finite, skipped, self.lr):
+        for _ in self._iter_updates(fps, coef, known_finite, skipped, hypers):
             pass
         return skipped
 
     def _iter_updates(self, fps: List[FlatParam], coef: float, known_finite: bool,
-                      skipped: set, lr: float, defer_write_back: bool = False) -> Iterator[None]:
-        """:meth:`_update_states` as a generator that yields after each chunk, at learning rate
-        ``lr`` throughout; flat parameters skipped for inf/nan gradients are added to
+                      skipped: set, hypers: tuple, defer_write_back: bool = False
+                      ) -> Iterator[None]:
+        """:meth:`_update_states` as a generator that yields after each chunk, with the groups'
+        ``hypers`` (a :class:`GroupHyper` per group) throughout; flat parameters skipped for inf/nan gradients are added to
         ``skipped``. With several ranks, collective (see :meth:`_nonfinite_on_any_rank`).
         ``defer_write_back``: see :meth:`NVMeStore.iter_states`."""
         if not known_finite and self.world_size > 1:
@@ -912,7 +967,7 @@ class OffloadEngine:
                         self._step_count[fp] += 1
                 if fp in skipped:
                     continue
-                ok = self._update(fp, lo, hi, master, m, v, coef, lr,
+                ok = self._update(fp, lo, hi, master, m, v, coef, hypers,
                                   check_overflow=whole and not known_finite)
                 if not ok:
                     skipped.add(fp)
@@ -937,33 +992,51 @@ class OffloadEngine:
             return fp.sharded
         return self._staging[:fp.shard_numel]
 
-    def _update(self, fp: FlatParam, lo: int, hi: int, master, m, v, coef: float, lr: float,
-                check_overflow: bool) -> bool:
-        """Adam/AdamW on elements [lo, hi) of ``fp``'s shard; returns False on overflow (the
-        kernel then changed nothing)."""
-        from offload_zero.optim.kernel import adam_step_
-        cfg = self.config
+    def _update(self, fp: FlatParam, lo: int, hi: int, master, m, v, coef: float,
+                hypers: tuple, check_overflow: bool) -> bool:
+        """Adam/AdamW on elements [lo, hi) of ``fp``'s shard, each run of one parameter group
+        with that group's ``hypers`` (see [Note: parameter groups] in
+        :mod:`offload_zero.optim.facade`); returns False on overflow (nothing then changed)."""
         grad = self.grads.buf[fp][lo:hi]
-        step = self._step_count[fp]
+        runs = [(max(a, lo) - lo, min(b, hi) - lo, hypers[g])
+                for a, b, g in self._segments[fp] if a < hi and b > lo]
+        if len(runs) > 1 and check_overflow:
+            # one check before any run is written: an inf/nan in a later run changes nothing
+            if not _all_finite(grad):
+                self._step_count[fp] -= 1
+                return False
+            check_overflow = False
         if master.device.type == "cpu":
             out = self._targets[fp]
             out = None if out is None else out[lo:hi]
-            overflow = adam_step_(master, grad, m, v, step=step, lr=lr, betas=cfg.betas,
-                                  eps=cfg.eps, weight_decay=cfg.weight_decay, adamw=cfg.adamw,
-                                  grad_scale=coef, out=out, check_overflow=check_overflow)
+            overflow = any([self._adam_cpu(fp, master[a:b], grad[a:b], m[a:b], v[a:b], hp,
+                                           coef, None if out is None else out[a:b],
+                                           check_overflow) for a, b, hp in runs])
             if (not overflow and out is not None and fp.home is None
                     and out.data_ptr() != fp.sharded[lo:hi].data_ptr()):
                 # staging buffer -> accelerator shard, chunk by chunk: the buffer is free again
                 # before another update (interleaved with this one in backward) writes to it
                 fp.sharded[lo:hi].copy_(out)
         else:
-            overflow = _torch_adam_(master, grad, m, v, step, lr, cfg.betas, cfg.eps,
-                                    cfg.weight_decay, cfg.adamw, coef)
+            cfg = self.config
+            overflow = any([_torch_adam_(master[a:b], grad[a:b], m[a:b], v[a:b],
+                                         self._step_count[fp], hp.lr, hp.betas, hp.eps,
+                                         hp.weight_decay, cfg.adamw, coef) for a, b, hp in runs])
             if not overflow and master.data_ptr() != fp.sharded.data_ptr():
                 fp.sharded[lo:hi].copy_(master)
         if overflow:
             self._step_count[fp] -= 1
         return not overflow
+
+    def _adam_cpu(self, fp: FlatParam, master, grad, m, v, hp, coef: float, out,
+                  check_overflow: bool) -> bool:
+        """The C++ Adam on one run of ``fp``'s shard (1-d fp32 views of equal length) with the
+        group's ``hp``; returns True on overflow (see :func:`offload_zero.optim.adam_step_`)."""
+        from offload_zero.optim.kernel import adam_step_
+        return adam_step_(master, grad, m, v, step=self._step_count[fp], lr=hp.lr,
+                          betas=hp.betas, eps=hp.eps, weight_decay=hp.weight_decay,
+                          adamw=self.config.adamw, grad_scale=coef, out=out,
+                          check_overflow=check_overflow)
 
     def _finish_update(self, fp: FlatParam, ok: bool) -> None:
         """After the last chunk: write the new compute-dtype shard back to an NVMe home (an
@@ -973,12 +1046,23 @@ class OffloadEngine:
             fp.home.commit(fp, target) if ok else fp.home.discard(fp)
 
     def set_lr(self, lr: float) -> None:
-        """Set the learning rate of the next update (for schedules): the next :meth:`step`, or
-        with ``step_in_backward`` the next backward (an update still streaming after a
-        backward keeps that backward's rate). lr > 0; raises ValueError otherwise, and
-        RuntimeError if the engine is closed. A numpy number is taken as a float."""
+        """Set the learning rate of every parameter group of ``engine.optimizer`` (for
+        schedules; a torch LR scheduler on ``engine.optimizer`` does the same per group). It
+        applies from the next update decided: the next :meth:`step`, or with
+        ``step_in_backward`` the next backward (an update still streaming after a backward
+        keeps that backward's rate). lr >= 0 (0 updates the moments, not the weights); raises
+        ValueError naming the value otherwise (negative, nan, inf), and RuntimeError if the
+        engine is closed. A numpy number or 0-d tensor is taken as a float."""
         self._check_open()
-        self.lr = check_number("lr", lr, low=0.0, low_inclusive=False)
+        lr = check_number("lr", lr, low=0.0)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    @property
+    def lr(self) -> float:
+        """The learning rate of the first parameter group of ``engine.optimizer`` (every
+        group's, unless groups or a scheduler set them apart)."""
+        return self.optimizer.param_groups[0]["lr"]
 
     def train(self, mode: bool = True) -> "OffloadEngine":
         """Put the model in training mode (``mode=False``: evaluation)."""
