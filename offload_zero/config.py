@@ -143,6 +143,11 @@ class EngineConfig:
         loss_scale_window: steps without overflow before a dynamic scale doubles, >= 1.
             Default 2000.
         min_loss_scale: a dynamic scale never halves below this, > 0. Default 1.0.
+        gradient_accumulation_steps: N >= 1, as DeepSpeed's: ``backward`` divides the loss by
+            N and only every N-th ``step`` call updates (the others return without updating
+            or zeroing), so a loop calling backward and step on each micro-batch trains as N
+            accumulated micro-batches of their mean loss. Not with ``step_in_backward`` (its
+            updates run in each backward). Default 1.
     """
 
     offload: str = "none"
@@ -175,6 +180,7 @@ class EngineConfig:
     initial_loss_scale: float = 2.0 ** 16
     loss_scale_window: int = 2000
     min_loss_scale: float = 1.0
+    gradient_accumulation_steps: int = 1
 
     def __post_init__(self):
         if self.offload not in OFFLOAD_CHOICES:
@@ -229,6 +235,13 @@ class EngineConfig:
         if self.step_in_backward and self.stage < 2:
             raise ValueError(f"step_in_backward=True needs stage 2 or 3 (gradients reduced unit "
                              f"by unit in backward); got stage={self.stage}")
+        object.__setattr__(self, "gradient_accumulation_steps", check_int(
+            "gradient_accumulation_steps", self.gradient_accumulation_steps, 1))
+        if self.step_in_backward and self.gradient_accumulation_steps > 1:
+            raise ValueError(f"step_in_backward=True cannot accumulate gradients: "
+                             f"gradient_accumulation_steps={self.gradient_accumulation_steps} "
+                             "needs N backward calls per update, and step_in_backward updates "
+                             "in each one; set step_in_backward=False (step_in_forward works)")
         if self.step_in_backward and self.max_grad_norm is not None:
             raise ValueError(f"step_in_backward=True cannot clip: max_grad_norm={self.max_grad_norm!r} "
                              "needs every gradient before the first update; set max_grad_norm=None "

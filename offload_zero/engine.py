@@ -65,7 +65,8 @@ class OffloadEngine:
             aio_backend, aio_block_size, aio_queue_depth, step_in_backward, step_in_forward,
             ...). At stage 3 with the optimizer state on NVMe, ``step_in_forward`` is on by
             default: :meth:`step` decides the update and each unit gets it just before its
-            next gather.
+            next gather. ``gradient_accumulation_steps=N``: DeepSpeed's gradient accumulation
+            (see :meth:`step`).
 
     Raises:
         ValueError: any invalid argument, naming the value and the valid choices; a missing or
@@ -140,6 +141,8 @@ class OffloadEngine:
         self._lazy_step = (1.0, ())             # (gradient factor, GroupHyper per group)
         self._keep_for_gather: set = set()      # flat params whose gather follows their update
         self._backward_pending = False
+        self._micro_steps = 0           # step() calls since the engine was built
+        self._micro_stepped = False     # step() ended a micro-batch, no backward since
         self.skipped_steps = 0
         # fp16: the loss is scaled up before backward, the update scales the gradients down
         self.loss_scaler = cfg.make_loss_scaler()
@@ -483,8 +486,9 @@ class OffloadEngine:
         :meth:`step` applies them. With ``step_in_backward`` the updates it made stay and the
         step ends there, as :meth:`step` would end it; an interrupt (KeyboardInterrupt,
         SystemExit) starts no more I/O: :meth:`close`, or :meth:`zero_grad` to go on, ends it.
-        With a loss scale (fp16) the loss is multiplied by ``loss_scaler.scale`` in fp32 first;
-        the update divides it out.
+        With ``gradient_accumulation_steps=N`` the loss is divided by N first (so N
+        micro-batches' gradients sum to their mean loss's). With a loss scale (fp16) the loss is
+        then multiplied by ``loss_scaler.scale`` in fp32; the update divides it out.
         Raises ValueError if ``loss`` is not a scalar tensor that requires grad, or (with
         ``step_in_backward``) if a parameter group's hyperparameter is bad.
         """
@@ -499,6 +503,10 @@ class OffloadEngine:
             self._hypers()  # a bad value fails here, not inside backward's hooks
         self.apply_pending_updates()  # (units the last forward did not run)
         self._backward_pending = True
+        self._micro_stepped = False
+        n = self.config.gradient_accumulation_steps
+        if n > 1:
+            loss = loss / n
         if self.loss_scaler is not None:
             # in fp32: a scaled fp16 loss would overflow long before its gradients do
             loss = loss.float() * self.loss_scaler.scale
@@ -517,16 +525,22 @@ class OffloadEngine:
         since the last step (torch's habit of ``step(); zero_grad()``) there is nothing to
         drop and nothing changes: ``step_in_forward``'s pending updates stay for the next
         forward. With ``step_in_backward`` the weights already changed in backward: this ends
-        the step as :meth:`step` does. ``set_to_none`` is accepted as torch's optimizers take
+        the step as :meth:`step` does. With ``gradient_accumulation_steps`` > 1 a
+        :meth:`step` that only ended a micro-batch counts as a step here too (nothing is
+        dropped until the next backward), so ``step(); zero_grad()`` after each micro-batch
+        accumulates; after a backward it drops every micro-batch's gradient since the last
+        update, and the next N :meth:`step` calls make the next update. ``set_to_none`` is accepted as torch's optimizers take
         it and changes nothing: the gradient shards are the engine's buffers, zeroed either
         way. Raises RuntimeError if the engine is closed."""
         self._check_open()
-        if not self._backward_pending:
+        if not self._backward_pending or self._micro_stepped:
             return
         if self.config.step_in_backward:
             self._step()
             return
         self.grads.zero()  # (pending step_in_forward updates: backward applied them)
+        n = self.config.gradient_accumulation_steps
+        self._micro_steps -= self._micro_steps % n  # (the accumulation window starts again)
         self._backward_pending = False
 
     # -- step_in_backward ----------------------------------------------------------------------
@@ -815,7 +829,10 @@ class OffloadEngine:
             self._apply_lazy(list(self._lazy))
 
     def step(self) -> None:
-        """Update every trainable flat parameter with Adam/AdamW, then zero the gradients.
+        """Update every trainable flat parameter with Adam/AdamW, then zero the gradients;
+        with ``gradient_accumulation_steps=N``, only every N-th call does (see
+        :meth:`is_gradient_accumulation_boundary`): the others return at once, keeping the
+        gradients accumulated so far.
 
         Runs as ``engine.optimizer.step()`` (so a torch LR scheduler counts it as an optimizer
         step). The hyperparameters are each parameter group's in ``engine.optimizer`` now.
@@ -832,11 +849,24 @@ class OffloadEngine:
         self._check_open()
         self.optimizer.step()
 
+    def is_gradient_accumulation_boundary(self) -> bool:
+        """Whether the next :meth:`step` call updates the weights: with
+        ``gradient_accumulation_steps=N``, every N-th call does (always True with N=1)."""
+        return (self._micro_steps + 1) % self.config.gradient_accumulation_steps == 0
+
     @torch.no_grad()
     def _step(self) -> None:
-        """:meth:`step`'s work (``engine.optimizer.step()`` calls it)."""
+        """:meth:`step`'s work (``engine.optimizer.step()`` calls it): count the micro-batch,
+        and at a gradient accumulation boundary update (:meth:`_update_step`)."""
         self._check_open()
+        boundary = self.is_gradient_accumulation_boundary()
+        if not boundary:
+            self.scheduler.reshard_all()  # (as the update does: the root may be gathered)
+            self._micro_steps += 1
+            self._micro_stepped = True
+            return
         self._update_step(self._hypers())
+        self._micro_steps += 1
 
     def _update_step(self, hypers: tuple) -> None:
         """Update every trainable flat parameter with the parameter groups' ``hypers``

@@ -1,0 +1,69 @@
+"""gradient_accumulation_steps (DeepSpeed's semantics) in the engine, against torch with
+accumulated micro-batches of their mean loss."""
+import math
+
+import pytest
+import torch
+
+from models import TinyLM, batches, lm_loss
+from test_optimizer import CASES, LR, STEPS, _cosine, _diff, _engine, _reference
+
+from offload_zero import OffloadEngine
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"stage{c[0]}-{c[1]}")
+def test_gradient_accumulation_deepspeed_loop_matches_torch(case, tmp_path, torch_single_thread):
+    """backward and step on every micro-batch with gradient_accumulation_steps=2 trains as
+    torch with two accumulated micro-batches of their mean loss (a scheduler stepped at the
+    boundaries); zero_grad() after a step that only ended a micro-batch drops nothing."""
+    stage, offload = case
+    torch.manual_seed(0)
+    model = TinyLM()
+    data = batches(2 * STEPS, seed=6, batch=2)
+    expected = _reference(model, data, accumulate=2)
+    got = []
+    with _engine(model, stage, offload, tmp_path, gradient_accumulation_steps=2) as eng:
+        sched = _cosine(eng.optimizer)
+        for i, (x, y) in enumerate(data):
+            assert eng.is_gradient_accumulation_boundary() == (i % 2 == 1)
+            eng.backward(lm_loss(eng(x), y))
+            boundary = eng.is_gradient_accumulation_boundary()
+            eng.step()
+            eng.zero_grad()
+            if boundary:
+                sched.step()
+                got.append(eng.full_state_dict())
+    assert len(got) == STEPS
+    assert max(_diff(g, e) for g, e in zip(got, expected)) <= 1e-6
+
+
+def test_gradient_accumulation_steps_is_checked():
+    for bad in (0, 1.5, True, "2"):
+        with pytest.raises(ValueError, match=rf"^gradient_accumulation_steps={bad!r} is not "
+                                             r"valid; it must be an int >= 1"):
+            OffloadEngine(TinyLM(), gradient_accumulation_steps=bad)
+    with pytest.raises(ValueError, match=r"step_in_backward=True cannot accumulate gradients"):
+        OffloadEngine(TinyLM(), stage=2, step_in_backward=True, gradient_accumulation_steps=2)
+
+
+def test_zero_grad_after_backward_restarts_the_accumulation_window(torch_single_thread):
+    """A micro-batch dropped with zero_grad() after its backward (a bad batch) drops the
+    window's earlier ones too, and the next two step() calls make the update."""
+    torch.manual_seed(0)
+    model = TinyLM()
+    data = batches(3, seed=7, batch=2)
+    constant = lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)  # noqa: E731
+    expected = _reference(model, data[1:], constant, accumulate=2)[0]
+    with _engine(model, 2, "cpu", None, gradient_accumulation_steps=2) as eng:
+        sched = constant(eng.optimizer)
+        eng.backward(lm_loss(eng(data[0][0]), data[0][1]))
+        eng.step()  # (ends a micro-batch)
+        eng.backward(lm_loss(eng(data[0][0]), data[0][1]))
+        eng.zero_grad()  # drops both
+        assert not eng.is_gradient_accumulation_boundary()
+        for x, y in data[1:]:
+            eng.backward(lm_loss(eng(x), y))
+            eng.step()
+        sched.step()
+        assert _diff(eng.full_state_dict(), expected) <= 1e-6
+        assert math.isclose(eng.lr, LR)
+
