@@ -1,5 +1,5 @@
-"""gradient_accumulation_steps (DeepSpeed's semantics) in the engine, against torch with
-accumulated micro-batches of their mean loss."""
+"""gradient_accumulation_steps (DeepSpeed's semantics) in the engine and --grad-accum in the
+main job, against torch with accumulated micro-batches of their mean loss."""
 import math
 
 import pytest
@@ -8,7 +8,7 @@ import torch
 from models import TinyLM, batches, lm_loss
 from test_optimizer import CASES, LR, STEPS, _cosine, _diff, _engine, _reference
 
-from offload_zero import OffloadEngine
+from offload_zero import OffloadEngine, cli, train
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"stage{c[0]}-{c[1]}")
 def test_gradient_accumulation_deepspeed_loop_matches_torch(case, tmp_path, torch_single_thread):
@@ -67,3 +67,28 @@ def test_zero_grad_after_backward_restarts_the_accumulation_window(torch_single_
         assert _diff(eng.full_state_dict(), expected) <= 1e-6
         assert math.isclose(eng.lr, LR)
 
+
+def _parse(*argv):
+    return cli.build_parser().parse_args(["train", *map(str, argv)])
+
+
+def test_grad_accum_in_the_main_job_matches_one_batch_of_all_the_micro_batches(tmp_path,
+                                                                             capsys):
+    """--grad-accum 2 --batch-size 2 trains on the windows --batch-size 4 takes, in the same
+    steps: the same losses (a step's loss is its micro-batches' mean) and the same schedule;
+    --steps counts optimizer steps. --step-in-backward with it exits 2 before anything is
+    built, and a resume with another --grad-accum is refused."""
+    common = ["--preset", "tiny", "--steps", 4, "--seq-len", 32, "--log-every", 0,
+              "--no-progress", "--stage", 2]
+    whole = train.run(_parse(*common, "--batch-size", 4))
+    ckpt = tmp_path / "ckpt"
+    accum = train.run(_parse(*common, "--batch-size", 2, "--grad-accum", 2,
+                             "--checkpoint", ckpt))
+    assert accum["grad_accum"] == 2 and accum["steps"] == 4 and not accum["step_in_backward"]
+    assert whole["step_in_backward"]  # (its default with one micro-batch a step)
+    assert accum["losses"] == pytest.approx(whole["losses"], rel=1e-5)
+    capsys.readouterr()
+    assert cli.main(["train", "--grad-accum", "2", "--step-in-backward", "--steps", "1"]) == 2
+    assert "cannot accumulate --grad-accum 2" in capsys.readouterr().err
+    with pytest.raises(ValueError, match=r"the saved run used --grad-accum 2, this one 1"):
+        train.run(_parse(*common, "--steps", 6, "--batch-size", 2, "--resume", ckpt))
