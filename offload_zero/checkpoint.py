@@ -175,8 +175,11 @@ def load_checkpoint(engine, folder) -> dict:
 
     Collective. Restores every flat parameter's fp32 master weights, Adam moments and step
     count, the compute-dtype parameter shards (the saved ones, bit for bit; at stages 1 and 2
-    all-gathered into the full parameters), ``engine.lr``, ``engine.skipped_steps`` and the
-    loss scaler's state. The tiers may differ from the saving engine's (saved with
+    all-gathered into the full parameters), the values of ``engine.optimizer``'s parameter
+    groups (every key but ``params``; a checkpoint without groups: ``engine.lr``),
+    ``engine.skipped_steps`` and the loss scaler's state. The parameter groups must be the
+    saving engine's: as many, each parameter in the same one (ValueError naming the first
+    parameter that differs). The tiers may differ from the saving engine's (saved with
     ``offload="nvme"``, loaded with ``offload="cpu"``, say), and so may the world size and the
     ZeRO stage: a checkpoint of N ranks loads on M ranks, each rank reading the slices of the
     saved shards that make up its own (see :func:`_load_shards`). So may the grouping of the

@@ -1169,8 +1169,8 @@ class OffloadEngine:
     def save_checkpoint(self, folder, client_state: Optional[dict] = None) -> None:
         """Save the training state to resume from: every rank writes its shard (fp32 master
         weights, Adam moments and step counts, the parameter shards) to ``folder`` as
-        ``rank<r>.safetensors``, and rank 0 writes ``checkpoint.json`` (lr, skipped_steps, the
-        loss scaler's state, the layout). Atomic: a failed save leaves a previous checkpoint
+        ``rank<r>.safetensors``, and rank 0 writes ``checkpoint.json`` (the parameter groups'
+        values, skipped_steps, the loss scaler's state, the layout). Atomic: a failed save leaves a previous checkpoint
         in ``folder`` intact. ``client_state``: a JSON-ready dict of your own (a step counter,
         a data position) that :meth:`load_checkpoint` returns. Collective; call it between
         steps. Layout, dtypes and errors: :func:`offload_zero.checkpoint.save_checkpoint`."""
@@ -1179,8 +1179,8 @@ class OffloadEngine:
 
     def load_checkpoint(self, folder) -> dict:
         """Restore the state :meth:`save_checkpoint` wrote to ``folder`` (same world size,
-        stage, dtype and model; the offload tiers may differ), including lr, skipped_steps and
-        the loss scaler; returns the ``client_state`` saved with it (``{}`` if none).
+        stage, dtype, model and parameter groups; the offload tiers may differ), including the
+        groups' values (lr, betas, ...), skipped_steps and the loss scaler; returns the ``client_state`` saved with it (``{}`` if none).
         Collective; call it between steps. Raises ValueError naming the mismatched field or
         the bad file: :func:`offload_zero.checkpoint.load_checkpoint`."""
         from offload_zero.checkpoint import load_checkpoint

@@ -1,10 +1,12 @@
 """gradient_accumulation_steps (DeepSpeed's semantics) in the engine and --grad-accum in the
 main job, against torch with accumulated micro-batches of their mean loss."""
 import math
+import tempfile
 
 import pytest
 import torch
 
+from dist_harness import run_ranks
 from models import TinyLM, batches, lm_loss
 from test_optimizer import CASES, LR, STEPS, _cosine, _diff, _engine, _reference
 
@@ -34,6 +36,31 @@ def test_gradient_accumulation_deepspeed_loop_matches_torch(case, tmp_path, torc
                 got.append(eng.full_state_dict())
     assert len(got) == STEPS
     assert max(_diff(g, e) for g, e in zip(got, expected)) <= 1e-6
+
+
+def _ws2_rank(rank, world_size, cases):
+    torch.set_num_threads(1)
+    out = {}
+    for stage, offload in cases:
+        torch.manual_seed(0)
+        model = TinyLM()
+        data = batches(2 * STEPS, seed=6, batch=2 * world_size)
+        expected = _reference(model, data, accumulate=2)[-1]
+        with tempfile.TemporaryDirectory() as d, \
+                _engine(model, stage, offload, d, gradient_accumulation_steps=2) as eng:
+            sched = _cosine(eng.optimizer)
+            for i, (x, y) in enumerate(data):
+                eng.backward(lm_loss(eng(x[2 * rank:2 * rank + 2]), y[2 * rank:2 * rank + 2]))
+                eng.step()
+                if i % 2:
+                    sched.step()
+            out[(stage, offload)] = _diff(eng.full_state_dict(), expected)
+    return out
+
+
+def test_gradient_accumulation_matches_torch_world_size_2():
+    for result in run_ranks(_ws2_rank, 2, [(1, "cpu"), (3, "nvme")]):
+        assert all(d <= 1e-6 for d in result.values()), result
 
 
 def test_gradient_accumulation_steps_is_checked():

@@ -213,6 +213,8 @@ class EngineOptimizer(torch.optim.Optimizer):
     """
 
     def __init__(self, engine, groups: List[dict], defaults: dict):
+        """Built by the engine: ``groups`` from :func:`resolve_param_groups`, ``defaults`` the
+        constructor's ``lr``, ``betas``, ``eps``, ``weight_decay``. Holds ``engine`` weakly."""
         self._engine_ref = weakref.ref(engine)  # (the engine holds this object)
         self._built = False
         super().__init__(groups, dict(defaults))
