@@ -102,8 +102,9 @@ class OffloadEngine:
         fields = {f.name for f in dataclasses.fields(EngineConfig)}
         unknown = sorted(set(kwargs) - fields)
         if unknown:
+            valid = sorted(fields | {'process_group', 'timeout_s', 'param_groups'})
             raise ValueError(f"OffloadEngine got unknown keyword argument(s) {unknown}; valid "
-                             f"ones: {sorted(fields | {'process_group', 'timeout_s', 'param_groups'})}")
+                             f"ones: {valid}")
         self.config = EngineConfig(offload=offload, path=path, stage=stage, lr=lr, betas=betas,
                                    eps=eps, weight_decay=weight_decay, adamw=adamw, dtype=dtype,
                                    device=device, **kwargs)
@@ -525,13 +526,13 @@ class OffloadEngine:
         since the last step (torch's habit of ``step(); zero_grad()``) there is nothing to
         drop and nothing changes: ``step_in_forward``'s pending updates stay for the next
         forward. With ``step_in_backward`` the weights already changed in backward: this ends
-        the step as :meth:`step` does. With ``gradient_accumulation_steps`` > 1 a
-        :meth:`step` that only ended a micro-batch counts as a step here too (nothing is
-        dropped until the next backward), so ``step(); zero_grad()`` after each micro-batch
-        accumulates; after a backward it drops every micro-batch's gradient since the last
-        update, and the next N :meth:`step` calls make the next update. ``set_to_none`` is accepted as torch's optimizers take
-        it and changes nothing: the gradient shards are the engine's buffers, zeroed either
-        way. Raises RuntimeError if the engine is closed."""
+        the step as :meth:`step` does. With ``gradient_accumulation_steps`` > 1 a :meth:`step`
+        that only ended a micro-batch counts as a step here too (nothing is dropped until the
+        next backward), so ``step(); zero_grad()`` after each micro-batch accumulates; after a
+        backward it drops every micro-batch's gradient since the last update, and the next N
+        :meth:`step` calls make the next update. ``set_to_none`` is accepted as torch's
+        optimizers take it and changes nothing: the gradient shards are the engine's buffers,
+        zeroed either way. Raises RuntimeError if the engine is closed."""
         self._check_open()
         if not self._backward_pending or self._micro_stepped:
             return
@@ -970,9 +971,10 @@ class OffloadEngine:
                       skipped: set, hypers: tuple, defer_write_back: bool = False
                       ) -> Iterator[None]:
         """:meth:`_update_states` as a generator that yields after each chunk, with the groups'
-        ``hypers`` (a :class:`GroupHyper` per group) throughout; flat parameters skipped for inf/nan gradients are added to
-        ``skipped``. With several ranks, collective (see :meth:`_nonfinite_on_any_rank`).
-        ``defer_write_back``: see :meth:`NVMeStore.iter_states`."""
+        ``hypers`` (a :class:`GroupHyper` per group) throughout; flat parameters skipped for
+        inf/nan gradients are added to ``skipped``. With several ranks, collective (see
+        :meth:`_nonfinite_on_any_rank`). ``defer_write_back``: see
+        :meth:`NVMeStore.iter_states`."""
         if not known_finite and self.world_size > 1:
             # every rank skips the same flat parameters, whichever rank's shard holds the inf/nan
             bad = self._nonfinite_on_any_rank(fps)
@@ -1170,19 +1172,21 @@ class OffloadEngine:
         """Save the training state to resume from: every rank writes its shard (fp32 master
         weights, Adam moments and step counts, the parameter shards) to ``folder`` as
         ``rank<r>.safetensors``, and rank 0 writes ``checkpoint.json`` (the parameter groups'
-        values, skipped_steps, the loss scaler's state, the layout). Atomic: a failed save leaves a previous checkpoint
-        in ``folder`` intact. ``client_state``: a JSON-ready dict of your own (a step counter,
-        a data position) that :meth:`load_checkpoint` returns. Collective; call it between
-        steps. Layout, dtypes and errors: :func:`offload_zero.checkpoint.save_checkpoint`."""
+        values, skipped_steps, the loss scaler's state, the layout). Atomic: a failed save
+        leaves a previous checkpoint in ``folder`` intact. ``client_state``: a JSON-ready dict
+        of your own (a step counter, a data position) that :meth:`load_checkpoint` returns.
+        Collective; call it between steps. Layout, dtypes and errors:
+        :func:`offload_zero.checkpoint.save_checkpoint`."""
         from offload_zero.checkpoint import save_checkpoint
         save_checkpoint(self, folder, client_state)
 
     def load_checkpoint(self, folder) -> dict:
         """Restore the state :meth:`save_checkpoint` wrote to ``folder`` (same world size,
         stage, dtype, model and parameter groups; the offload tiers may differ), including the
-        groups' values (lr, betas, ...), skipped_steps and the loss scaler; returns the ``client_state`` saved with it (``{}`` if none).
-        Collective; call it between steps. Raises ValueError naming the mismatched field or
-        the bad file: :func:`offload_zero.checkpoint.load_checkpoint`."""
+        groups' values (lr, betas, ...), skipped_steps and the loss scaler; returns the
+        ``client_state`` saved with it (``{}`` if none). Collective; call it between steps.
+        Raises ValueError naming the mismatched field or the bad file:
+        :func:`offload_zero.checkpoint.load_checkpoint`."""
         from offload_zero.checkpoint import load_checkpoint
         return load_checkpoint(self, folder)
 

@@ -70,11 +70,11 @@ def resolve_param_groups(model: nn.Module, param_groups: Optional[Sequence[dict]
                          defaults: dict) -> Tuple[List[dict], Dict[int, int]]:
     """The engine's parameter groups for ``model`` (before the engine wraps it).
 
-    ``param_groups``: None (one group of every trainable parameter) or a list of dicts in
-    torch's format, each with ``params`` (parameters of ``model``) and any of ``lr``,
-    ``betas``, ``eps``, ``weight_decay`` (else ``defaults``, the constructor's). Trainable
-    parameters in no group go to a last group with ``defaults``. A parameter listed twice in one
-    group (or a tied parameter under both its names) counts once.
+    ``param_groups``: None (one group of every trainable parameter) or a list (any iterable)
+    of dicts in torch's format, each with ``params`` (parameters of ``model``) and any of
+    ``lr``, ``betas``, ``eps``, ``weight_decay`` (else ``defaults``, the constructor's).
+    Trainable parameters in no group go to a last group with ``defaults``. A parameter listed
+    twice in one group (or a tied parameter under both its names) counts once.
 
     Returns ``(groups, group_of)``: the group dicts (``params`` a list of parameter objects,
     the hyperparameters checked by :func:`check_group`) and ``{id(parameter): group index}``.
@@ -87,9 +87,11 @@ def resolve_param_groups(model: nn.Module, param_groups: Optional[Sequence[dict]
         names.setdefault(id(p), name)
     if param_groups is None:
         param_groups = []
-    elif isinstance(param_groups, (dict, torch.Tensor)) or not isinstance(param_groups, Sequence):
+    elif isinstance(param_groups, (dict, torch.Tensor, str)) or not hasattr(param_groups,
+                                                                             "__iter__"):
         raise ValueError(f"param_groups must be a list of dicts (torch's format), got "
                          f"{type(param_groups).__name__}")
+    param_groups = list(param_groups)
     groups, group_of = [], {}
     for i, given in enumerate(param_groups):
         if not isinstance(given, dict) or "params" not in given:
