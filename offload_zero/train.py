@@ -405,7 +405,8 @@ def format_summary(s: Dict[str, Any]) -> str:
         f"  engine       offload {s['offload']}, stage {s['stage']}, dtype {s['dtype']}, "
         f"world size {s['world_size']}"
         + (", step in backward" if s.get("step_in_backward") else "")
-        + (", step in forward" if s.get("step_in_forward") else ""),
+        + (", step in forward" if s.get("step_in_forward") else "")
+        + (f", {s['grad_accum']} micro-batches a step" if s.get("grad_accum", 1) > 1 else ""),
         f"  loss         first {s['first_loss']:.4f} -> last {s['last_loss']:.4f} "
         f"(mean of {k} step(s) each)" + _skipped_note(s),
         f"  peak memory  device {_fmt_bytes(peak['device'])} | host {_fmt_bytes(peak['host'])}"

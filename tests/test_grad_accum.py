@@ -112,6 +112,8 @@ def test_grad_accum_in_the_main_job_matches_one_batch_of_all_the_micro_batches(t
     accum = train.run(_parse(*common, "--batch-size", 2, "--grad-accum", 2,
                              "--checkpoint", ckpt))
     assert accum["grad_accum"] == 2 and accum["steps"] == 4 and not accum["step_in_backward"]
+    assert "2 micro-batches a step" in train.format_summary(accum)
+    assert "micro-batches" not in train.format_summary(whole)
     assert whole["step_in_backward"]  # (its default with one micro-batch a step)
     assert accum["losses"] == pytest.approx(whole["losses"], rel=1e-5)
     capsys.readouterr()
