@@ -16,7 +16,10 @@ A checkpoint is a folder::
 ``checkpoint.json`` holds ``format``, ``format_version``, ``world_size``, ``stage``, ``dtype``
 (the compute dtype, e.g. ``"bfloat16"``), ``flat_params`` (per flat parameter, in the engine's
 order: ``name``, ``requires_grad``, ``numel``, ``shard_numel`` and ``parameters``, the
-``[names, shape]`` of each model parameter inside it), ``lr``, ``skipped_steps``,
+``[names, shape]`` of each model parameter inside it, and for a trainable one ``groups``, the
+parameter group of each), ``lr`` (the first group's), ``param_groups`` (each group of
+``engine.optimizer`` without its ``params``: ``lr``, ``betas``, ``eps``, ``weight_decay`` and
+what a scheduler added, such as ``initial_lr``), ``skipped_steps``,
 ``loss_scaler`` (the scaler's ``state_dict()``, or null), ``optimizer`` (betas, eps,
 weight_decay, adamw: for reading only; the loading engine keeps its own), ``files``,
 ``client_state`` (the caller's own JSON-ready dict, e.g. its step counter and data position)
@@ -83,6 +86,7 @@ from typing import Dict, Iterator, List, Optional, Tuple
 import torch
 
 from offload_zero.lockstep import mark_agreed
+from offload_zero.optim.facade import json_group
 
 log = logging.getLogger("offload_zero")
 
@@ -176,8 +180,11 @@ def load_checkpoint(engine, folder) -> dict:
     Collective. Restores every flat parameter's fp32 master weights, Adam moments and step
     count, the compute-dtype parameter shards (the saved ones, bit for bit, or derived from the
     fp32 master weights when the saving engine's compute dtype was another; at stages 1 and 2
-    all-gathered into the full parameters), ``engine.lr``, ``engine.skipped_steps`` and the
-    loss scaler's state. The tiers may differ from the saving engine's (saved with
+    all-gathered into the full parameters), the values of ``engine.optimizer``'s parameter
+    groups (every key but ``params``; a checkpoint without groups: ``engine.lr``),
+    ``engine.skipped_steps`` and the loss scaler's state. The parameter groups must be the
+    saving engine's: as many, each parameter in the same one (ValueError naming the first
+    parameter that differs). The tiers may differ from the saving engine's (saved with
     ``offload="nvme"``, loaded with ``offload="cpu"``, say), and so may the world size and the
     ZeRO stage: a checkpoint of N ranks loads on M ranks, each rank reading the slices of the
     saved shards that make up its own (see :func:`_load_shards`). So may the grouping of the
@@ -237,7 +244,7 @@ def _load(engine, final: str) -> dict:
         with torch.no_grad():
             _load_shards(final, engine, segments, sources, steps,
                          _COMPUTE_DTYPES[meta["dtype"]])
-        engine.set_lr(meta["lr"])
+        _restore_groups(engine, meta)
         engine.skipped_steps = meta["skipped_steps"]
         if meta["loss_scaler"] is not None and _scaler(engine) is not None:
             engine.loss_scaler.load_state_dict(meta["loss_scaler"])
@@ -395,7 +402,8 @@ def _layout(engine) -> dict:
         "dtype": _dtype_name(engine.config.dtype),
         "flat_params": [{"name": fp.name, "requires_grad": fp.requires_grad, "numel": fp.numel,
                          "shard_numel": fp.shard_numel,
-                         "parameters": [[e.names, list(e.shape)] for e in fp.entries]}
+                         "parameters": [[e.names, list(e.shape)] for e in fp.entries],
+                         **({"groups": engine._entry_groups[fp]} if fp.requires_grad else {})}
                         for fp in engine.flat_params],
         "buffers": [name for name, _, _ in _persistent_buffers(engine.module)],
     }
@@ -431,7 +439,8 @@ def _metadata(engine, client_state: Optional[dict] = None) -> dict:
     scaler = _scaler(engine)
     scaler_state = None if scaler is None else dict(scaler.state_dict())
     meta = {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, **_layout(engine),
-            "lr": engine.lr, "skipped_steps": engine.skipped_steps, "loss_scaler": scaler_state,
+            "lr": engine.lr, "param_groups": [json_group(g) for g in engine.optimizer.param_groups],
+            "skipped_steps": engine.skipped_steps, "loss_scaler": scaler_state,
             "optimizer": {"betas": list(cfg.betas), "eps": cfg.eps,
                           "weight_decay": cfg.weight_decay, "adamw": cfg.adamw},
             "files": [rank_file_name(r) for r in range(engine.world_size)],
@@ -469,7 +478,7 @@ def _read_metadata(folder: str) -> dict:
         raise ValueError(f"{path!r}: format_version is {meta.get('format_version')!r} in the "
                          f"checkpoint but this offload-zero reads version {FORMAT_VERSION}")
     lr, skipped = meta.get("lr"), meta.get("skipped_steps")
-    if (not isinstance(lr, (int, float)) or isinstance(lr, bool) or not lr > 0
+    if (not isinstance(lr, (int, float)) or isinstance(lr, bool) or not lr >= 0
             or not isinstance(skipped, int) or skipped < 0
             or not isinstance(meta.get("loss_scaler"), (dict, type(None)))):
         raise ValueError(f"{path!r}: lr={lr!r}, skipped_steps={skipped!r} or loss_scaler="
@@ -529,6 +538,7 @@ def _check_matches(meta: dict, engine, path: str) -> None:
         if saved_fps[saved[0]].get("requires_grad") != trainable:
             raise _mismatch(path, f"parameter {names[0]!r} requires_grad",
                             saved_fps[saved[0]].get("requires_grad"), trainable)
+    _check_groups(meta, engine, path)
     extra = [saved[5] for saved in where.values() if saved[5] not in found]
     if extra:
         raise ValueError(f"{path!r}: parameter {extra[0]!r} of the checkpoint is not in this "
@@ -553,13 +563,65 @@ def _check_matches(meta: dict, engine, path: str) -> None:
             raise ValueError(f"{path!r}: loss_scaler: {exc}") from None
     saved_opt = meta.get("optimizer") or {}
     cfg = engine.config
-    mine_opt = {"betas": list(cfg.betas), "eps": cfg.eps, "weight_decay": cfg.weight_decay,
-                "adamw": cfg.adamw}
+    if "param_groups" in meta:  # the groups' values are restored: only adamw stays this engine's
+        mine_opt = {"adamw": cfg.adamw}
+    else:
+        mine_opt = {"betas": list(cfg.betas), "eps": cfg.eps, "weight_decay": cfg.weight_decay,
+                    "adamw": cfg.adamw}
     changed = [f"{k} {saved_opt[k]!r} -> {v!r}" for k, v in mine_opt.items()
                if k in saved_opt and saved_opt[k] != v]
     if changed:
         log.warning("%s: the optimizer settings differ from the saved run's (%s); this engine's "
                     "are used", path, ", ".join(changed))
+
+
+def _check_groups(meta: dict, engine, path: str) -> None:
+    """Raise ValueError unless ``meta`` (a checkpoint's metadata) puts every trainable
+    parameter in the parameter group ``engine`` puts it in (naming the first that differs) and
+    holds valid values for as many groups. A checkpoint saved before parameter groups (no
+    ``param_groups``) fits an engine of one group."""
+    from offload_zero.optim.facade import check_group
+    groups = meta.get("param_groups")
+    mine = len(engine.optimizer.param_groups)
+    if groups is None:
+        if mine != 1:
+            raise _mismatch(path, "the number of param_groups", 1, mine)
+        return
+    if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
+        raise ValueError(f"{path!r}: param_groups must be a list of objects, got {groups!r:.80}")
+    if len(groups) != mine:
+        raise _mismatch(path, "the number of param_groups", len(groups), mine)
+    for i, group in enumerate(groups):
+        try:
+            check_group(i, group)
+        except ValueError as exc:
+            raise ValueError(f"{path!r}: {exc}") from None
+    saved_group = {}
+    for saved in meta["flat_params"]:
+        for entry, group in zip(saved.get("parameters") or [], saved.get("groups") or []):
+            for name in entry[0]:
+                saved_group[name] = group
+    for fp in engine.trainable:
+        for e, group in zip(fp.entries, engine._entry_groups[fp]):
+            theirs = next((saved_group[n] for n in e.names if n in saved_group), 0)
+            if theirs != group:
+                raise ValueError(f"{path!r}: parameter {e.names[0]!r} is in param_groups"
+                                 f"[{theirs!r}] in the checkpoint but in param_groups[{group}] "
+                                 "in this engine; load it into an engine with the same groups")
+
+
+def _restore_groups(engine, meta: dict) -> None:
+    """Set ``engine.optimizer``'s groups to the values ``meta`` saved (checked by
+    :func:`_check_groups`; every key but ``params``), or, for a checkpoint without
+    ``param_groups``, the saved ``lr``."""
+    groups = meta.get("param_groups")
+    if groups is None:
+        engine.set_lr(meta["lr"])
+        return
+    for group, saved in zip(engine.optimizer.param_groups, groups):
+        for key, value in saved.items():
+            if key != "params":
+                group[key] = tuple(value) if key == "betas" else value
 
 
 def _saved_parameters(meta: dict, path: str = META_NAME) -> Dict[str, tuple]:

@@ -56,7 +56,9 @@ class EngineConfig:
             Default ``None``.
         stage: ZeRO stage, 1 (optimizer state partitioned), 2 (+ gradients) or 3 (+ parameters).
             Default 3.
-        lr: learning rate, > 0. Default 1e-3.
+        lr: learning rate, >= 0 (0 moves the moments, not the weights: a warmup's first step).
+            Default 1e-3. ``lr``, ``betas``, ``eps`` and ``weight_decay`` are the defaults of
+            the parameter groups (``engine.optimizer.param_groups``), which the updates read.
         betas: Adam (beta1, beta2), each in [0, 1). Default (0.9, 0.999).
         eps: term added to the denominator, >= 0. Default 1e-8.
         weight_decay: >= 0; decoupled (AdamW) when ``adamw`` else L2 added to the gradient.
@@ -153,6 +155,11 @@ class EngineConfig:
         loss_scale_window: steps without overflow before a dynamic scale doubles, >= 1.
             Default 2000.
         min_loss_scale: a dynamic scale never halves below this, > 0. Default 1.0.
+        gradient_accumulation_steps: N >= 1, as DeepSpeed's: ``backward`` divides the loss by
+            N and only every N-th ``step`` call updates (the others return without updating
+            or zeroing), so a loop calling backward and step on each micro-batch trains as N
+            accumulated micro-batches of their mean loss. Not with ``step_in_backward`` (its
+            updates run in each backward). Default 1.
     """
 
     offload: str = "none"
@@ -187,6 +194,7 @@ class EngineConfig:
     initial_loss_scale: float = 2.0 ** 16
     loss_scale_window: int = 2000
     min_loss_scale: float = 1.0
+    gradient_accumulation_steps: int = 1
 
     def __post_init__(self):
         if self.offload not in OFFLOAD_CHOICES:
@@ -217,7 +225,7 @@ class EngineConfig:
                 except ValueError:
                     raise ValueError(f"{name}={value!r} is not valid; it must be an int >= 0 "
                                      "(bytes) or None") from None
-        _check_float(self, "lr", low=0.0, low_inclusive=False)
+        _check_float(self, "lr", low=0.0)
         try:
             betas = tuple(self.betas)
         except TypeError:
@@ -241,6 +249,13 @@ class EngineConfig:
         if self.step_in_backward and self.stage < 2:
             raise ValueError(f"step_in_backward=True needs stage 2 or 3 (gradients reduced unit "
                              f"by unit in backward); got stage={self.stage}")
+        object.__setattr__(self, "gradient_accumulation_steps", check_int(
+            "gradient_accumulation_steps", self.gradient_accumulation_steps, 1))
+        if self.step_in_backward and self.gradient_accumulation_steps > 1:
+            raise ValueError(f"step_in_backward=True cannot accumulate gradients: "
+                             f"gradient_accumulation_steps={self.gradient_accumulation_steps} "
+                             "needs N backward calls per update, and step_in_backward updates "
+                             "in each one; set step_in_backward=False (step_in_forward works)")
         if self.step_in_backward and self.max_grad_norm is not None:
             raise ValueError(f"step_in_backward=True cannot clip: max_grad_norm={self.max_grad_norm!r} "
                              "needs every gradient before the first update; set max_grad_norm=None "

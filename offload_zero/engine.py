@@ -53,24 +53,34 @@ class OffloadEngine:
             gone (with a warning), and refuse it while that process runs (ValueError).
         stage: ZeRO stage 1, 2 or 3.
         lr, betas, eps, weight_decay, adamw: the optimizer (AdamW when ``adamw`` else Adam with
-            L2), with torch's exact semantics.
+            L2), with torch's exact semantics; ``lr`` and the three after it are the parameter
+            groups' defaults.
         dtype: compute dtype of parameters and gradients on the device (float32, bfloat16,
             float16); master weights and moments are float32.
         device: the accelerator (default: CUDA when present, else the CPU).
         process_group: the data-parallel group (default: the world; none needed at world size 1).
         timeout_s: collective timeout in seconds when the engine initialises the process group
             (a finite number > 0; ValueError otherwise).
+        param_groups: None (one group of every trainable parameter), or torch's format: a list
+            of dicts, each with ``params`` (parameters of ``model``, taken before wrapping) and
+            any of ``lr``, ``betas``, ``eps``, ``weight_decay``. Trainable parameters in no group
+            go to a last group with the values above. See :attr:`optimizer`.
         **kwargs: further :class:`EngineConfig` fields (prefetch, unit_classes, max_grad_norm,
             aio_backend, aio_block_size, aio_queue_depth, step_in_backward, step_in_forward,
             ...). At stage 3 with the optimizer state on NVMe, ``step_in_forward`` is on by
             default: :meth:`step` decides the update and each unit gets it just before its
-            next gather.
+            next gather. ``gradient_accumulation_steps=N``: DeepSpeed's gradient accumulation
+            (see :meth:`step`).
 
     Raises:
         ValueError: any invalid argument, naming the value and the valid choices; a missing or
-            read-only ``path``; a model without parameters, or one another engine wraps.
+            read-only ``path``; a model without parameters, or one another engine wraps; a
+            parameter in two groups or not in ``model`` (named), a bad group value.
 
     Attributes:
+        optimizer: the :class:`offload_zero.optim.facade.EngineOptimizer` (a
+            ``torch.optim.Optimizer``) whose ``param_groups`` the updates read: give it to
+            torch's or transformers' LR schedulers.
         loss_scaler: the :class:`offload_zero.optim.loss_scale.LossScaler` (``loss_scale=``;
             dynamic by default with ``dtype=torch.float16``), or None without loss scaling.
         skipped_steps: steps that updated nothing (or, with ``step_in_backward``, not every flat
@@ -84,7 +94,8 @@ class OffloadEngine:
     def __init__(self, model: nn.Module, offload: str = "none", path: Optional[str] = None,
                  stage: int = 3, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, adamw: bool = True, dtype: torch.dtype = torch.float32,
-                 device=None, process_group=None, timeout_s: float = 300.0, **kwargs):
+                 device=None, process_group=None, timeout_s: float = 300.0,
+                 param_groups=None, **kwargs):
         if not isinstance(model, nn.Module):
             raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if getattr(model, _WRAPPED, False):
@@ -95,13 +106,17 @@ class OffloadEngine:
         fields = {f.name for f in dataclasses.fields(EngineConfig)}
         unknown = sorted(set(kwargs) - fields)
         if unknown:
+            valid = sorted(fields | {'process_group', 'timeout_s', 'param_groups'})
             raise ValueError(f"OffloadEngine got unknown keyword argument(s) {unknown}; valid "
-                             f"ones: {sorted(fields | {'process_group', 'timeout_s'})}")
+                             f"ones: {valid}")
         self.config = EngineConfig(offload=offload, path=path, stage=stage, lr=lr, betas=betas,
                                    eps=eps, weight_decay=weight_decay, adamw=adamw, dtype=dtype,
                                    device=device, **kwargs)
         cfg = self.config
         self.device = cfg.device
+        from offload_zero.optim.facade import resolve_param_groups
+        defaults = dict(lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
+        groups, group_of = resolve_param_groups(model, param_groups, defaults)
         timeout_s = check_number("timeout_s", timeout_s, low=0.0, low_inclusive=False)
         init_from_env(timeout_s, self.device)
         self.comm = Comm(process_group, device=self.device,
@@ -120,7 +135,6 @@ class OffloadEngine:
                 offload_param=self.placement.offload_param,
                 step_in_forward=self.placement.step_in_forward)
         self.module = model
-        self.lr = cfg.lr
         self._closed = False
         self._acct = TierAccountant(self.rank)
         self._step_count: Dict[FlatParam, int] = {}
@@ -130,9 +144,11 @@ class OffloadEngine:
         self._pace = [0, 0]  # step_in_forward: [chunks streamed, chunks queued] (_pace_streams)
         self._lazy: Dict[FlatParam, None] = {}  # step_in_forward: updates decided, not applied,
         #                                         in the order the next forward needs them
-        self._lazy_step = (1.0, cfg.lr)         # (gradient factor, lr) of those updates
+        self._lazy_step = (1.0, ())             # (gradient factor, GroupHyper per group)
         self._keep_for_gather: set = set()      # flat params whose gather follows their update
         self._backward_pending = False
+        self._micro_steps = 0           # step() calls since the engine was built
+        self._micro_stepped = False     # step() ended a micro-batch, no backward since
         self.skipped_steps = 0
         # fp16: the loss is scaled up before backward, the update scales the gradients down
         self.loss_scaler = cfg.make_loss_scaler()
@@ -144,6 +160,7 @@ class OffloadEngine:
         self.pools: Dict[str, object] = {}  # HostBufferPool | GatherPool, by name
         try:
             self._build(model)
+            self._build_optimizer(groups, group_of, defaults)
         except BaseException as exc:
             with _not_replacing(exc, self.rank):
                 _release(self._acct, getattr(self, "store", None), getattr(self, "param_home", None),
@@ -324,6 +341,28 @@ class OffloadEngine:
                             else unit.module.children()):
                     _checkpoint_forward(mod, offload)
 
+    def _build_optimizer(self, groups: List[dict], group_of: Dict[int, int],
+                         defaults: dict) -> None:
+        """``self.optimizer`` over ``groups`` (from :func:`resolve_param_groups`), and each
+        trainable flat parameter's group segments (see [Note: parameter groups] in
+        :mod:`offload_zero.optim.facade`): ``_entry_groups[fp]`` the group of each of its
+        parameters, ``_segments[fp]`` its shard's runs ``(lo, hi, group)``."""
+        from offload_zero.optim.facade import EngineOptimizer, shard_segments
+        planned = self._plan[2]
+        members = {name: m for (_, _, m), name in zip(planned, _flat_param_names(planned))}
+        self._entry_groups: Dict[FlatParam, List[int]] = {}
+        self._segments: Dict[FlatParam, List[tuple]] = {}
+        for fp in self.trainable:
+            self._entry_groups[fp] = [group_of[id(p)] for p, _ in members[fp.name]]
+            runs = [(e.offset, e.numel, g) for e, g in zip(fp.entries, self._entry_groups[fp])]
+            self._segments[fp] = shard_segments(runs, fp.rank * fp.shard_numel, fp.shard_numel)
+        self.optimizer = EngineOptimizer(self, groups, defaults)
+
+    def _hypers(self) -> tuple:
+        """Every parameter group's hyperparameters now (:meth:`EngineOptimizer.hypers`):
+        what an update decided now uses. Raises ValueError naming a bad value."""
+        return self.optimizer.hypers()
+
     def _plan_units(self, model: nn.Module):
         """Units and, per unit, its trainable and frozen parameter groups (nothing built yet)."""
         cfg = self.config
@@ -470,9 +509,11 @@ class OffloadEngine:
         :meth:`step` applies them. With ``step_in_backward`` the updates it made stay and the
         step ends there, as :meth:`step` would end it; an interrupt (KeyboardInterrupt,
         SystemExit) starts no more I/O: :meth:`close`, or :meth:`zero_grad` to go on, ends it.
-        With a loss scale (fp16) the loss is multiplied by ``loss_scaler.scale`` in fp32 first;
-        the update divides it out.
-        Raises ValueError if ``loss`` is not a scalar tensor that requires grad.
+        With ``gradient_accumulation_steps=N`` the loss is divided by N first (so N
+        micro-batches' gradients sum to their mean loss's). With a loss scale (fp16) the loss is
+        then multiplied by ``loss_scaler.scale`` in fp32; the update divides it out.
+        Raises ValueError if ``loss`` is not a scalar tensor that requires grad, or (with
+        ``step_in_backward``) if a parameter group's hyperparameter is bad.
         """
         self._check_open()
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
@@ -481,9 +522,15 @@ class OffloadEngine:
             raise RuntimeError("step_in_backward=True updates the weights during backward, so "
                                "gradients cannot accumulate over several backward calls: call "
                                "step() after each backward, or use step_in_backward=False")
+        if self.config.step_in_backward:
+            self._hypers()  # a bad value fails here, not inside backward's hooks
         with self._together(Phase.BACKWARD):
             self.apply_pending_updates()  # (units the last forward did not run)
             self._backward_pending = True
+            self._micro_stepped = False
+            n = self.config.gradient_accumulation_steps
+            if n > 1:
+                loss = loss / n
             if self.loss_scaler is not None:
                 # in fp32: a scaled fp16 loss would overflow long before its gradients do
                 loss = loss.float() * self.loss_scaler.scale
@@ -494,7 +541,7 @@ class OffloadEngine:
                     self.scheduler.end_backward()  # (the end-of-backward callback did not run)
                     if (self.config.step_in_backward and isinstance(exc, Exception)
                             and not _collective_error(exc)):
-                        self.step()  # (not on Ctrl-C or exit: no more I/O; zero_grad() ends it)
+                        self._step()  # (not on Ctrl-C or exit: no more I/O; zero_grad() ends it)
                 raise
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -503,16 +550,22 @@ class OffloadEngine:
         since the last step (torch's habit of ``step(); zero_grad()``) there is nothing to
         drop and nothing changes: ``step_in_forward``'s pending updates stay for the next
         forward. With ``step_in_backward`` the weights already changed in backward: this ends
-        the step as :meth:`step` does. ``set_to_none`` is accepted as torch's optimizers take
-        it and changes nothing: the gradient shards are the engine's buffers, zeroed either
-        way. Raises RuntimeError if the engine is closed."""
+        the step as :meth:`step` does. With ``gradient_accumulation_steps`` > 1 a :meth:`step`
+        that only ended a micro-batch counts as a step here too (nothing is dropped until the
+        next backward), so ``step(); zero_grad()`` after each micro-batch accumulates; after a
+        backward it drops every micro-batch's gradient since the last update, and the next N
+        :meth:`step` calls make the next update. ``set_to_none`` is accepted as torch's
+        optimizers take it and changes nothing: the gradient shards are the engine's buffers,
+        zeroed either way. Raises RuntimeError if the engine is closed."""
         self._check_open()
-        if not self._backward_pending:
+        if not self._backward_pending or self._micro_stepped:
             return
         if self.config.step_in_backward:
-            self.step()
+            self._step()
             return
         self.grads.zero()  # (pending step_in_forward updates: backward applied them)
+        n = self.config.gradient_accumulation_steps
+        self._micro_steps -= self._micro_steps % n  # (the accumulation window starts again)
         self._backward_pending = False
 
     # -- step_in_backward ----------------------------------------------------------------------
@@ -619,8 +672,9 @@ class OffloadEngine:
             known_finite = True
         if isinstance(self.store, NVMeStore) and not self.store.prefetched(fp):
             skipped: set = set()
-            # (the learning rate of this backward, whatever set_lr() does before it ends)
-            update = self._iter_updates([fp], self._unscale(), known_finite, skipped, self.lr)
+            # (the hyperparameters in force now, whatever changes them before it ends)
+            update = self._iter_updates([fp], self._unscale(), known_finite, skipped,
+                                        self._hypers())
 
             def done(fp=fp, skipped=skipped):
                 self._early[fp] = fp not in skipped
@@ -630,7 +684,8 @@ class OffloadEngine:
             self._early[fp] = False  # until its last chunk is updated (see _pump)
             self._pump()
             return
-        self._early[fp] = fp not in self._update_states([fp], self._unscale(), known_finite)
+        self._early[fp] = fp not in self._update_states([fp], self._unscale(), known_finite,
+                                                         self._hypers())
         # its gradient is used up: where one rank's shards adopt the gradients, its memory
         # serves the next one (see [Note: reused gradient memory])
         self.grads.zero(only=[fp])
@@ -716,14 +771,14 @@ class OffloadEngine:
                if fp in self._lazy and not self._streaming(fp) and fp not in stream]
         if fps:
             self._apply_lazy(fps)
-        coef, lr = self._lazy_step
+        coef, hypers = self._lazy_step
         if stream:
             self._pace = [0, sum(self.store.chunks(fp) for fp in stream)]
         for fp in stream:  # (after the others: they may stream through the same buffers)
             def done(fp=fp):
                 self._applied(fp)
 
-            self._deferred.append((fp, self._iter_updates([fp], coef, True, set(), lr), done))
+            self._deferred.append((fp, self._iter_updates([fp], coef, True, set(), hypers), done))
 
     def _pace_streams(self, unit: Unit) -> None:
         """Block ``unit`` is about to be gathered in forward: advance the streaming updates
@@ -758,7 +813,7 @@ class OffloadEngine:
         gradients; the write-backs stay in flight. The whole states of the next pending block
         updates are read ahead (as many as the read-ahead buffers hold), so their reads overlap
         the compute that runs before them."""
-        coef, lr = self._lazy_step
+        coef, hypers = self._lazy_step
         if self._deferred and isinstance(self.store, NVMeStore) and not all(
                 self.store.prefetched(fp) for fp in fps):
             # these stream through the pipeline buffers too: the streaming update ends first
@@ -767,7 +822,7 @@ class OffloadEngine:
         for fp in fps:
             # one at a time, each forgotten only once applied: an error (an I/O error, a pool
             # exhausted) leaves the updates not yet made pending, with their gradients
-            for _ in self._iter_updates([fp], coef, True, set(), lr,
+            for _ in self._iter_updates([fp], coef, True, set(), hypers,
                                         defer_write_back=self._may_defer_write_back(fp)):
                 pass
             self._applied(fp)
@@ -822,10 +877,14 @@ class OffloadEngine:
         if self._lazy:
             self._apply_lazy(list(self._lazy))
 
-    @torch.no_grad()
     def step(self) -> None:
-        """Update every trainable flat parameter with Adam/AdamW, then zero the gradients.
+        """Update every trainable flat parameter with Adam/AdamW, then zero the gradients;
+        with ``gradient_accumulation_steps=N``, only every N-th call does (see
+        :meth:`is_gradient_accumulation_boundary`): the others return at once, keeping the
+        gradients accumulated so far.
 
+        Runs as ``engine.optimizer.step()`` (so a torch LR scheduler counts it as an optimizer
+        step). The hyperparameters are each parameter group's in ``engine.optimizer`` now.
         The update runs on this rank's shard: the C++ kernel for master weights on the host
         (or NVMe, streamed through host buffers), torch ops for master weights on an accelerator.
         New compute-dtype parameters are written back to the device shards (and all-gathered
@@ -833,14 +892,35 @@ class OffloadEngine:
         skipped for that flat parameter, on every rank whichever rank's shard holds it
         (``skipped_steps`` counts such steps). With a loss scale (fp16) the gradients are
         divided by it in the same pass; an inf/nan anywhere then skips the whole step and a
-        dynamic scale halves (``loss_scaler``).
+        dynamic scale halves (``loss_scaler``). Raises ValueError naming a group's bad value
+        (a negative lr, say), before anything changes.
         """
         self._check_open()
-        with self._together(Phase.STEP):
-            self._step()
+        self.optimizer.step()
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        """Whether the next :meth:`step` call updates the weights: with
+        ``gradient_accumulation_steps=N``, every N-th call does (always True with N=1)."""
+        return (self._micro_steps + 1) % self.config.gradient_accumulation_steps == 0
 
     @torch.no_grad()
     def _step(self) -> None:
+        """:meth:`step`'s work (``engine.optimizer.step()`` calls it): count the micro-batch,
+        and at a gradient accumulation boundary update (:meth:`_update_step`)."""
+        self._check_open()
+        with self._together(Phase.STEP):
+            boundary = self.is_gradient_accumulation_boundary()
+            if not boundary:
+                self.scheduler.reshard_all()  # (as the update does: the root may be gathered)
+                self._micro_steps += 1
+                self._micro_stepped = True
+                return
+            self._update_step(self._hypers())
+            self._micro_steps += 1
+
+    def _update_step(self, hypers: tuple) -> None:
+        """Update every trainable flat parameter with the parameter groups' ``hypers``
+        (:meth:`_hypers`), then zero the gradients (see :meth:`step`)."""
         cfg = self.config
         self.scheduler.reshard_all()  # a training forward without backward leaves the root gathered
         if self._reduction is not None:
@@ -870,10 +950,10 @@ class OffloadEngine:
                 return
             known_finite = True
         if cfg.step_in_forward:
-            self._defer_step(with_grad, coef, known_finite)
+            self._defer_step(with_grad, coef, known_finite, hypers)
             return
         try:
-            skipped = self._update_states(with_grad, coef, known_finite)
+            skipped = self._update_states(with_grad, coef, known_finite, hypers)
         finally:
             # every write-back done before the next forward reads parameters (an fp32 shard on
             # NVMe is read from its master's bytes): updates made in backward included
@@ -896,10 +976,11 @@ class OffloadEngine:
         self.grads.zero()
         self.comm.end_step()
 
-    def _defer_step(self, with_grad: List[FlatParam], coef: float, known_finite: bool) -> None:
+    def _defer_step(self, with_grad: List[FlatParam], coef: float, known_finite: bool,
+                    hypers: tuple) -> None:
         """End a ``step_in_forward`` step: decide now which flat parameters update (those with
         an inf/nan gradient on any rank are skipped, as in the plain step, and counted in
-        ``skipped_steps``), with this gradient factor and learning rate; the updates
+        ``skipped_steps``), with this gradient factor and the groups' ``hypers``; the updates
         themselves run before each unit's next gather (:meth:`_apply_lazy`)."""
         skipped = set() if known_finite else self._nonfinite_on_any_rank(with_grad)
         # in the order the next forward needs them: the root's first (gathered as forward
@@ -908,7 +989,7 @@ class OffloadEngine:
         ready = dict.fromkeys(fp for fp in with_grad if fp not in skipped)
         self._lazy = dict.fromkeys(fp for u in units for fp in u.flat_params if fp in ready)
         self._lazy.update(ready)  # (any the forward order does not hold, after it)
-        self._lazy_step = (coef, self.lr)
+        self._lazy_step = (coef, hypers)
         if skipped:
             self.skipped_steps += 1
         if self.loss_scaler is not None:
@@ -928,21 +1009,24 @@ class OffloadEngine:
         self.comm.end_step()
         self._backward_pending = False
 
-    def _update_states(self, fps: List[FlatParam], coef: float, known_finite: bool) -> set:
-        """Adam/AdamW on every flat parameter in ``fps`` (their gradients final); returns the
-        set skipped for inf/nan gradients. State read ahead (:meth:`NVMeStore.prefetch`) is
-        written back asynchronously; the step drains it."""
+    def _update_states(self, fps: List[FlatParam], coef: float, known_finite: bool,
+                       hypers: tuple) -> set:
+        """Adam/AdamW on every flat parameter in ``fps`` (their gradients final) with the
+        groups' ``hypers``; returns the set skipped for inf/nan gradients. State read ahead
+        (:meth:`NVMeStore.prefetch`) is written back asynchronously; the step drains it."""
         skipped: set = set()
-        for _ in self._iter_updates(fps, coef, known_finite, skipped, self.lr):
+        for _ in self._iter_updates(fps, coef, known_finite, skipped, hypers):
             pass
         return skipped
 
     def _iter_updates(self, fps: List[FlatParam], coef: float, known_finite: bool,
-                      skipped: set, lr: float, defer_write_back: bool = False) -> Iterator[None]:
-        """:meth:`_update_states` as a generator that yields after each chunk, at learning rate
-        ``lr`` throughout; flat parameters skipped for inf/nan gradients are added to
-        ``skipped``. With several ranks, collective (see :meth:`_nonfinite_on_any_rank`).
-        ``defer_write_back``: see :meth:`NVMeStore.iter_states`."""
+                      skipped: set, hypers: tuple, defer_write_back: bool = False
+                      ) -> Iterator[None]:
+        """:meth:`_update_states` as a generator that yields after each chunk, with the groups'
+        ``hypers`` (a :class:`GroupHyper` per group) throughout; flat parameters skipped for
+        inf/nan gradients are added to ``skipped``. With several ranks, collective (see
+        :meth:`_nonfinite_on_any_rank`). ``defer_write_back``: see
+        :meth:`NVMeStore.iter_states`."""
         if not known_finite and self.world_size > 1:
             # every rank skips the same flat parameters, whichever rank's shard holds the inf/nan
             bad, unused = self._grad_flags(fps)
@@ -967,7 +1051,7 @@ class OffloadEngine:
                         self._step_count[fp] += 1
                 if fp in skipped:
                     continue
-                ok = self._update(fp, lo, hi, master, m, v, coef, lr,
+                ok = self._update(fp, lo, hi, master, m, v, coef, hypers,
                                   check_overflow=whole and not known_finite)
                 if not ok:
                     skipped.add(fp)
@@ -992,33 +1076,51 @@ class OffloadEngine:
             return fp.sharded
         return self._staging[:fp.shard_numel]
 
-    def _update(self, fp: FlatParam, lo: int, hi: int, master, m, v, coef: float, lr: float,
-                check_overflow: bool) -> bool:
-        """Adam/AdamW on elements [lo, hi) of ``fp``'s shard; returns False on overflow (the
-        kernel then changed nothing)."""
-        from offload_zero.optim.kernel import adam_step_
-        cfg = self.config
+    def _update(self, fp: FlatParam, lo: int, hi: int, master, m, v, coef: float,
+                hypers: tuple, check_overflow: bool) -> bool:
+        """Adam/AdamW on elements [lo, hi) of ``fp``'s shard, each run of one parameter group
+        with that group's ``hypers`` (see [Note: parameter groups] in
+        :mod:`offload_zero.optim.facade`); returns False on overflow (nothing then changed)."""
         grad = self.grads.buf[fp][lo:hi]
-        step = self._step_count[fp]
+        runs = [(max(a, lo) - lo, min(b, hi) - lo, hypers[g])
+                for a, b, g in self._segments[fp] if a < hi and b > lo]
+        if len(runs) > 1 and check_overflow:
+            # one check before any run is written: an inf/nan in a later run changes nothing
+            if not _all_finite(grad):
+                self._step_count[fp] -= 1
+                return False
+            check_overflow = False
         if master.device.type == "cpu":
             out = self._targets[fp]
             out = None if out is None else out[lo:hi]
-            overflow = adam_step_(master, grad, m, v, step=step, lr=lr, betas=cfg.betas,
-                                  eps=cfg.eps, weight_decay=cfg.weight_decay, adamw=cfg.adamw,
-                                  grad_scale=coef, out=out, check_overflow=check_overflow)
+            overflow = any([self._adam_cpu(fp, master[a:b], grad[a:b], m[a:b], v[a:b], hp,
+                                           coef, None if out is None else out[a:b],
+                                           check_overflow) for a, b, hp in runs])
             if (not overflow and out is not None and fp.home is None
                     and out.data_ptr() != fp.sharded[lo:hi].data_ptr()):
                 # staging buffer -> accelerator shard, chunk by chunk: the buffer is free again
                 # before another update (interleaved with this one in backward) writes to it
                 fp.sharded[lo:hi].copy_(out)
         else:
-            overflow = _torch_adam_(master, grad, m, v, step, lr, cfg.betas, cfg.eps,
-                                    cfg.weight_decay, cfg.adamw, coef)
+            cfg = self.config
+            overflow = any([_torch_adam_(master[a:b], grad[a:b], m[a:b], v[a:b],
+                                         self._step_count[fp], hp.lr, hp.betas, hp.eps,
+                                         hp.weight_decay, cfg.adamw, coef) for a, b, hp in runs])
             if not overflow and master.data_ptr() != fp.sharded.data_ptr():
                 fp.sharded[lo:hi].copy_(master)
         if overflow:
             self._step_count[fp] -= 1
         return not overflow
+
+    def _adam_cpu(self, fp: FlatParam, master, grad, m, v, hp, coef: float, out,
+                  check_overflow: bool) -> bool:
+        """The C++ Adam on one run of ``fp``'s shard (1-d fp32 views of equal length) with the
+        group's ``hp``; returns True on overflow (see :func:`offload_zero.optim.adam_step_`)."""
+        from offload_zero.optim.kernel import adam_step_
+        return adam_step_(master, grad, m, v, step=self._step_count[fp], lr=hp.lr,
+                          betas=hp.betas, eps=hp.eps, weight_decay=hp.weight_decay,
+                          adamw=self.config.adamw, grad_scale=coef, out=out,
+                          check_overflow=check_overflow)
 
     def _finish_update(self, fp: FlatParam, ok: bool) -> None:
         """After the last chunk: write the new compute-dtype shard back to an NVMe home (an
@@ -1028,12 +1130,23 @@ class OffloadEngine:
             fp.home.commit(fp, target) if ok else fp.home.discard(fp)
 
     def set_lr(self, lr: float) -> None:
-        """Set the learning rate of the next update (for schedules): the next :meth:`step`, or
-        with ``step_in_backward`` the next backward (an update still streaming after a
-        backward keeps that backward's rate). lr > 0; raises ValueError otherwise, and
-        RuntimeError if the engine is closed. A numpy number is taken as a float."""
+        """Set the learning rate of every parameter group of ``engine.optimizer`` (for
+        schedules; a torch LR scheduler on ``engine.optimizer`` does the same per group). It
+        applies from the next update decided: the next :meth:`step`, or with
+        ``step_in_backward`` the next backward (an update still streaming after a backward
+        keeps that backward's rate). lr >= 0 (0 updates the moments, not the weights); raises
+        ValueError naming the value otherwise (negative, nan, inf), and RuntimeError if the
+        engine is closed. A numpy number or 0-d tensor is taken as a float."""
         self._check_open()
-        self.lr = check_number("lr", lr, low=0.0, low_inclusive=False)
+        lr = check_number("lr", lr, low=0.0)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    @property
+    def lr(self) -> float:
+        """The learning rate of the first parameter group of ``engine.optimizer`` (every
+        group's, unless groups or a scheduler set them apart)."""
+        return self.optimizer.param_groups[0]["lr"]
 
     def train(self, mode: bool = True) -> "OffloadEngine":
         """Put the model in training mode (``mode=False``: evaluation)."""
@@ -1114,22 +1227,24 @@ class OffloadEngine:
     def save_checkpoint(self, folder, client_state: Optional[dict] = None) -> None:
         """Save the training state to resume from: every rank writes its shard (fp32 master
         weights, Adam moments and step counts, the parameter shards) to ``folder`` as
-        ``rank<r>.safetensors``, and rank 0 writes ``checkpoint.json`` (lr, skipped_steps, the
-        loss scaler's state, the layout). Atomic: a failed save leaves a previous checkpoint
-        in ``folder`` intact. ``client_state``: a JSON-ready dict of your own (a step counter,
-        a data position) that :meth:`load_checkpoint` returns on every rank; it is saved from
-        rank 0 only (the other ranks' is ignored). Collective; call it between steps.
-        Layout, dtypes and errors: :func:`offload_zero.checkpoint.save_checkpoint`."""
+        ``rank<r>.safetensors``, and rank 0 writes ``checkpoint.json`` (the parameter groups'
+        values, skipped_steps, the loss scaler's state, the layout). Atomic: a failed save
+        leaves a previous checkpoint in ``folder`` intact. ``client_state``: a JSON-ready dict
+        of your own (a step counter, a data position) that :meth:`load_checkpoint` returns on
+        every rank; it is saved from rank 0 only (the other ranks' is ignored). Collective;
+        call it between steps. Layout, dtypes and errors:
+        :func:`offload_zero.checkpoint.save_checkpoint`."""
         from offload_zero.checkpoint import save_checkpoint
         with self._together(Phase.CHECKPOINT):
             save_checkpoint(self, folder, client_state)
 
     def load_checkpoint(self, folder) -> dict:
-        """Restore the state :meth:`save_checkpoint` wrote to ``folder`` (same model; the
-        world size, stage, compute dtype and offload tiers may differ), including lr, skipped_steps and
-        the loss scaler; returns the ``client_state`` saved with it (``{}`` if none).
-        Collective; call it between steps. Raises ValueError naming the mismatched field or
-        the bad file: :func:`offload_zero.checkpoint.load_checkpoint`."""
+        """Restore the state :meth:`save_checkpoint` wrote to ``folder`` (same model and
+        parameter groups; the world size, stage, compute dtype and offload tiers may differ),
+        including the groups' values (lr, betas, ...), skipped_steps and the loss scaler;
+        returns the ``client_state`` saved with it (``{}`` if none). Collective; call it
+        between steps. Raises ValueError naming the mismatched field or the bad file:
+        :func:`offload_zero.checkpoint.load_checkpoint`."""
         from offload_zero.checkpoint import load_checkpoint
         with self._together(Phase.CHECKPOINT):
             return load_checkpoint(self, folder)

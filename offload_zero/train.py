@@ -178,6 +178,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     optim.add_argument("--warmup", type=_nonnegative_int, default=None, metavar="STEPS",
                        help="linear warmup steps before cosine decay to lr/10, 0 to --steps "
                             "(default: steps/10, at most 100)")
+    optim.add_argument("--grad-accum", type=_positive_int, default=1, metavar="N",
+                       help="micro-batches per optimizer step (gradient accumulation, as "
+                            "DeepSpeed's: backward and step on each, the update on every N-th); "
+                            "--steps, --warmup and the progress count optimizer steps, each of "
+                            "N x --batch-size sequences per rank; needs --no-step-in-backward "
+                            "(the default then) (default: %(default)s)")
     optim.add_argument("--weight-decay", type=float, default=d["weight_decay"], metavar="WD",
                        help="AdamW weight decay (default: %(default)s)")
 
@@ -223,13 +229,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _step_in_backward(args) -> bool:
     """``--step-in-backward``: on by default at stages 2-3 except with ``--dtype fp16`` (an
-    overflow there would skip only the units whose gradients overflowed, not the whole step)
-    or ``--step-in-forward``;
-    asked for at stage 1 is an error (gradients are reduced only in step() there)."""
+    overflow there would skip only the units whose gradients overflowed, not the whole step),
+    ``--step-in-forward`` or ``--grad-accum`` above 1 (it updates in each backward);
+    asked for at stage 1 or with ``--grad-accum`` above 1 is an error (gradients are reduced
+    only in step() there, or must accumulate)."""
     if args.step_in_backward and args.stage < 2:
         raise ValueError(f"--step-in-backward needs --stage 2 or 3, got --stage {args.stage}")
+    accum = getattr(args, "grad_accum", 1)
+    if args.step_in_backward and accum > 1:
+        raise ValueError(f"--step-in-backward updates in each backward, so it cannot "
+                         f"accumulate --grad-accum {accum} micro-batches; give "
+                         "--no-step-in-backward (or --grad-accum 1)")
     if args.step_in_backward is None:  # (an explicit --step-in-forward turns it off)
-        return args.stage >= 2 and args.dtype != "fp16" and not args.step_in_forward
+        return (args.stage >= 2 and args.dtype != "fp16" and not args.step_in_forward
+                and accum == 1)
     return args.step_in_backward
 
 
@@ -409,7 +422,8 @@ def format_summary(s: Dict[str, Any]) -> str:
         f"  engine       offload {s['offload']}, stage {s['stage']}, dtype {s['dtype']}, "
         f"world size {s['world_size']}"
         + (", step in backward" if s.get("step_in_backward") else "")
-        + (", step in forward" if s.get("step_in_forward") else ""),
+        + (", step in forward" if s.get("step_in_forward") else "")
+        + (f", {s['grad_accum']} micro-batches a step" if s.get("grad_accum", 1) > 1 else ""),
         f"  loss         first {s['first_loss']:.4f} -> last {s['last_loss']:.4f} "
         f"(mean of {k} step(s) each)" + _skipped_note(s),
         f"  peak memory  engine-held (accounting): device {_fmt_bytes(peak['device'])} | "
@@ -449,8 +463,10 @@ def _train_loop(engine, batches, args, warmup: int, tokens_per_step: int,
                 is_rank0: bool, memory_trace: Optional[List[Dict[str, int]]] = None,
                 start_step: int = 0, run_state: Optional[Dict[str, Any]] = None
                 ) -> Tuple[List[float], float]:
-    """Run steps ``start_step`` .. ``args.steps - 1`` (``batches`` already past the first
-    ``start_step`` batches); return ``(per-step losses, wall seconds)``. With
+    """Run optimizer steps ``start_step`` .. ``args.steps - 1`` (``batches`` already past the
+    first ``start_step * args.grad_accum`` batches), each of ``--grad-accum`` micro-batches
+    (forward, backward and step on each: the engine updates on the last); return ``(per-step
+    losses, wall seconds)``, a step's loss the mean of its micro-batches'. With
     ``--checkpoint`` the training state is saved with ``run_state`` every
     ``--checkpoint-every`` steps and after the last one (see :func:`save_training_state`).
 
@@ -474,13 +490,16 @@ def _train_loop(engine, batches, args, warmup: int, tokens_per_step: int,
         for step in range(start_step, args.steps):
             lr = lr_at(step, args.steps, args.lr, warmup)
             engine.set_lr(lr)
-            input_ids, labels = next(batches)  # (B, T) int64 each
-            if device is not None:
-                input_ids, labels = input_ids.to(device), labels.to(device)
-            out = engine(input_ids=input_ids, labels=labels, use_cache=False)
-            engine.backward(out.loss)
-            engine.step()
-            loss = float(out.loss.detach().float().item())
+            micro = []
+            for _ in range(args.grad_accum):
+                input_ids, labels = next(batches)  # (B, T) int64 each
+                if device is not None:
+                    input_ids, labels = input_ids.to(device), labels.to(device)
+                out = engine(input_ids=input_ids, labels=labels, use_cache=False)
+                engine.backward(out.loss)
+                engine.step()  # (an update on the last micro-batch of the step)
+                micro.append(float(out.loss.detach().float().item()))
+            loss = _mean(micro)
             if not math.isfinite(loss):
                 raise ValueError(f"loss became {loss} at step {step + 1}; try a lower --lr")
             losses.append(loss)
@@ -734,13 +753,15 @@ def check_args(args: argparse.Namespace) -> None:
 def _run_identity(args: argparse.Namespace) -> Dict[str, Any]:
     """What a resumed run must share with the saved one for its batches to continue where the
     saved run stopped (the data order depends on all of them)."""
-    return {"seed": args.seed, "batch_size": args.batch_size, "seq_len": args.seq_len}
+    return {"seed": args.seed, "batch_size": args.batch_size, "seq_len": args.seq_len,
+            "grad_accum": args.grad_accum}
 
 
 def read_resume_state(args: argparse.Namespace) -> Dict[str, Any]:
     """The run state that ``--checkpoint`` saved in ``--resume DIR``'s ``checkpoint.json``
     (its ``client_state``): ``step``, ``steps``, ``lr``, ``warmup``, ``seed``, ``batch_size``,
-    ``seq_len``, ``stage``, ``dtype``, ``step_in_backward`` and ``data`` (a fingerprint of the
+    ``seq_len``, ``grad_accum`` (absent before that flag), ``stage``, ``dtype``,
+    ``step_in_backward`` and ``data`` (a fingerprint of the
     corpus). Reads no tensor. Raises ``ValueError`` naming the folder if it holds no complete
     checkpoint, or one that ``offload-zero train --checkpoint`` did not write."""
     from offload_zero.checkpoint import read_metadata
@@ -780,7 +801,8 @@ def resumed_step(args: argparse.Namespace, saved: Optional[Dict[str, Any]] = Non
 
     ``saved``: :func:`read_resume_state`'s dict (read here if None). Raises ``ValueError`` (see
     :func:`read_resume_state`), or naming the flag and both values if the saved run's
-    ``--seed``, ``--batch-size``, ``--seq-len`` (its data order), ``--stage`` or ``--dtype``
+    ``--seed``, ``--batch-size``, ``--seq-len``, ``--grad-accum`` (its data order), ``--stage``
+    or ``--dtype``
     differ from this one's, or if it already did ``--steps`` steps or more. Another ``--steps``,
     ``--lr`` or ``--warmup`` is allowed (to train longer, say); with ``warn`` a warning says that
     the learning-rate schedule changes. So is another ``--[no-]step-in-backward``: the same
@@ -789,6 +811,10 @@ def resumed_step(args: argparse.Namespace, saved: Optional[Dict[str, Any]] = Non
     saved = read_resume_state(args) if saved is None else saved
     mine = {**_run_identity(args), "stage": args.stage, "dtype": args.dtype}
     for key, value in mine.items():
+        if key == "grad_accum" and saved.get(key, 1) != value:  # (1 before the flag existed)
+            raise ValueError(f"--resume {args.resume!r}: the saved run used --grad-accum "
+                             f"{saved.get(key, 1)!r}, this one {value!r}; give --grad-accum "
+                             f"{saved.get(key, 1)!r} to continue it")
         if key in saved and saved[key] != value:
             flag = "--" + key.replace("_", "-")
             raise ValueError(f"--resume {args.resume!r}: the saved run used {flag} "
@@ -1041,7 +1067,8 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
             model, offload=args.offload, path=path, stage=args.stage, lr=args.lr,
             weight_decay=args.weight_decay, dtype=_DTYPES[args.dtype],
             activation_checkpointing=args.activation_checkpointing,
-            step_in_backward=step_in_backward, step_in_forward=step_in_forward) as engine:
+            step_in_backward=step_in_backward, step_in_forward=step_in_forward,
+            gradient_accumulation_steps=args.grad_accum) as engine:
         rank, world_size = engine.rank, engine.world_size
         offload_shown = args.offload
         if args.offload == "auto":  # say what was chosen
@@ -1055,10 +1082,10 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
             engine.load_checkpoint(args.resume)
         skipped_before = engine.skipped_steps  # a resumed run reports its own steps only
         if args.resume:
-            for _ in range(start_step):  # the batches the saved run trained on
+            for _ in range(start_step * args.grad_accum):  # the batches the saved run trained on
                 next(batches)
         engine.train()
-        tokens_per_step = args.batch_size * args.seq_len * world_size
+        tokens_per_step = args.batch_size * args.seq_len * world_size * args.grad_accum
         setup_s = time.perf_counter() - setup_start
         trace: Optional[List[Dict[str, int]]] = [] if args.memory_plot else None
         losses, wall_s = _train_loop(engine, batches, args, warmup, tokens_per_step,
@@ -1088,7 +1115,8 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
                             dtype=args.dtype, steps=args.steps - start_step,
                             resumed_from=start_step if args.resume else None,
                             checkpoint=args.checkpoint, seq_len=args.seq_len,
-                            batch_size=args.batch_size, world_size=world_size, rank=rank,
+                            batch_size=args.batch_size, grad_accum=args.grad_accum,
+                            world_size=world_size, rank=rank,
                             lr=args.lr, warmup=warmup, seed=args.seed, setup_s=setup_s,
                             step_in_backward=step_in_backward,
                             step_in_forward=engine.config.step_in_forward, skipped_steps=skipped,
