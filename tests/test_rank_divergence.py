@@ -236,11 +236,15 @@ def _lingering_rank(rank, world_size, where, shared, linger_s=60.0):
             if rank == 1 and step == 1:
                 if where == "step":
                     eng.store.iter_states = _failing_step
+                elif where == "checkpoint":  # before the save's first collective
+                    eng._finish_updates = _failing_step
                 else:
                     model.blocks[1].armed = where
             try:
                 eng.backward(lm_loss(eng(x), y))
                 eng.step()
+                if where == "checkpoint":
+                    eng.save_checkpoint(os.path.join(shared, "ckpt"), client_state={"step": step})
             except PeerFailure as exc:
                 outcome = ("peer failure", time.time(), str(exc))
                 open(raised_mark, "w").close()
@@ -255,7 +259,7 @@ def _lingering_rank(rank, world_size, where, shared, linger_s=60.0):
     return outcome, sorted(os.listdir(path))
 
 
-@pytest.mark.parametrize("where", ["forward", "backward", "step"])
+@pytest.mark.parametrize("where", ["forward", "backward", "step", "checkpoint"])
 def test_a_failed_rank_that_lingers_stops_the_others(tmp_path, where):
     (r0, files0), (r1, files1) = run_ranks(_lingering_rank, 2, where, str(tmp_path),
                                            timeout_s=150)
@@ -264,6 +268,11 @@ def test_a_failed_rank_that_lingers_stops_the_others(tmp_path, where):
     assert r0[1] - r1[1] < 20, (r0, r1)  # seconds from rank 1's error to rank 0's
     assert "rank 1 failed with" in r0[2] and r1[2].split(": ", 1)[1] in r0[2], r0[2]
     assert files0 == [] and files1 == []  # swap files removed on both ranks
+    if where == "checkpoint":  # the step-0 checkpoint is still the current one, whole
+        from offload_zero.checkpoint import read_metadata
+        assert read_metadata(tmp_path / "ckpt")["client_state"] == {"step": 0}
+        assert sorted(p.name for p in tmp_path.iterdir()) == [
+            "ckpt", "rank0_raised", "swap0", "swap1"]
 
 
 # -- leaf modules -----------------------------------------------------------------------------
