@@ -151,6 +151,9 @@ class OffloadEngine:
                                            self.param_home, self.swapper, self.pools,
                                            self.scheduler, self.grads, self.flat_params)
         object.__setattr__(model, _WRAPPED, True)
+        # the model's own parameters(), state_dict(), load_state_dict() and in-place writes
+        from offload_zero.exposure import ModelExposure
+        self._exposure = ModelExposure(self)
 
     # -- construction ------------------------------------------------------------------------
     def _build(self, model: nn.Module) -> None:
@@ -349,10 +352,17 @@ class OffloadEngine:
         for unit_index, unit in enumerate(units):
             deps = {owner_of[k] for k, us in users.items() if unit_index in us} - {unit, root}
             unit.deps = sorted(deps, key=lambda u: u.index)
+        pending = _weakly(self._grad_pending)
         for unit in units:
             for fp in unit.flat_params:
                 fp.set_views() if fp.keep_unsharded else fp.set_placeholders()
+                fp.expose()  # (see [Note: model parameters while wrapped])
+                fp.grad_pending = lambda fp=fp: bool(pending(fp))
         return blocks, root
+
+    def _grad_pending(self, fp: FlatParam) -> bool:
+        """Whether a backward since the last step left a gradient of ``fp`` in the engine."""
+        return fp.requires_grad and self._backward_pending and not self._closed
 
     def _tail_in_host(self, plan) -> Optional[str]:
         """The name of the flat parameter whose optimizer state stays in host memory
@@ -790,6 +800,7 @@ class OffloadEngine:
         """
         self._check_open()
         cfg = self.config
+        self._exposure.before_step()  # writes to the model's parameters since the forward
         self.scheduler.reshard_all()  # a training forward without backward leaves the root gathered
         self._finish_updates()  # (step_in_forward: a step without a forward since the last)
         if cfg.stage == 1:
@@ -1028,6 +1039,7 @@ class OffloadEngine:
         gathers). Shapes: the original parameter shapes.
         """
         self._check_open()
+        self._exposure.take_outside_writes()
         self._finish_updates()
         out: Dict[str, torch.Tensor] = {}
         for fp in self.flat_params:
@@ -1044,10 +1056,12 @@ class OffloadEngine:
                 value = full[e.offset:e.offset + e.numel].view(e.shape).clone()
                 for name in e.names:
                     out[name] = value
-        # persistent buffers only, as the model's own state_dict() has them (its parameters
-        # live in the engine, so the wrapped module's state_dict holds just those)
-        for name, buf in self.module.state_dict().items():
-            out[name] = buf.detach().cpu().clone()
+        # persistent buffers (and any extra state), as the model's own state_dict() has them
+        with self._exposure.exporting():
+            own = self.module.state_dict()
+        for name, buf in own.items():
+            if name not in out:
+                out[name] = buf.detach().cpu().clone() if isinstance(buf, torch.Tensor) else buf
         if rank0_only and self.rank != 0:
             return {}
         return out
@@ -1061,6 +1075,8 @@ class OffloadEngine:
         a data position) that :meth:`load_checkpoint` returns. Collective; call it between
         steps. Layout, dtypes and errors: :func:`offload_zero.checkpoint.save_checkpoint`."""
         from offload_zero.checkpoint import save_checkpoint
+        self._check_open()
+        self._exposure.take_outside_writes()
         save_checkpoint(self, folder, client_state)
 
     def load_checkpoint(self, folder) -> dict:
@@ -1070,7 +1086,9 @@ class OffloadEngine:
         Collective; call it between steps. Raises ValueError naming the mismatched field or
         the bad file: :func:`offload_zero.checkpoint.load_checkpoint`."""
         from offload_zero.checkpoint import load_checkpoint
-        return load_checkpoint(self, folder)
+        out = load_checkpoint(self, folder)
+        self._exposure.record_versions()  # (the loaded values are the engine's own)
+        return out
 
     # -- lifetime ------------------------------------------------------------------------------
     def _check_open(self) -> None:
@@ -1087,6 +1105,7 @@ class OffloadEngine:
             return
         self._closed = True
         try:
+            self._exposure.remove()
             while self._deferred:  # updates cut short by an error: end their I/O first
                 self._deferred.pop(0)[1].close()
         finally:

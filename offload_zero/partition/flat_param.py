@@ -17,6 +17,22 @@ backward. Data is written through ``_full_alias``,
 a tensor that shares the storage but not the version counter, so refilling it is invisible to
 autograd's in-place checks. Module attributes point at views of ``full`` while the unit is
 unsharded, and at zero-element placeholders that raise a clear error when used otherwise.
+
+[Note: model parameters while wrapped]
+Each original parameter name stays registered on its module (``module._parameters``) as a
+model parameter (see :class:`ModelParam`) of the true shape, dtype (the compute dtype) and
+device, so ``model.parameters()``, ``.device``, ``num_parameters()`` and the state-dict
+machinery see the model as it was. Where the gathered buffer is kept (stages 1 and 2, or one
+rank holding its shards on the device) it is an alias of the parameter's piece of ``full``:
+reads see the current values and an in-place write under ``torch.no_grad()`` lands in
+``full`` and bumps ``full``'s version counter (the engine's own writes go through
+``_full_alias``, whose counter is another), which is how the engine finds writes from
+outside (:mod:`offload_zero.exposure`). Otherwise it is a placeholder of one element expanded
+to the shape: metadata reads work, computing on it or writing to it raises naming the
+parameter. While a unit runs, the gathered views sit in the module's instance ``__dict__``,
+which attribute lookup reads before ``_parameters``; they are dropped from there when the
+unit is resharded or the model's forward ends, so between steps ``module.weight`` is the
+registered model parameter again.
 """
 from __future__ import annotations
 
@@ -156,6 +172,116 @@ def _whole(g: Optional[torch.Tensor], numel: int, dtype: torch.dtype) -> bool:
     return g is not None and g.numel() == numel and g.dtype == dtype and g.is_contiguous()
 
 
+_PENDING_GRAD_MESSAGE = (
+    "{label}: its gradient lives in the OffloadEngine's gradient shards, not in .grad, so "
+    "torch.nn.utils.clip_grad_norm_ and other code reading .grad cannot see it. Clip with "
+    "OffloadEngine(..., max_grad_norm=...) instead (the engine clips by the global norm over "
+    "every rank; engine.last_grad_norm holds the norm of the last step)")
+
+
+class _PendingGrad(_FreedParam):
+    """What a model parameter's ``.grad`` returns while the engine holds a gradient for it
+    (after ``engine.backward``, before ``engine.step``): the parameter's shape, and any
+    computation raises ``RuntimeError`` pointing to ``max_grad_norm=`` (so
+    ``clip_grad_norm_(model.parameters(), x)`` fails instead of returning a norm of 0)."""
+
+    @classmethod
+    def _compute(cls, func, name: str, args, kwargs):
+        from torch.utils._pytree import tree_leaves
+        grad = next((a for a in tree_leaves((args, kwargs)) if isinstance(a, _PendingGrad)), None)
+        raise RuntimeError(_PENDING_GRAD_MESSAGE.format(
+            label=getattr(grad, "_oz_label", "a parameter")))
+
+
+class ModelParam(nn.Parameter):
+    """Base of the parameters a wrapped model holds (see [Note: model parameters while
+    wrapped]); made by :meth:`FlatParam.expose`.
+
+    ``.grad`` is None while the engine holds no gradient for the parameter, and a stand-in of
+    the parameter's shape whose use raises ``RuntimeError`` (naming the parameter and
+    ``max_grad_norm=``) while it does; assigning None to it is accepted and changes nothing
+    (``model.zero_grad()``), assigning a tensor raises ``RuntimeError``.
+    """
+
+    _oz_flat = None     # the owning FlatParam
+    _oz_label = "a parameter"
+
+    @property
+    def grad(self):
+        fp = self._oz_flat
+        if fp is None or not fp.grad_pending():
+            return None
+        t = torch.Tensor._make_subclass(
+            _PendingGrad, torch.zeros(1, dtype=self.dtype, device=self.device).expand(self.shape))
+        t._oz_label = self._oz_label
+        return t
+
+    @grad.setter
+    def grad(self, value):
+        if value is not None:
+            raise RuntimeError(f"{self._oz_label}: its gradient lives in the OffloadEngine's "
+                               "gradient shards; .grad cannot be assigned while wrapped")
+
+
+class _AliasParam(ModelParam):
+    """A model parameter that aliases its piece of the kept gathered buffer: real values,
+    readable and writable under ``torch.no_grad()``. Computing on it with autograd recording
+    raises ``RuntimeError`` naming it: the graph would train it outside the engine (the
+    model's forward uses its own views of the buffer)."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        with torch._C.DisableTorchFunctionSubclass():
+            out = func(*args, **(kwargs or {}))
+        if torch.is_grad_enabled():
+            from torch.utils._pytree import tree_leaves
+            if any(isinstance(t, torch.Tensor) and t.grad_fn is not None
+                   for t in tree_leaves(out)):
+                param = next(a for a in tree_leaves((args, kwargs)) if isinstance(a, _AliasParam))
+                raise RuntimeError(
+                    f"{param._oz_label} is used with autograd outside the model's forward: its "
+                    "gradient would never reach the OffloadEngine. Use it inside a forward of "
+                    "the wrapped model, or under torch.no_grad() to read or write it")
+        return out
+
+
+class _ShardedParam(ModelParam):
+    """A model parameter whose values exist only as shards (ZeRO stage 3): the true shape,
+    dtype, device and ``requires_grad`` (one element expanded), ``detach()`` gives a tensor
+    of that shape (for the state-dict machinery, whose values the engine fills in), and any
+    other computation or write raises ``RuntimeError`` naming the parameter."""
+
+    _ALLOWED = _FreedParam._ALLOWED | {"detach"}
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "") or ""
+        owner = getattr(getattr(func, "__self__", None), "__name__", "")
+        if name in cls._ALLOWED or owner in cls._ALLOWED or name == "__get__":
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {}))
+        param = next((a for a in args if isinstance(a, _ShardedParam)), None)
+        label = getattr(param, "_oz_label", "a parameter")
+        if name.endswith("_") and not name.endswith("__") or name == "__setitem__":
+            raise RuntimeError(
+                f"{label} is sharded over ranks or stored off the device (ZeRO stage 3): an "
+                f"in-place write ({name}) outside forward cannot reach its shards. Load new "
+                "values with model.load_state_dict({name: value}, strict=False) instead")
+        raise RuntimeError(
+            f"{label} is sharded: its unit is not gathered while {name or func} runs. Run the "
+            "wrapped model's forward, or read the weights with model.state_dict() / "
+            "engine.full_state_dict()")
+
+    def __repr__(self):
+        return (f"ShardedParameter({self._oz_label}, shape={tuple(self.shape)}, "
+                f"dtype={self.dtype}, device={self.device}, requires_grad={self.requires_grad})")
+
+    def __deepcopy__(self, memo):
+        raise RuntimeError(f"{self._oz_label} is sharded: a wrapped model cannot be deep-copied "
+                           "at ZeRO stage 3; copy the model before wrapping it, or build one "
+                           "and load model.state_dict() into it")
+
+
 def _placeholder(dtype, device, label: str) -> torch.Tensor:
     t = torch.Tensor._make_subclass(_FreedParam, torch.empty(0, dtype=dtype, device=device))
     t._oz_label = label
@@ -212,6 +338,10 @@ class FlatParam:
         # f() -> Tensor | None: memory the next gradient of ``full`` is written into, or None
         # to allocate it (see [Note: reused gradient memory] in partition/grads.py)
         self.grad_target = None
+        # f() -> bool: whether the engine holds a gradient of this flat parameter (set by the
+        # engine; read by the model parameters' ``.grad``)
+        self.grad_pending = lambda: False
+        self.exposed: List[ModelParam] = []  # one per entry (see expose())
 
         self.full = torch.zeros(self.padded_numel, dtype=dtype, device=device)
         self._full_alias = torch.empty(0, dtype=dtype, device=device).set_(
@@ -314,13 +444,51 @@ class FlatParam:
             for e, piece in zip(self.entries, pieces):
                 view = piece.view(e.shape)
                 for module, attr, _ in e.refs:
-                    setattr(module, attr, view)
+                    module.__dict__[attr] = view  # (read before _parameters: see the Note)
+
+    def expose(self) -> None:
+        """Register a model parameter per entry under each of its names (see [Note: model
+        parameters while wrapped]): an alias of its piece of ``full`` when ``full`` is kept,
+        else a placeholder; then drop any views from the modules' ``__dict__``. Called once,
+        when the engine is built."""
+        zero = torch.zeros(1, dtype=self.dtype, device=self.device)
+        base = self.full.detach()  # (shares full's version counter: see the Note)
+        self.exposed = []
+        for e in self.entries:
+            if self.keep_unsharded:
+                data = base[e.offset:e.offset + e.numel].view(e.shape)
+                p = _AliasParam(data, requires_grad=self.requires_grad)
+            else:
+                p = _ShardedParam(zero.expand(e.shape), requires_grad=self.requires_grad)
+            p._oz_flat, p._oz_label = self, f"parameter {e.names[0]!r}"
+            self.exposed.append(p)
+            for module, attr, _ in e.refs:
+                module._parameters[attr] = p
+        self.hide_views()
+
+    def hide_views(self) -> None:
+        """Drop the gathered views from the modules' ``__dict__``: attribute lookup finds the
+        registered model parameters again (no-op before :meth:`expose`)."""
+        if not self.exposed:
+            return
+        for e in self.entries:
+            for module, attr, _ in e.refs:
+                module.__dict__.pop(attr, None)
+
+    def write_version(self) -> int:
+        """``full``'s version counter: it moves only when something outside the engine writes
+        to the model parameters or the views (see [Note: model parameters while wrapped])."""
+        return self.full._version
 
     def set_placeholders(self, gather=None) -> None:
-        """Point every module attribute at a zero-element placeholder naming the parameter; with
+        """Point every module attribute at a placeholder: the registered model parameters
+        (:meth:`expose`), or before that a zero-element placeholder naming the parameter; with
         ``gather`` (``f()`` that gathers this flat parameter and sets its views), at a
         placeholder of the parameter's shape whose first computation calls it and then runs on
         the gathered view (see :class:`_LateParam`)."""
+        if gather is None and self.exposed:
+            self.hide_views()
+            return
         for e in self.entries:
             for module, attr, fqn in e.refs:
                 if gather is None:
@@ -329,7 +497,7 @@ class FlatParam:
                     one = torch.empty(1, dtype=self.dtype, device=self.device)
                     t = torch.Tensor._make_subclass(_LateParam, one.expand(e.shape))
                     t._oz_label, t._oz_gather, t._oz_ref = f"parameter {fqn!r}", gather, (module, attr)
-                setattr(module, attr, t)
+                module.__dict__[attr] = t
 
     def full_values(self) -> torch.Tensor:
         """The gathered compute-dtype values (must be UNSHARDED), shape (padded_numel,), no grad."""
@@ -349,6 +517,10 @@ class FlatParam:
             self.home.release(self)
         elif not self.keep_unsharded:
             self._acct.sub(Tier.DEVICE, StateKind.PARAMS, self.shard_numel * self.itemsize)
+        for e in self.entries:  # the model is left without parameters (zero-element placeholders)
+            for module, attr, _ in e.refs:
+                module._parameters.pop(attr, None)
+        self.exposed = []
         self.set_placeholders()
         empty = torch.empty(0, dtype=self.dtype, device=self.device)
         self.full = self._full_alias = self.sharded = empty
