@@ -255,3 +255,13 @@ def test_generate_at_world_size_2_stage_3():
         want = ref.generate(torch.tensor(ids), max_new_tokens=4 + 3 * rank, do_sample=False,
                             pad_token_id=0)
         assert out == want.tolist() and live == 0
+
+
+@pytest.mark.parametrize("stage,offload", [(1, "none"), (3, "nvme")])
+def test_deepcopy_of_wrapped_model_raises(stage, offload, tmp_path):
+    """copy.deepcopy of a wrapped model raises naming a parameter (the copy would hold values
+    the engine never sees, and a copy of the engine's hooks)."""
+    model = tiny_llama()
+    with wrap(model, stage, offload, tmp_path):
+        with pytest.raises(RuntimeError, match="parameter '.*'.*deep-copied"):
+            copy.deepcopy(model)

@@ -172,3 +172,29 @@ def test_write_at_world_size_2(stage, dtype, offload, tmp_path):
             assert res[0] == "raised" and "'blocks.0.up.weight'" in res[1]
         else:
             assert res[0] == "ok" and res[1] and res[2] <= 3 * LR, res
+
+
+@pytest.mark.parametrize("stage,offload", [(1, "none"), (3, "nvme")])
+def test_write_through_data_is_seen_or_raises(stage, offload, tmp_path):
+    """``p.data.fill_(...)`` (as weight-init code writes) reaches the master in bf16, or raises
+    naming the parameter where only shards exist; torch's own ``.data`` would hide the write
+    from the version counter, and then it was lost."""
+    torch.manual_seed(0)
+    model = TinyLM(n_blocks=2)
+    with _engine(model, stage, torch.bfloat16, offload, tmp_path) as eng:
+        if _shards_everywhere(stage, offload, 1):
+            with pytest.raises(RuntimeError, match=r"'blocks\.0\.up\.weight'"):
+                model.blocks[0].up.weight.data.fill_(0.25)
+            return
+        model.blocks[0].up.weight.data.fill_(0.25)
+        assert torch.equal(eng.full_state_dict()[TARGET], torch.full((37, 24), 0.25))
+
+
+def test_replacing_data_raises_naming_the_parameter(tmp_path):
+    """model.half() while wrapped would detach the parameters from the engine: it raises
+    naming one; model.to(where it is) is accepted."""
+    model = TinyLM(n_blocks=2)
+    with _engine(model, 1, torch.float32, "none", tmp_path) as eng:
+        model.to(eng.device)
+        with pytest.raises(RuntimeError, match=r"parameter '.*'.*before wrapping"):
+            model.half()

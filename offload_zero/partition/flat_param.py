@@ -200,7 +200,8 @@ class ModelParam(nn.Parameter):
     ``.grad`` is None while the engine holds no gradient for the parameter, and a stand-in of
     the parameter's shape whose use raises ``RuntimeError`` (naming the parameter and
     ``max_grad_norm=``) while it does; assigning None to it is accepted and changes nothing
-    (``model.zero_grad()``), assigning a tensor raises ``RuntimeError``.
+    (``model.zero_grad()``), assigning a tensor raises ``RuntimeError``. ``copy.deepcopy``
+    raises ``RuntimeError`` (the copy would not be the engine's).
     """
 
     _oz_flat = None     # the owning FlatParam
@@ -222,6 +223,11 @@ class ModelParam(nn.Parameter):
             raise RuntimeError(f"{self._oz_label}: its gradient lives in the OffloadEngine's "
                                "gradient shards; .grad cannot be assigned while wrapped")
 
+    def __deepcopy__(self, memo):
+        raise RuntimeError(f"{self._oz_label}: its values live in the OffloadEngine, so a "
+                           "wrapped model cannot be deep-copied; copy the model before wrapping "
+                           "it, or build one and load model.state_dict() into it")
+
 
 class _AliasParam(ModelParam):
     """A model parameter that aliases its piece of the kept gathered buffer: real values,
@@ -231,6 +237,8 @@ class _AliasParam(ModelParam):
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if getattr(getattr(func, "__self__", None), "__name__", "") == "data":
+            return cls._data(func, args)
         with torch._C.DisableTorchFunctionSubclass():
             out = func(*args, **(kwargs or {}))
         if torch.is_grad_enabled():
@@ -243,6 +251,25 @@ class _AliasParam(ModelParam):
                     "gradient would never reach the OffloadEngine. Use it inside a forward of "
                     "the wrapped model, or under torch.no_grad() to read or write it")
         return out
+
+    @classmethod
+    def _data(cls, func, args):
+        """``p.data`` is ``p.detach()``, which shares the version counter, so a write through
+        it is seen (torch's own ``.data`` hides writes from it); ``p.data = t`` is accepted
+        only when ``t`` is the same memory (``model.to()`` to where it already is)."""
+        param = args[0]
+        with torch._C.DisableTorchFunctionSubclass():
+            if func.__name__ == "__get__":
+                return param.detach()
+            new = args[1]
+            if (new.data_ptr() == param.data_ptr() and new.shape == param.shape
+                    and new.dtype == param.dtype and new.device == param.device):
+                return None
+        raise RuntimeError(
+            f"{param._oz_label}: its values live in the OffloadEngine; replacing .data (as "
+            "model.to(), .half() or .float() do) would detach it from the engine. Move or cast "
+            "the model before wrapping it (the engine's dtype= sets the compute dtype), or load "
+            "new values with model.load_state_dict()")
 
 
 class _ShardedParam(ModelParam):
@@ -257,6 +284,8 @@ class _ShardedParam(ModelParam):
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         name = getattr(func, "__name__", "") or ""
         owner = getattr(getattr(func, "__self__", None), "__name__", "")
+        if owner == "data" and name == "__get__":
+            return args[0]  # (a write through p.data must raise as one on p does)
         if name in cls._ALLOWED or owner in cls._ALLOWED or name == "__get__":
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **(kwargs or {}))
@@ -276,10 +305,6 @@ class _ShardedParam(ModelParam):
         return (f"ShardedParameter({self._oz_label}, shape={tuple(self.shape)}, "
                 f"dtype={self.dtype}, device={self.device}, requires_grad={self.requires_grad})")
 
-    def __deepcopy__(self, memo):
-        raise RuntimeError(f"{self._oz_label} is sharded: a wrapped model cannot be deep-copied "
-                           "at ZeRO stage 3; copy the model before wrapping it, or build one "
-                           "and load model.state_dict() into it")
 
 
 def _placeholder(dtype, device, label: str) -> torch.Tensor:
