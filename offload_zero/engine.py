@@ -327,7 +327,7 @@ class OffloadEngine:
         # the same for a tail state kept in host memory when the CPU is the device
         tail_alias_ok = (self.device.type == "cpu" and cfg.param_tier is Tier.DEVICE
                          and cfg.dtype == torch.float32)
-        owner_of = {}
+        owner_of, originals = {}, {}
         for (unit, trainable, members), name in zip(planned, _flat_param_names(planned)):
             entries = build_entries(members)
             values = [p.detach() for p, _ in members]
@@ -343,6 +343,7 @@ class OffloadEngine:
                 self.store.add(fp, _flat_shard_fp32(fp, values), alias=alias)
                 self._step_count[fp] = 0
             unit.flat_params.append(fp)
+            originals[fp] = [p for p, _ in members]
             del values
             for p, refs in members:
                 owner_of[id(p)] = unit
@@ -356,7 +357,7 @@ class OffloadEngine:
         for unit in units:
             for fp in unit.flat_params:
                 fp.set_views() if fp.keep_unsharded else fp.set_placeholders()
-                fp.expose()  # (see [Note: model parameters while wrapped])
+                fp.expose(originals[fp])  # (see [Note: model parameters while wrapped])
                 fp.grad_pending = lambda fp=fp: bool(pending(fp))
         return blocks, root
 

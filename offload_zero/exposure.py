@@ -18,8 +18,8 @@ module hooks the model so that:
   reads them; where the parameter exists only as shards the write raises, naming it.
 
 [Note: writes from outside]
-A kept gathered buffer ``full`` changes its version counter only when something other than
-the engine writes to it (see the flat-parameter note). The version seen last is recorded per
+The version counters of a kept gathered buffer ``full`` and of its model parameters move
+only when something other than the engine writes to them (see the flat-parameter note). The version seen last is recorded per
 flat parameter; when it moved (checked as the model's forward starts, and by the engine
 before a step, an export or a checkpoint) the elements of this rank's shard whose
 compute-dtype value no longer equals the master weight rounded to that dtype take the

@@ -198,3 +198,23 @@ def test_replacing_data_raises_naming_the_parameter(tmp_path):
         model.to(eng.device)
         with pytest.raises(RuntimeError, match=r"parameter '.*'.*before wrapping"):
             model.half()
+
+
+@pytest.mark.parametrize("stage,offload", [(2, "cpu"), (3, "nvme")])
+def test_reference_taken_before_wrapping(stage, offload, tmp_path):
+    """A parameter object taken before wrapping is the wrapped model's parameter: a write
+    through it reaches the master (bf16), or raises naming it; after close it is empty."""
+    torch.manual_seed(0)
+    model = TinyLM(n_blocks=2)
+    w = model.blocks[0].up.weight
+    with _engine(model, stage, torch.bfloat16, offload, tmp_path) as eng:
+        assert model.blocks[0].up.weight is w and w.shape == (37, 24)
+        if _shards_everywhere(stage, offload, 1):
+            with pytest.raises(RuntimeError, match=r"'blocks\.0\.up\.weight'"):
+                with torch.no_grad():
+                    w.fill_(0.25)
+        else:
+            with torch.no_grad():
+                w.fill_(0.25)
+            assert torch.equal(eng.full_state_dict()[TARGET], torch.full((37, 24), 0.25))
+    assert type(w) is torch.nn.Parameter and w.numel() == 0

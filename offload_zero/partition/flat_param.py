@@ -20,14 +20,15 @@ unsharded, and at zero-element placeholders that raise a clear error when used o
 
 [Note: model parameters while wrapped]
 Each original parameter name stays registered on its module (``module._parameters``) as a
-model parameter (see :class:`ModelParam`) of the true shape, dtype (the compute dtype) and
-device, so ``model.parameters()``, ``.device``, ``num_parameters()`` and the state-dict
-machinery see the model as it was. Where the gathered buffer is kept (stages 1 and 2, or one
-rank holding its shards on the device) it is an alias of the parameter's piece of ``full``:
-reads see the current values and an in-place write under ``torch.no_grad()`` lands in
-``full`` and bumps ``full``'s version counter (the engine's own writes go through
-``_full_alias``, whose counter is another), which is how the engine finds writes from
-outside (:mod:`offload_zero.exposure`). Otherwise it is a placeholder of one element expanded
+model parameter (see :class:`ModelParam`; the model's own ``nn.Parameter`` object, its class
+and ``.data`` changed) of the true shape, dtype (the compute dtype) and device, so
+``model.parameters()``, ``.device``, ``num_parameters()`` and the state-dict machinery see
+the model as it was. Where the gathered buffer is kept (stages 1 and 2, or one rank holding
+its shards on the device) it is an alias of the parameter's piece of ``full``: reads see the
+current values and an in-place write under ``torch.no_grad()`` lands in ``full`` and bumps
+the parameter's version counter (a write through a view bumps ``full``'s; the engine's own
+writes go through ``_full_alias``, whose counter is another), which is how the engine finds
+writes from outside (:mod:`offload_zero.exposure`). Otherwise it is a placeholder of one element expanded
 to the shape: metadata reads work, computing on it or writing to it raises naming the
 parameter. While a unit runs, the gathered views sit in the module's instance ``__dict__``,
 which attribute lookup reads before ``_parameters``; they are dropped from there when the
@@ -471,20 +472,30 @@ class FlatParam:
                 for module, attr, _ in e.refs:
                     module.__dict__[attr] = view  # (read before _parameters: see the Note)
 
-    def expose(self) -> None:
+    def expose(self, originals: Optional[List[nn.Parameter]] = None) -> None:
         """Register a model parameter per entry under each of its names (see [Note: model
         parameters while wrapped]): an alias of its piece of ``full`` when ``full`` is kept,
         else a placeholder; then drop any views from the modules' ``__dict__``. Called once,
-        when the engine is built."""
+        when the engine is built.
+
+        ``originals``: the model's own ``nn.Parameter`` objects, one per entry (in order): each
+        becomes its entry's model parameter in place (its class and ``.data`` change), so
+        references to it taken before wrapping see the engine's values and writes through
+        them are seen; a parameter of another class (a subclass) is replaced by a new one."""
         zero = torch.zeros(1, dtype=self.dtype, device=self.device)
-        base = self.full.detach()  # (shares full's version counter: see the Note)
+        base = self.full.detach()
         self.exposed = []
-        for e in self.entries:
+        for i, e in enumerate(self.entries):
             if self.keep_unsharded:
-                data = base[e.offset:e.offset + e.numel].view(e.shape)
-                p = _AliasParam(data, requires_grad=self.requires_grad)
+                data, cls = base[e.offset:e.offset + e.numel].view(e.shape), _AliasParam
             else:
-                p = _ShardedParam(zero.expand(e.shape), requires_grad=self.requires_grad)
+                data, cls = zero.expand(e.shape), _ShardedParam
+            p = None if originals is None else originals[i]
+            if p is not None and type(p) is nn.Parameter:
+                p.data = data  # (storage shared with full; p keeps its own version counter)
+                p.__class__ = cls
+            else:
+                p = cls(data, requires_grad=self.requires_grad)
             p._oz_flat, p._oz_label = self, f"parameter {e.names[0]!r}"
             self.exposed.append(p)
             for module, attr, _ in e.refs:
@@ -500,10 +511,11 @@ class FlatParam:
             for module, attr, _ in e.refs:
                 module.__dict__.pop(attr, None)
 
-    def write_version(self) -> int:
-        """``full``'s version counter: it moves only when something outside the engine writes
-        to the model parameters or the views (see [Note: model parameters while wrapped])."""
-        return self.full._version
+    def write_version(self) -> Tuple[int, ...]:
+        """The version counters of ``full`` and of each model parameter: they move only when
+        something outside the engine writes to the views or the model parameters (see [Note:
+        model parameters while wrapped])."""
+        return (self.full._version,) + tuple(p._version for p in self.exposed)
 
     def set_placeholders(self, gather=None) -> None:
         """Point every module attribute at a placeholder: the registered model parameters
@@ -545,6 +557,10 @@ class FlatParam:
         for e in self.entries:  # the model is left without parameters (zero-element placeholders)
             for module, attr, _ in e.refs:
                 module._parameters.pop(attr, None)
+        for p in self.exposed:  # (references still held elsewhere: empty plain parameters)
+            with torch._C.DisableTorchFunctionSubclass():
+                p.data = torch.empty(0, dtype=self.dtype)
+            p.__class__ = nn.Parameter
         self.exposed = []
         self.set_placeholders()
         empty = torch.empty(0, dtype=self.dtype, device=self.device)
