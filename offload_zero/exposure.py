@@ -13,9 +13,12 @@ module hooks the model so that:
 - ``model.load_state_dict(sd, strict=...)`` writes parameters into the master weights, the
   moments left as they are, and into the compute-dtype shards on every tier, with torch's
   missing / unexpected key semantics and return value (collective at stages 1 and 2);
-- an in-place write to a parameter outside forward (stages 1 and 2, or one rank holding its
-  shards on the device) reaches the master weights before the next forward, step or export
-  reads them; where the parameter exists only as shards the write raises, naming it.
+- an in-place write to a parameter outside forward reaches the master weights: at stages 1
+  and 2 (or one rank holding its shards on the device) before the next forward, step or
+  export reads them; where the parameter exists only as shards an element-wise write
+  (``fill_``, ``copy_``, ``mul_``, ``normal_``, ... :data:`ELEMENTWISE_WRITES`) is applied at
+  once to this rank's part of the fp32 master weights and shard, and any other write raises
+  naming the parameter.
 
 [Note: writes from outside]
 The version counters of a kept gathered buffer ``full`` and of its model parameters move
@@ -36,8 +39,9 @@ import weakref
 from typing import Dict, List, Tuple
 
 import torch
+from torch.utils._pytree import tree_map
 
-from offload_zero.partition.flat_param import FlatParam, ParamEntry
+from offload_zero.partition.flat_param import ELEMENTWISE_WRITES, FlatParam, ParamEntry  # noqa: F401
 
 
 class ModelExposure:
@@ -59,6 +63,9 @@ class ModelExposure:
         self._exporting = False
         self._loaded_keys: List[str] = []
         model = engine.module
+        for fp in engine.flat_params:
+            if not fp.keep_unsharded:
+                fp.write_hook = lambda *call, fp=fp: self.write_to_shards(fp, *call)
         self._handles = [
             model.register_forward_pre_hook(self._before_forward, prepend=True),
             model.register_forward_hook(self._after_forward),
@@ -107,6 +114,53 @@ class ModelExposure:
             # (frozen parameters, and fp32 masters that are the shard: the write is in place)
             self._versions[fp] = fp.write_version()
         return changed
+
+    def write_to_shards(self, fp: FlatParam, param, source, func, args, kwargs,
+                        init: bool) -> None:
+        """Apply the write ``func(*args, **kwargs)`` to ``param``, a parameter of ``fp`` that
+        exists only as shards (``source``: the object standing for it in the call, ``param``
+        or its ``.data``): to this rank's part of its fp32 master weights (or, frozen, its
+        shard in fp32), then the compute-dtype shard is rewritten from it on its tier.
+
+        An element-wise in-place method (``init`` False) runs on that part, tensor arguments
+        broadcast to the parameter's shape and cut to the same part; a ``torch.nn.init``
+        function (``init`` True) runs on a full-shape fp32 CPU tensor of zeros (it overwrites
+        every element), whose part is then copied in. Local to this rank (no collective):
+        with several ranks each rank's write sets its own part, so a script writes on every
+        rank, as with DDP. Raises RuntimeError if the engine is closed, SwapIOError if an NVMe
+        transfer fails."""
+        eng = self._engine()
+        if eng is None or eng._closed:
+            raise RuntimeError(f"{param._oz_label}: its OffloadEngine is closed")
+        e = next(e for e, p in zip(fp.entries, fp.exposed) if p is param)
+        lo = eng.rank * fp.shard_numel
+        a, b = max(lo, e.offset), min(lo + fp.shard_numel, e.offset + e.numel)
+        eng.apply_pending_updates()
+        if not eng.scheduler._in_backward:
+            eng.scheduler.reshard_all()  # a gathered copy would be stale
+        if a >= b:
+            return  # (no element of it on this rank)
+        shard, m, v = _read_shard(eng, fp)
+        piece = shard[a - lo:b - lo]
+        whole = torch.zeros(e.shape, dtype=torch.float32) if init else None
+
+        def local(x):
+            if x is source:
+                return whole if init else piece
+            if isinstance(x, torch.Tensor) and not init:
+                x = x.detach().to("cpu")
+                if x.numel() > 1:
+                    return x.expand(e.shape).reshape(-1)[a - e.offset:b - e.offset]
+            return x
+
+        new_args, new_kwargs = tree_map(local, (tuple(args), dict(kwargs)))
+        with torch._C.DisableTorchFunctionSubclass():
+            func(*new_args, **new_kwargs)
+        if init:
+            piece.copy_(whole.reshape(-1)[a - e.offset:b - e.offset])
+        _write_shard(eng, fp, shard, m, v)
+        if eng.param_home is not None:
+            eng.param_home.drain()
 
     def before_step(self) -> None:
         """At the start of a step: take in writes since the forward (see
@@ -193,7 +247,6 @@ def load_parameters(engine, values: Dict[FlatParam, List[Tuple[ParamEntry, torch
 
     Raises SwapIOError if an NVMe transfer fails (file and offset named).
     """
-    from offload_zero.checkpoint import _write_param_shard
     exposure = engine._exposure
     exposure.take_outside_writes()  # (a write to another parameter of the same flat one)
     engine.apply_pending_updates()
@@ -202,20 +255,32 @@ def load_parameters(engine, values: Dict[FlatParam, List[Tuple[ParamEntry, torch
     for fp, pieces in values.items():
         lo = engine.rank * fp.shard_numel
         hi = lo + fp.shard_numel
-        if fp.requires_grad:
-            shard, m, v = engine.store.read_all(fp)
-        else:
-            now = fp.home.read(fp) if fp.home is not None else fp.sharded.detach()
-            shard = now.to("cpu", torch.float32, copy=True)
+        shard, m, v = _read_shard(engine, fp)
         for e, value in pieces:
             a, b = max(lo, e.offset), min(hi, e.offset + e.numel)
             if a < b:
                 shard[a - lo:b - lo] = value[a - e.offset:b - e.offset]
-        if fp.requires_grad:
-            engine.store.write_all(fp, shard, m, v)
-        _write_param_shard(fp, shard.to(fp.dtype))
+        _write_shard(engine, fp, shard, m, v)
         if fp.keep_unsharded:
             engine.comm.all_gather_into(fp.full_values(), fp.sharded)
     if engine.param_home is not None:
         engine.param_home.drain()
     exposure.record_versions()
+
+
+def _read_shard(engine, fp: FlatParam):
+    """This rank's shard of ``fp`` in fp32 on the CPU (a copy): its master weights with the
+    moments ``(shard, exp_avg, exp_avg_sq)``, or for a frozen one ``(shard, None, None)``."""
+    if fp.requires_grad:
+        return engine.store.read_all(fp)
+    now = fp.home.read(fp) if fp.home is not None else fp.sharded.detach()
+    return now.to("cpu", torch.float32, copy=True), None, None
+
+
+def _write_shard(engine, fp: FlatParam, shard: torch.Tensor, m, v) -> None:
+    """Make ``shard`` (fp32, (shard_numel,)) ``fp``'s master weights (moments ``m``, ``v``
+    as read) and its compute-dtype shard, the way loading a checkpoint writes them."""
+    from offload_zero.checkpoint import _write_param_shard
+    if fp.requires_grad:
+        engine.store.write_all(fp, shard, m, v)
+    _write_param_shard(fp, shard.to(fp.dtype))

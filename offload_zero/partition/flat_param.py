@@ -273,11 +273,25 @@ class _AliasParam(ModelParam):
             "new values with model.load_state_dict()")
 
 
+# in-place ops that act element by element (tensor arguments broadcast to the parameter's
+# shape): a write of one of them to a sharded parameter is applied to each rank's part
+ELEMENTWISE_WRITES = frozenset(
+    "fill_ zero_ copy_ add_ sub_ mul_ div_ clamp_ clamp_min_ clamp_max_ neg_ abs_ sqrt_ exp_ "
+    "log_ pow_ sign_ erfinv_ lerp_ addcmul_ addcdiv_ masked_fill_ nan_to_num_ round_ floor_ "
+    "ceil_ trunc_ normal_ uniform_ bernoulli_ exponential_ log_normal_ cauchy_ "
+    "geometric_".split())
+
+
 class _ShardedParam(ModelParam):
     """A model parameter whose values exist only as shards (ZeRO stage 3): the true shape,
     dtype, device and ``requires_grad`` (one element expanded), ``detach()`` gives a tensor
-    of that shape (for the state-dict machinery, whose values the engine fills in), and any
-    other computation or write raises ``RuntimeError`` naming the parameter."""
+    of that shape (for the state-dict machinery, whose values the engine fills in). Two kinds
+    of write go to the owning flat parameter's ``write_hook`` (the engine applies them to this
+    rank's part of the fp32 master weights and shard): an element-wise in-place method
+    (:data:`ELEMENTWISE_WRITES`, on the parameter or its ``.data``, under ``torch.no_grad()``
+    for a trainable one), and a ``torch.nn.init`` function (run on a full-shape fp32 CPU
+    tensor of zeros, which it overwrites). Any other computation or write raises
+    ``RuntimeError`` naming the parameter."""
 
     _ALLOWED = _FreedParam._ALLOWED | {"detach"}
 
@@ -286,21 +300,43 @@ class _ShardedParam(ModelParam):
         name = getattr(func, "__name__", "") or ""
         owner = getattr(getattr(func, "__self__", None), "__name__", "")
         if owner == "data" and name == "__get__":
-            return args[0]  # (a write through p.data must raise as one on p does)
+            return args[0]._detached()
         if name in cls._ALLOWED or owner in cls._ALLOWED or name == "__get__":
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **(kwargs or {}))
-        param = next((a for a in args if isinstance(a, _ShardedParam)), None)
+        kwargs = kwargs or {}
+        param = next((a for a in args if isinstance(a, _ShardedParam)), kwargs.get("tensor"))
         label = getattr(param, "_oz_label", "a parameter")
+        init = getattr(func, "__module__", "") == "torch.nn.init"
+        if param is not None and (init or args and args[0] is param and name in ELEMENTWISE_WRITES):
+            target = getattr(param, "_oz_target", None)
+            if (not init and target is None and torch.is_grad_enabled()
+                    and param.requires_grad):
+                raise RuntimeError(f"{label}: a leaf Variable that requires grad is being used "
+                                   "in an in-place operation (write under torch.no_grad())")
+            hook = getattr(param._oz_flat, "write_hook", None)
+            if hook is not None:
+                hook(target if target is not None else param, param, func, args, kwargs, init)
+                return param
         if name.endswith("_") and not name.endswith("__") or name == "__setitem__":
             raise RuntimeError(
                 f"{label} is sharded over ranks or stored off the device (ZeRO stage 3): an "
-                f"in-place write ({name}) outside forward cannot reach its shards. Load new "
-                "values with model.load_state_dict({name: value}, strict=False) instead")
+                f"in-place write ({name}) outside forward cannot reach its shards (element-wise "
+                f"ones do: {sorted(ELEMENTWISE_WRITES)}). Load new values with "
+                "model.load_state_dict({name: value}, strict=False) instead")
         raise RuntimeError(
             f"{label} is sharded: its unit is not gathered while {name or func} runs. Run the "
             "wrapped model's forward, or read the weights with model.state_dict() / "
             "engine.full_state_dict()")
+
+    def _detached(self) -> "_ShardedParam":
+        """``p.data``: the same placeholder without autograd, whose writes go to ``p``."""
+        with torch._C.DisableTorchFunctionSubclass():
+            base = torch.Tensor.detach(self)
+        d = torch.Tensor._make_subclass(_ShardedParam, base, False)
+        d._oz_flat, d._oz_label = self._oz_flat, self._oz_label
+        d._oz_target = getattr(self, "_oz_target", None) or self
+        return d
 
     def __repr__(self):
         return (f"ShardedParameter({self._oz_label}, shape={tuple(self.shape)}, "
@@ -368,6 +404,9 @@ class FlatParam:
         # engine; read by the model parameters' ``.grad``)
         self.grad_pending = lambda: False
         self.exposed: List[ModelParam] = []  # one per entry (see expose())
+        # f(param, source, func, args, kwargs, init): applies an element-wise in-place write
+        # or an init function to a sharded model parameter (set by the engine; None: raise)
+        self.write_hook = None
 
         self.full = torch.zeros(self.padded_numel, dtype=dtype, device=device)
         self._full_alias = torch.empty(0, dtype=dtype, device=device).set_(
