@@ -234,3 +234,17 @@ def test_sharded_writes_elementwise_only(dtype, tmp_path):
             model.blocks[0].up.weight[0].fill_(1.0)
         with pytest.raises(RuntimeError, match=r"'blocks\.0\.down\.weight'"):
             torch.nn.init.orthogonal_(model.blocks[0].down.weight)  # (shape ops of its own)
+
+
+@pytest.mark.parametrize("stage,offload", [(1, "none"), (3, "nvme")])
+def test_zero_dim_parameter(stage, offload, tmp_path):
+    """A 0-d parameter is registered with its shape () and a write to it reaches the master
+    (building a stage-3 placeholder for one failed)."""
+    torch.manual_seed(0)
+    model = TinyLM(n_blocks=2)
+    model.temperature = torch.nn.Parameter(torch.tensor(1.5))
+    with _engine(model, stage, torch.bfloat16, offload, tmp_path) as eng:
+        assert model.temperature.shape == () and model.temperature.numel() == 1
+        with torch.no_grad():
+            model.temperature.fill_(2.0)
+        assert eng.full_state_dict()["temperature"].item() == 2.0

@@ -28,9 +28,10 @@ its shards on the device) it is an alias of the parameter's piece of ``full``: r
 current values and an in-place write under ``torch.no_grad()`` lands in ``full`` and bumps
 the parameter's version counter (a write through a view bumps ``full``'s; the engine's own
 writes go through ``_full_alias``, whose counter is another), which is how the engine finds
-writes from outside (:mod:`offload_zero.exposure`). Otherwise it is a placeholder of one element expanded
-to the shape: metadata reads work, computing on it or writing to it raises naming the
-parameter. While a unit runs, the gathered views sit in the module's instance ``__dict__``,
+writes from outside (:mod:`offload_zero.exposure`). Otherwise it is a placeholder of one
+element expanded to the shape: metadata reads work, an element-wise in-place write goes to
+the engine, which applies it to the shards, and any other use raises naming the parameter
+(see :class:`_ShardedParam`). While a unit runs, the gathered views sit in the module's instance ``__dict__``,
 which attribute lookup reads before ``_parameters``; they are dropped from there when the
 unit is resharded or the model's forward ends, so between steps ``module.weight`` is the
 registered model parameter again.
@@ -214,7 +215,7 @@ class ModelParam(nn.Parameter):
         if fp is None or not fp.grad_pending():
             return None
         t = torch.Tensor._make_subclass(
-            _PendingGrad, torch.zeros(1, dtype=self.dtype, device=self.device).expand(self.shape))
+            _PendingGrad, torch.zeros((), dtype=self.dtype, device=self.device).expand(self.shape))
         t._oz_label = self._oz_label
         return t
 
@@ -284,10 +285,11 @@ ELEMENTWISE_WRITES = frozenset(
 
 class _ShardedParam(ModelParam):
     """A model parameter whose values exist only as shards (ZeRO stage 3): the true shape,
-    dtype, device and ``requires_grad`` (one element expanded), ``detach()`` gives a tensor
-    of that shape (for the state-dict machinery, whose values the engine fills in). Two kinds
-    of write go to the owning flat parameter's ``write_hook`` (the engine applies them to this
-    rank's part of the fp32 master weights and shard): an element-wise in-place method
+    dtype, device and ``requires_grad`` (one element expanded to any shape, 0-d included);
+    ``detach()`` gives a tensor of that shape (for the state-dict machinery, whose values the
+    engine fills in). Two kinds of write go to the owning flat parameter's ``write_hook``
+    (the engine applies them to this rank's part of the fp32 master weights and shard): an
+    element-wise in-place method
     (:data:`ELEMENTWISE_WRITES`, on the parameter or its ``.data``, under ``torch.no_grad()``
     for a trainable one), and a ``torch.nn.init`` function (run on a full-shape fp32 CPU
     tensor of zeros, which it overwrites). Any other computation or write raises
@@ -521,7 +523,7 @@ class FlatParam:
         becomes its entry's model parameter in place (its class and ``.data`` change), so
         references to it taken before wrapping see the engine's values and writes through
         them are seen; a parameter of another class (a subclass) is replaced by a new one."""
-        zero = torch.zeros(1, dtype=self.dtype, device=self.device)
+        zero = torch.zeros((), dtype=self.dtype, device=self.device)  # (expands to any shape)
         base = self.full.detach()
         self.exposed = []
         for i, e in enumerate(self.entries):
