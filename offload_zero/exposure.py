@@ -16,21 +16,21 @@ module hooks the model so that:
 - an in-place write to a parameter outside forward reaches the master weights: at stages 1
   and 2 (or one rank holding its shards on the device) before the next forward, step or
   export reads them; where the parameter exists only as shards an element-wise write
-  (``fill_``, ``copy_``, ``mul_``, ``normal_``, ... :data:`ELEMENTWISE_WRITES`) is applied at
-  once to this rank's part of the fp32 master weights and shard, and any other write raises
-  naming the parameter.
+  (``fill_``, ``copy_``, ``mul_``, ``normal_``, ...: ``flat_param.ELEMENTWISE_WRITES``) or a
+  ``torch.nn.init`` function is applied at once to this rank's part of the fp32 master
+  weights and shard, and any other write raises naming the parameter.
 
 [Note: writes from outside]
 The version counters of a kept gathered buffer ``full`` and of its model parameters move
-only when something other than the engine writes to them (see the flat-parameter note). The version seen last is recorded per
-flat parameter; when it moved (checked as the model's forward starts, and by the engine
-before a step, an export or a checkpoint) the elements of this rank's shard whose
-compute-dtype value no longer equals the master weight rounded to that dtype take the
-written value as their new fp32 master weight. Elements left alone keep their full-precision
-master (a write to one layer does not round the others). A write is thus seen at the compute
-dtype's precision: ``fill_(0.1)`` in bfloat16 trains from bfloat16(0.1). With several ranks
-each rank takes its own shard from its own copy, so (as with DDP) a script writes the same
-values on every rank.
+only when something other than the engine writes to them (see the flat-parameter note).
+The versions seen last are recorded per flat parameter; when they moved (checked as the
+model's forward starts, and by the engine before a step, an export or a checkpoint) the
+elements of this rank's shard whose compute-dtype value no longer equals the master weight
+rounded to that dtype take the written value as their new fp32 master weight. Elements left
+alone keep their full-precision master (a write to one layer does not round the others). A
+write is thus seen at the compute dtype's precision: ``fill_(0.1)`` in bfloat16 trains from
+bfloat16(0.1). With several ranks each rank takes its own shard from its own copy, so (as
+with DDP) a script writes the same values on every rank.
 """
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ from typing import Dict, List, Tuple
 import torch
 from torch.utils._pytree import tree_map
 
-from offload_zero.partition.flat_param import ELEMENTWISE_WRITES, FlatParam, ParamEntry  # noqa: F401
+from offload_zero.partition.flat_param import FlatParam, ParamEntry
 
 
 class ModelExposure:
@@ -59,7 +59,7 @@ class ModelExposure:
 
     def __init__(self, engine):
         self._engine = weakref.ref(engine)
-        self._versions: Dict[FlatParam, int] = {}
+        self._versions: Dict[FlatParam, Tuple[int, ...]] = {}  # (see FlatParam.write_version)
         self._exporting = False
         self._loaded_keys: List[str] = []
         model = engine.module

@@ -96,9 +96,9 @@ def test_lora_optimizer_state_is_adapters_only(stage, offload, dtype, tmp_path):
         rep = eng.memory_report()
         trainable_numel = sum(fp.shard_numel for fp in eng.trainable)
         frozen_numel = sum(fp.shard_numel for fp in eng.flat_params if not fp.requires_grad)
-        moments = sum(rep[t]["by_kind"]["moments"]["current_bytes"] for t in ("device", "host", "nvme"))
-        masters = sum(rep[t]["by_kind"]["master_weights"]["current_bytes"]
-                      for t in ("device", "host", "nvme"))
+        tiers = ("device", "host", "nvme")
+        moments = sum(rep[t]["by_kind"]["moments"]["current_bytes"] for t in tiers)
+        masters = sum(rep[t]["by_kind"]["master_weights"]["current_bytes"] for t in tiers)
         assert moments == 8 * trainable_numel
         if eng.store.aliases(eng.trainable[0]) or eng._master_is_param_on_nvme():
             assert masters == 0  # (the fp32 shard is the master: counted as parameters)
@@ -129,7 +129,8 @@ def test_frozen_base_on_nvme_is_read_never_written(dtype, tmp_path):
         frozen = [fp.name for fp in eng.flat_params if not fp.requires_grad]
 
         def bytes_to(counts, of_frozen):
-            return sum(v for k, v in counts.items() if (k.split(".param")[0] in frozen) == of_frozen)
+            return sum(v for k, v in counts.items()
+                       if (k.split(".param")[0] in frozen) == of_frozen)
 
         adapters_written = 0
         for i in range(3):

@@ -31,10 +31,10 @@ writes go through ``_full_alias``, whose counter is another), which is how the e
 writes from outside (:mod:`offload_zero.exposure`). Otherwise it is a placeholder of one
 element expanded to the shape: metadata reads work, an element-wise in-place write goes to
 the engine, which applies it to the shards, and any other use raises naming the parameter
-(see :class:`_ShardedParam`). While a unit runs, the gathered views sit in the module's instance ``__dict__``,
-which attribute lookup reads before ``_parameters``; they are dropped from there when the
-unit is resharded or the model's forward ends, so between steps ``module.weight`` is the
-registered model parameter again.
+(see :class:`_ShardedParam`). While a unit runs, the gathered views sit in the module's
+instance ``__dict__``, which attribute lookup reads before ``_parameters``; they are dropped
+from there when the unit is resharded or the model's forward ends, so between steps
+``module.weight`` is the registered model parameter again.
 """
 from __future__ import annotations
 
