@@ -41,8 +41,15 @@ class OffloadEngine:
     Args:
         model: any ``torch.nn.Module`` with its parameters on the CPU (or the device). Its
             parameters are moved into flat shards owned by the engine: afterwards the module's
-            parameter attributes are views while their unit runs and placeholders otherwise;
-            use :meth:`full_state_dict` to read the weights.
+            parameter attributes are views while their unit runs, and otherwise its own
+            parameter objects, each of the true shape in the compute dtype (the current values
+            at stages 1 and 2, placeholders at stage 3). The model's own API keeps working:
+            ``parameters()``, ``state_dict()`` (the full fp32 values, collective),
+            ``load_state_dict()`` (into the master weights), ``generate()``, in-place writes
+            under ``torch.no_grad()`` (they reach the master weights); see
+            :mod:`offload_zero.exposure`. At stage 3 under torchrun every rank must run each
+            forward, ``generate()`` included (with ``synced_gpus=True`` when the ranks'
+            lengths differ).
         offload: ``"none"``, ``"cpu"`` or ``"nvme"`` — where fp32 master weights and Adam
             moments live (see :class:`offload_zero.config.EngineConfig`).
         path: existing writable folder for NVMe swap files (``offload="nvme"``); files go to
