@@ -222,16 +222,26 @@ def test_clip_grad_norm_raises_instead_of_zero(stage, offload, tmp_path):
         assert all(p.grad is None for p in model.parameters())
 
 
-def test_parameter_used_with_autograd_outside_forward_raises(tmp_path):
-    """A computation that would record a gradient for a kept parameter outside the model's
-    forward raises naming it (its gradient would be lost); under no_grad it reads the values."""
+@pytest.mark.parametrize("stage,offload", [(1, "none"), (2, "cpu"), (3, "none")])
+def test_loss_term_on_a_parameter_trains_through_the_engine(stage, offload, tmp_path):
+    """A loss term computed on a parameter outside the model's forward (a penalty on the LM
+    head) gets its gradient into the engine: the steps equal torch AdamW on an unwrapped copy
+    (the registered parameter runs such a computation on a view of the engine's buffer)."""
     model = tiny_llama()
-    with wrap(model, 1, "none", tmp_path) as eng:
-        w = model.lm_head.weight
-        with pytest.raises(RuntimeError, match="'lm_head.weight'.*outside the model's forward"):
-            (w * 2).sum()
+    ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.0)
+    with wrap(model, stage, offload, tmp_path) as eng:
+        for i in range(2):
+            ids = tokens(100 + i)
+            for m in (model, ref):
+                loss = m(input_ids=ids, labels=ids).loss + m.lm_head.weight.pow(2).sum()
+                eng.backward(loss) if m is model else loss.backward()
+            eng.step()
+            opt.step()
+            opt.zero_grad()
         with torch.no_grad():
-            assert torch.equal(w * 1, eng.full_state_dict()["lm_head.weight"])
+            assert torch.equal(model.lm_head.weight * 1, eng.full_state_dict()["lm_head.weight"])
+        assert max_diff(eng.full_state_dict(), ref.state_dict()) < 1e-5
 
 
 def _generate_on_rank(rank, world, prompt_len):

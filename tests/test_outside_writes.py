@@ -178,12 +178,16 @@ def test_write_through_data_is_seen_or_raises(stage, offload, tmp_path):
         assert torch.equal(eng.full_state_dict()[TARGET], torch.full((37, 24), 0.25))
 
 
-def test_replacing_data_raises_naming_the_parameter(tmp_path):
+@pytest.mark.parametrize("stage,offload", [(1, "none"), (3, "nvme")])
+def test_replacing_data_raises_naming_the_parameter(stage, offload, tmp_path):
     """model.half() while wrapped would detach the parameters from the engine: it raises
     naming one; model.to(where it is) is accepted."""
     model = TinyLM(n_blocks=2)
-    with _engine(model, 1, torch.float32, "none", tmp_path) as eng:
+    with _engine(model, stage, torch.float32, offload, tmp_path) as eng:
         model.to(eng.device)
+        model.to(eng.device, torch.float32)
+        x, y = batches(1)[0]
+        _train_step(eng, x, y)
         with pytest.raises(RuntimeError, match=r"parameter '.*'.*before wrapping"):
             model.half()
 

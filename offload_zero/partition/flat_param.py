@@ -233,45 +233,67 @@ class ModelParam(nn.Parameter):
 
 class _AliasParam(ModelParam):
     """A model parameter that aliases its piece of the kept gathered buffer: real values,
-    readable and writable under ``torch.no_grad()``. Computing on it with autograd recording
-    raises ``RuntimeError`` naming it: the graph would train it outside the engine (the
-    model's forward uses its own views of the buffer)."""
+    readable and writable under ``torch.no_grad()``. A computation on it with autograd
+    recording (a module that runs without its unit's hooks, a loss term on a weight) runs on
+    a fresh view of ``full`` instead, so its gradient reaches the engine's flat gradient as a
+    forward's does."""
+
+    _oz_entry = None  # the ParamEntry it stands for
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         if getattr(getattr(func, "__self__", None), "__name__", "") == "data":
             return cls._data(func, args)
+        kwargs = kwargs or {}
+        if torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1:
+            from torch.utils._pytree import tree_map
+
+            def live(x):
+                if isinstance(x, _AliasParam) and x.requires_grad and x._oz_flat is not None:
+                    return x._oz_flat.live_view(x._oz_entry)
+                return x
+
+            name = getattr(func, "__name__", "")
+            if name not in _FreedParam._ALLOWED and name not in ("__get__", "__set__"):
+                args, kwargs = tree_map(live, (tuple(args), kwargs))
         with torch._C.DisableTorchFunctionSubclass():
-            out = func(*args, **(kwargs or {}))
-        if torch.is_grad_enabled():
-            from torch.utils._pytree import tree_leaves
-            if any(isinstance(t, torch.Tensor) and t.grad_fn is not None
-                   for t in tree_leaves(out)):
-                param = next(a for a in tree_leaves((args, kwargs)) if isinstance(a, _AliasParam))
-                raise RuntimeError(
-                    f"{param._oz_label} is used with autograd outside the model's forward: its "
-                    "gradient would never reach the OffloadEngine. Use it inside a forward of "
-                    "the wrapped model, or under torch.no_grad() to read or write it")
-        return out
+            return func(*args, **kwargs)
 
     @classmethod
     def _data(cls, func, args):
         """``p.data`` is ``p.detach()``, which shares the version counter, so a write through
-        it is seen (torch's own ``.data`` hides writes from it); ``p.data = t`` is accepted
-        only when ``t`` is the same memory (``model.to()`` to where it already is)."""
-        param = args[0]
-        with torch._C.DisableTorchFunctionSubclass():
-            if func.__name__ == "__get__":
-                return param.detach()
-            new = args[1]
-            if (new.data_ptr() == param.data_ptr() and new.shape == param.shape
-                    and new.dtype == param.dtype and new.device == param.device):
-                return None
-        raise RuntimeError(
-            f"{param._oz_label}: its values live in the OffloadEngine; replacing .data (as "
-            "model.to(), .half() or .float() do) would detach it from the engine. Move or cast "
-            "the model before wrapping it (the engine's dtype= sets the compute dtype), or load "
-            "new values with model.load_state_dict()")
+        it is seen (torch's own ``.data`` hides writes from it); ``p.data = t``: see
+        :func:`_check_same_data`."""
+        if func.__name__ == "__get__":
+            with torch._C.DisableTorchFunctionSubclass():
+                return args[0].detach()
+        _check_same_data(args[0], args[1])
+
+
+def _check_same_data(param: ModelParam, new: torch.Tensor) -> None:
+    """``param.data = new`` is accepted only when ``new`` is ``param`` or the same memory
+    (``model.to()`` to where it already is); otherwise RuntimeError naming the parameter."""
+    with torch._C.DisableTorchFunctionSubclass():
+        if new is param or (new.data_ptr() == param.data_ptr() and new.shape == param.shape
+                            and new.dtype == param.dtype and new.device == param.device):
+            return
+    raise _moved_error(param)
+
+
+def _moved_error(param: ModelParam) -> RuntimeError:
+    return RuntimeError(
+        f"{param._oz_label}: its values live in the OffloadEngine; replacing .data (as "
+        "model.to(), .half() or .float() do) would detach it from the engine. Move or cast "
+        "the model before wrapping it (the engine's dtype= sets the compute dtype), or load "
+        "new values with model.load_state_dict()")
+
+
+def _to_is_noop(param: torch.Tensor, args, kwargs) -> bool:
+    """Whether ``param.to(*args, **kwargs)`` asks for the device and dtype it has."""
+    device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
+    with torch._C.DisableTorchFunctionSubclass():
+        return ((device is None or torch.device(device) == param.device)
+                and (dtype is None or dtype == param.dtype))
 
 
 # in-place ops that act element by element (tensor arguments broadcast to the parameter's
@@ -295,7 +317,7 @@ class _ShardedParam(ModelParam):
     tensor of zeros, which it overwrites). Any other computation or write raises
     ``RuntimeError`` naming the parameter."""
 
-    _ALLOWED = _FreedParam._ALLOWED | {"detach"}
+    _ALLOWED = _FreedParam._ALLOWED | {"detach", "_has_compatible_shallow_copy_type"}
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
@@ -303,6 +325,12 @@ class _ShardedParam(ModelParam):
         owner = getattr(getattr(func, "__self__", None), "__name__", "")
         if owner == "data" and name == "__get__":
             return args[0]._detached()
+        if owner == "data" and name == "__set__":
+            return _check_same_data(args[0], args[1])
+        if name == "to" and _to_is_noop(args[0], args[1:], kwargs or {}):
+            return args[0]  # (model.to(where it is): _apply then sets .data to it)
+        if name in ("to", "half", "float", "double", "bfloat16", "cuda", "cpu", "type"):
+            raise _moved_error(args[0])
         if name in cls._ALLOWED or owner in cls._ALLOWED or name == "__get__":
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **(kwargs or {}))
@@ -538,10 +566,20 @@ class FlatParam:
             else:
                 p = cls(data, requires_grad=self.requires_grad)
             p._oz_flat, p._oz_label = self, f"parameter {e.names[0]!r}"
+            if cls is _AliasParam:
+                p._oz_entry = e
             self.exposed.append(p)
             for module, attr, _ in e.refs:
                 module._parameters[attr] = p
         self.hide_views()
+
+    def live_view(self, entry: ParamEntry) -> torch.Tensor:
+        """A view of ``entry``'s piece of ``full`` (must be UNSHARDED), shape ``entry.shape``,
+        that autograd tracks into ``full``'s gradient."""
+        if self.state is not ShardedState.UNSHARDED:
+            raise RuntimeError(f"[rank {self.rank}] {self.name}: live_view while "
+                               f"{self.state.value}")
+        return self.full[entry.offset:entry.offset + entry.numel].view(entry.shape)
 
     def hide_views(self) -> None:
         """Drop the gathered views from the modules' ``__dict__``: attribute lookup finds the
