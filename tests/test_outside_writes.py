@@ -268,3 +268,13 @@ def test_write_with_step_in_backward(stage, offload, tmp_path):
         _train_step(eng, x2, y2)
         got = eng.full_state_dict()[TARGET]
     assert 0 < (got - 0.25).abs().max().item() <= 3 * LR
+
+
+def test_sharded_write_through_data_of_data(tmp_path):
+    """``p.data.data.mul_`` at stage 3 on NVMe reaches the master like ``p.mul_``."""
+    torch.manual_seed(0)
+    model = TinyLM(n_blocks=2)
+    with _engine(model, 3, torch.float32, "nvme", tmp_path) as eng:
+        before = eng.full_state_dict()[TARGET]
+        model.blocks[0].up.weight.data.data.mul_(2.0)
+        assert torch.equal(eng.full_state_dict()[TARGET], before * 2)

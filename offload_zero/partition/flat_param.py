@@ -335,10 +335,12 @@ class _ShardedParam(ModelParam):
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **(kwargs or {}))
         kwargs = kwargs or {}
-        param = next((a for a in args if isinstance(a, _ShardedParam)), kwargs.get("tensor"))
+        param = next((a for a in list(args) + [kwargs.get("tensor")]
+                      if isinstance(a, _ShardedParam)), None)
         label = getattr(param, "_oz_label", "a parameter")
         init = getattr(func, "__module__", "") == "torch.nn.init"
-        if param is not None and (init or args and args[0] is param and name in ELEMENTWISE_WRITES):
+        elementwise = bool(args) and args[0] is param and name in ELEMENTWISE_WRITES
+        if param is not None and (init or elementwise):
             target = getattr(param, "_oz_target", None)
             if (not init and target is None and torch.is_grad_enabled()
                     and param.requires_grad):
@@ -365,7 +367,8 @@ class _ShardedParam(ModelParam):
             base = torch.Tensor.detach(self)
         d = torch.Tensor._make_subclass(_ShardedParam, base, False)
         d._oz_flat, d._oz_label = self._oz_flat, self._oz_label
-        d._oz_target = getattr(self, "_oz_target", None) or self
+        target = getattr(self, "_oz_target", None)
+        d._oz_target = self if target is None else target
         return d
 
     def __repr__(self):
