@@ -43,8 +43,15 @@ class OffloadEngine:
     Args:
         model: any ``torch.nn.Module`` with its parameters on the CPU (or the device). Its
             parameters are moved into flat shards owned by the engine: afterwards the module's
-            parameter attributes are views while their unit runs and placeholders otherwise;
-            use :meth:`full_state_dict` to read the weights.
+            parameter attributes are views while their unit runs, and otherwise its own
+            parameter objects, each of the true shape in the compute dtype (the current values
+            at stages 1 and 2, placeholders at stage 3). The model's own API keeps working:
+            ``parameters()``, ``state_dict()`` (the full fp32 values, collective),
+            ``load_state_dict()`` (into the master weights), ``generate()``, in-place writes
+            under ``torch.no_grad()`` (they reach the master weights); see
+            :mod:`offload_zero.exposure`. At stage 3 under torchrun every rank must run each
+            forward, ``generate()`` included (with ``synced_gpus=True`` when the ranks'
+            lengths differ).
         offload: ``"none"``, ``"cpu"`` or ``"nvme"`` — where fp32 master weights and Adam
             moments live (see :class:`offload_zero.config.EngineConfig`).
         path: existing writable folder for NVMe swap files (``offload="nvme"``); files go to
@@ -173,6 +180,9 @@ class OffloadEngine:
                                            self.param_home, self.swapper, self.pools,
                                            self.scheduler, self.grads, self.flat_params)
         object.__setattr__(model, _WRAPPED, True)
+        # the model's own parameters(), state_dict(), load_state_dict() and in-place writes
+        from offload_zero.exposure import ModelExposure
+        self._exposure = ModelExposure(self)
 
     # -- construction ------------------------------------------------------------------------
     def _build(self, model: nn.Module) -> None:
@@ -385,7 +395,7 @@ class OffloadEngine:
         # the same for a tail state kept in host memory when the CPU is the device
         tail_alias_ok = (self.device.type == "cpu" and cfg.param_tier is Tier.DEVICE
                          and cfg.dtype == torch.float32)
-        owner_of = {}
+        owner_of, originals = {}, {}
         for (unit, trainable, members), name in zip(planned, _flat_param_names(planned)):
             entries = build_entries(members)
             values = [p.detach() for p, _ in members]
@@ -401,6 +411,7 @@ class OffloadEngine:
                 self.store.add(fp, _flat_shard_fp32(fp, values), alias=alias)
                 self._step_count[fp] = 0
             unit.flat_params.append(fp)
+            originals[fp] = [p for p, _ in members]
             del values
             for p, refs in members:
                 owner_of[id(p)] = unit
@@ -410,10 +421,17 @@ class OffloadEngine:
         for unit_index, unit in enumerate(units):
             deps = {owner_of[k] for k, us in users.items() if unit_index in us} - {unit, root}
             unit.deps = sorted(deps, key=lambda u: u.index)
+        pending = _weakly(self._grad_pending)
         for unit in units:
             for fp in unit.flat_params:
                 fp.set_views() if fp.keep_unsharded else fp.set_placeholders()
+                fp.expose(originals[fp])  # (see [Note: model parameters while wrapped])
+                fp.grad_pending = lambda fp=fp: bool(pending(fp))
         return blocks, root
+
+    def _grad_pending(self, fp: FlatParam) -> bool:
+        """Whether a backward since the last step left a gradient of ``fp`` in the engine."""
+        return fp.requires_grad and self._backward_pending and not self._closed
 
     def _tail_in_host(self, plan) -> Optional[str]:
         """The name of the flat parameter whose optimizer state stays in host memory
@@ -922,6 +940,7 @@ class OffloadEngine:
         """Update every trainable flat parameter with the parameter groups' ``hypers``
         (:meth:`_hypers`), then zero the gradients (see :meth:`step`)."""
         cfg = self.config
+        self._exposure.before_step()  # writes to the model's parameters since the forward
         self.scheduler.reshard_all()  # a training forward without backward leaves the root gathered
         if self._reduction is not None:
             self._reduction.end_backward()  # (a backward whose end-of-backward callback did not run)
@@ -1200,6 +1219,7 @@ class OffloadEngine:
             return self._full_state_dict(rank0_only)
 
     def _full_state_dict(self, rank0_only: bool) -> Dict[str, torch.Tensor]:
+        self._exposure.take_outside_writes()
         self._finish_updates()
         out: Dict[str, torch.Tensor] = {}
         for fp in self.flat_params:
@@ -1216,10 +1236,12 @@ class OffloadEngine:
                 value = full[e.offset:e.offset + e.numel].view(e.shape).clone()
                 for name in e.names:
                     out[name] = value
-        # persistent buffers only, as the model's own state_dict() has them (its parameters
-        # live in the engine, so the wrapped module's state_dict holds just those)
-        for name, buf in self.module.state_dict().items():
-            out[name] = buf.detach().cpu().clone()
+        # persistent buffers (and any extra state), as the model's own state_dict() has them
+        with self._exposure.exporting():
+            own = self.module.state_dict()
+        for name, buf in own.items():
+            if name not in out:
+                out[name] = buf.detach().cpu().clone() if isinstance(buf, torch.Tensor) else buf
         if rank0_only and self.rank != 0:
             return {}
         return out
@@ -1235,7 +1257,9 @@ class OffloadEngine:
         call it between steps. Layout, dtypes and errors:
         :func:`offload_zero.checkpoint.save_checkpoint`."""
         from offload_zero.checkpoint import save_checkpoint
+        self._check_open()
         with self._together(Phase.CHECKPOINT):
+            self._exposure.take_outside_writes()
             save_checkpoint(self, folder, client_state)
 
     def load_checkpoint(self, folder) -> dict:
@@ -1247,7 +1271,9 @@ class OffloadEngine:
         :func:`offload_zero.checkpoint.load_checkpoint`."""
         from offload_zero.checkpoint import load_checkpoint
         with self._together(Phase.CHECKPOINT):
-            return load_checkpoint(self, folder)
+            out = load_checkpoint(self, folder)
+        self._exposure.record_versions()  # (the loaded values are the engine's own)
+        return out
 
     # -- lifetime ------------------------------------------------------------------------------
     def _check_open(self) -> None:
@@ -1276,6 +1302,7 @@ class OffloadEngine:
             return
         self._closed = True
         try:
+            self._exposure.remove()
             while self._deferred:  # updates cut short by an error: end their I/O first
                 self._deferred.pop(0)[1].close()
         except BaseException as exc:

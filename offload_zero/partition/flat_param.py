@@ -17,6 +17,24 @@ backward. Data is written through ``_full_alias``,
 a tensor that shares the storage but not the version counter, so refilling it is invisible to
 autograd's in-place checks. Module attributes point at views of ``full`` while the unit is
 unsharded, and at zero-element placeholders that raise a clear error when used otherwise.
+
+[Note: model parameters while wrapped]
+Each original parameter name stays registered on its module (``module._parameters``) as a
+model parameter (see :class:`ModelParam`; the model's own ``nn.Parameter`` object, its class
+and ``.data`` changed) of the true shape, dtype (the compute dtype) and device, so
+``model.parameters()``, ``.device``, ``num_parameters()`` and the state-dict machinery see
+the model as it was. Where the gathered buffer is kept (stages 1 and 2, or one rank holding
+its shards on the device) it is an alias of the parameter's piece of ``full``: reads see the
+current values and an in-place write under ``torch.no_grad()`` lands in ``full`` and bumps
+the parameter's version counter (a write through a view bumps ``full``'s; the engine's own
+writes go through ``_full_alias``, whose counter is another), which is how the engine finds
+writes from outside (:mod:`offload_zero.exposure`). Otherwise it is a placeholder of one
+element expanded to the shape: metadata reads work, an element-wise in-place write goes to
+the engine, which applies it to the shards, and any other use raises naming the parameter
+(see :class:`_ShardedParam`). While a unit runs, the gathered views sit in the module's
+instance ``__dict__``, which attribute lookup reads before ``_parameters``; they are dropped
+from there when the unit is resharded or the model's forward ends, so between steps
+``module.weight`` is the registered model parameter again.
 """
 from __future__ import annotations
 
@@ -156,6 +174,209 @@ def _whole(g: Optional[torch.Tensor], numel: int, dtype: torch.dtype) -> bool:
     return g is not None and g.numel() == numel and g.dtype == dtype and g.is_contiguous()
 
 
+_PENDING_GRAD_MESSAGE = (
+    "{label}: its gradient lives in the OffloadEngine's gradient shards, not in .grad, so "
+    "torch.nn.utils.clip_grad_norm_ and other code reading .grad cannot see it. Clip with "
+    "OffloadEngine(..., max_grad_norm=...) instead (the engine clips by the global norm over "
+    "every rank; engine.last_grad_norm holds the norm of the last step)")
+
+
+class _PendingGrad(_FreedParam):
+    """What a model parameter's ``.grad`` returns while the engine holds a gradient for it
+    (after ``engine.backward``, before ``engine.step``): the parameter's shape, and any
+    computation raises ``RuntimeError`` pointing to ``max_grad_norm=`` (so
+    ``clip_grad_norm_(model.parameters(), x)`` fails instead of returning a norm of 0)."""
+
+    @classmethod
+    def _compute(cls, func, name: str, args, kwargs):
+        from torch.utils._pytree import tree_leaves
+        grad = next((a for a in tree_leaves((args, kwargs)) if isinstance(a, _PendingGrad)), None)
+        raise RuntimeError(_PENDING_GRAD_MESSAGE.format(
+            label=getattr(grad, "_oz_label", "a parameter")))
+
+
+class ModelParam(nn.Parameter):
+    """Base of the parameters a wrapped model holds (see [Note: model parameters while
+    wrapped]); made by :meth:`FlatParam.expose`.
+
+    ``.grad`` is None while the engine holds no gradient for the parameter, and a stand-in of
+    the parameter's shape whose use raises ``RuntimeError`` (naming the parameter and
+    ``max_grad_norm=``) while it does; assigning None to it is accepted and changes nothing
+    (``model.zero_grad()``), assigning a tensor raises ``RuntimeError``. ``copy.deepcopy``
+    raises ``RuntimeError`` (the copy would not be the engine's).
+    """
+
+    _oz_flat = None     # the owning FlatParam
+    _oz_label = "a parameter"
+
+    @property
+    def grad(self):
+        fp = self._oz_flat
+        if fp is None or not fp.grad_pending():
+            return None
+        t = torch.Tensor._make_subclass(
+            _PendingGrad, torch.zeros((), dtype=self.dtype, device=self.device).expand(self.shape))
+        t._oz_label = self._oz_label
+        return t
+
+    @grad.setter
+    def grad(self, value):
+        if value is not None:
+            raise RuntimeError(f"{self._oz_label}: its gradient lives in the OffloadEngine's "
+                               "gradient shards; .grad cannot be assigned while wrapped")
+
+    def __deepcopy__(self, memo):
+        raise RuntimeError(f"{self._oz_label}: its values live in the OffloadEngine, so a "
+                           "wrapped model cannot be deep-copied; copy the model before wrapping "
+                           "it, or build one and load model.state_dict() into it")
+
+
+class _AliasParam(ModelParam):
+    """A model parameter that aliases its piece of the kept gathered buffer: real values,
+    readable and writable under ``torch.no_grad()``. A computation on it with autograd
+    recording (a module that runs without its unit's hooks, a loss term on a weight) runs on
+    a fresh view of ``full`` instead, so its gradient reaches the engine's flat gradient as a
+    forward's does."""
+
+    _oz_entry = None  # the ParamEntry it stands for
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if getattr(getattr(func, "__self__", None), "__name__", "") == "data":
+            return cls._data(func, args)
+        kwargs = kwargs or {}
+        if torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1:
+            from torch.utils._pytree import tree_map
+
+            def live(x):
+                if isinstance(x, _AliasParam) and x.requires_grad and x._oz_flat is not None:
+                    return x._oz_flat.live_view(x._oz_entry)
+                return x
+
+            name = getattr(func, "__name__", "")
+            if name not in _FreedParam._ALLOWED and name not in ("__get__", "__set__"):
+                args, kwargs = tree_map(live, (tuple(args), kwargs))
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+    @classmethod
+    def _data(cls, func, args):
+        """``p.data`` is ``p.detach()``, which shares the version counter, so a write through
+        it is seen (torch's own ``.data`` hides writes from it); ``p.data = t``: see
+        :func:`_check_same_data`."""
+        if func.__name__ == "__get__":
+            with torch._C.DisableTorchFunctionSubclass():
+                return args[0].detach()
+        _check_same_data(args[0], args[1])
+
+
+def _check_same_data(param: ModelParam, new: torch.Tensor) -> None:
+    """``param.data = new`` is accepted only when ``new`` is ``param`` or the same memory
+    (``model.to()`` to where it already is); otherwise RuntimeError naming the parameter."""
+    with torch._C.DisableTorchFunctionSubclass():
+        if new is param or (new.data_ptr() == param.data_ptr() and new.shape == param.shape
+                            and new.dtype == param.dtype and new.device == param.device):
+            return
+    raise _moved_error(param)
+
+
+def _moved_error(param: ModelParam) -> RuntimeError:
+    return RuntimeError(
+        f"{param._oz_label}: its values live in the OffloadEngine; replacing .data (as "
+        "model.to(), .half() or .float() do) would detach it from the engine. Move or cast "
+        "the model before wrapping it (the engine's dtype= sets the compute dtype), or load "
+        "new values with model.load_state_dict()")
+
+
+def _to_is_noop(param: torch.Tensor, args, kwargs) -> bool:
+    """Whether ``param.to(*args, **kwargs)`` asks for the device and dtype it has."""
+    device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
+    with torch._C.DisableTorchFunctionSubclass():
+        return ((device is None or torch.device(device) == param.device)
+                and (dtype is None or dtype == param.dtype))
+
+
+# in-place ops that act element by element (tensor arguments broadcast to the parameter's
+# shape): a write of one of them to a sharded parameter is applied to each rank's part
+ELEMENTWISE_WRITES = frozenset(
+    "fill_ zero_ copy_ add_ sub_ mul_ div_ clamp_ clamp_min_ clamp_max_ neg_ abs_ sqrt_ exp_ "
+    "log_ pow_ sign_ erfinv_ lerp_ addcmul_ addcdiv_ masked_fill_ nan_to_num_ round_ floor_ "
+    "ceil_ trunc_ normal_ uniform_ bernoulli_ exponential_ log_normal_ cauchy_ "
+    "geometric_".split())
+
+
+class _ShardedParam(ModelParam):
+    """A model parameter whose values exist only as shards (ZeRO stage 3): the true shape,
+    dtype, device and ``requires_grad`` (one element expanded to any shape, 0-d included);
+    ``detach()`` gives a tensor of that shape (for the state-dict machinery, whose values the
+    engine fills in). Two kinds of write go to the owning flat parameter's ``write_hook``
+    (the engine applies them to this rank's part of the fp32 master weights and shard): an
+    element-wise in-place method
+    (:data:`ELEMENTWISE_WRITES`, on the parameter or its ``.data``, under ``torch.no_grad()``
+    for a trainable one), and a ``torch.nn.init`` function (run on a full-shape fp32 CPU
+    tensor of zeros, which it overwrites). Any other computation or write raises
+    ``RuntimeError`` naming the parameter."""
+
+    _ALLOWED = _FreedParam._ALLOWED | {"detach", "_has_compatible_shallow_copy_type"}
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "") or ""
+        owner = getattr(getattr(func, "__self__", None), "__name__", "")
+        if owner == "data" and name == "__get__":
+            return args[0]._detached()
+        if owner == "data" and name == "__set__":
+            return _check_same_data(args[0], args[1])
+        if name == "to" and _to_is_noop(args[0], args[1:], kwargs or {}):
+            return args[0]  # (model.to(where it is): _apply then sets .data to it)
+        if name in ("to", "half", "float", "double", "bfloat16", "cuda", "cpu", "type"):
+            raise _moved_error(args[0])
+        if name in cls._ALLOWED or owner in cls._ALLOWED or name == "__get__":
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        param = next((a for a in list(args) + [kwargs.get("tensor")]
+                      if isinstance(a, _ShardedParam)), None)
+        label = getattr(param, "_oz_label", "a parameter")
+        init = getattr(func, "__module__", "") == "torch.nn.init"
+        elementwise = bool(args) and args[0] is param and name in ELEMENTWISE_WRITES
+        if param is not None and (init or elementwise):
+            target = getattr(param, "_oz_target", None)
+            if (not init and target is None and torch.is_grad_enabled()
+                    and param.requires_grad):
+                raise RuntimeError(f"{label}: a leaf Variable that requires grad is being used "
+                                   "in an in-place operation (write under torch.no_grad())")
+            hook = getattr(param._oz_flat, "write_hook", None)
+            if hook is not None:
+                hook(target if target is not None else param, param, func, args, kwargs, init)
+                return param
+        if name.endswith("_") and not name.endswith("__") or name == "__setitem__":
+            raise RuntimeError(
+                f"{label} is sharded over ranks or stored off the device (ZeRO stage 3): an "
+                f"in-place write ({name}) outside forward cannot reach its shards (element-wise "
+                f"ones do: {sorted(ELEMENTWISE_WRITES)}). Load new values with "
+                "model.load_state_dict({name: value}, strict=False) instead")
+        raise RuntimeError(
+            f"{label} is sharded: its unit is not gathered while {name or func} runs. Run the "
+            "wrapped model's forward, or read the weights with model.state_dict() / "
+            "engine.full_state_dict()")
+
+    def _detached(self) -> "_ShardedParam":
+        """``p.data``: the same placeholder without autograd, whose writes go to ``p``."""
+        with torch._C.DisableTorchFunctionSubclass():
+            base = torch.Tensor.detach(self)
+        d = torch.Tensor._make_subclass(_ShardedParam, base, False)
+        d._oz_flat, d._oz_label = self._oz_flat, self._oz_label
+        target = getattr(self, "_oz_target", None)
+        d._oz_target = self if target is None else target
+        return d
+
+    def __repr__(self):
+        return (f"ShardedParameter({self._oz_label}, shape={tuple(self.shape)}, "
+                f"dtype={self.dtype}, device={self.device}, requires_grad={self.requires_grad})")
+
+
+
 def _placeholder(dtype, device, label: str) -> torch.Tensor:
     t = torch.Tensor._make_subclass(_FreedParam, torch.empty(0, dtype=dtype, device=device))
     t._oz_label = label
@@ -212,6 +433,13 @@ class FlatParam:
         # f() -> Tensor | None: memory the next gradient of ``full`` is written into, or None
         # to allocate it (see [Note: reused gradient memory] in partition/grads.py)
         self.grad_target = None
+        # f() -> bool: whether the engine holds a gradient of this flat parameter (set by the
+        # engine; read by the model parameters' ``.grad``)
+        self.grad_pending = lambda: False
+        self.exposed: List[ModelParam] = []  # one per entry (see expose())
+        # f(param, source, func, args, kwargs, init): applies an element-wise in-place write
+        # or an init function to a sharded model parameter (set by the engine; None: raise)
+        self.write_hook = None
 
         self.full = torch.zeros(self.padded_numel, dtype=dtype, device=device)
         self._full_alias = torch.empty(0, dtype=dtype, device=device).set_(
@@ -314,13 +542,72 @@ class FlatParam:
             for e, piece in zip(self.entries, pieces):
                 view = piece.view(e.shape)
                 for module, attr, _ in e.refs:
-                    setattr(module, attr, view)
+                    module.__dict__[attr] = view  # (read before _parameters: see the Note)
+
+    def expose(self, originals: Optional[List[nn.Parameter]] = None) -> None:
+        """Register a model parameter per entry under each of its names (see [Note: model
+        parameters while wrapped]): an alias of its piece of ``full`` when ``full`` is kept,
+        else a placeholder; then drop any views from the modules' ``__dict__``. Called once,
+        when the engine is built.
+
+        ``originals``: the model's own ``nn.Parameter`` objects, one per entry (in order): each
+        becomes its entry's model parameter in place (its class and ``.data`` change), so
+        references to it taken before wrapping see the engine's values and writes through
+        them are seen; a parameter of another class (a subclass) is replaced by a new one."""
+        zero = torch.zeros((), dtype=self.dtype, device=self.device)  # (expands to any shape)
+        base = self.full.detach()
+        self.exposed = []
+        for i, e in enumerate(self.entries):
+            if self.keep_unsharded:
+                data, cls = base[e.offset:e.offset + e.numel].view(e.shape), _AliasParam
+            else:
+                data, cls = zero.expand(e.shape), _ShardedParam
+            p = None if originals is None else originals[i]
+            if p is not None and type(p) is nn.Parameter:
+                p.data = data  # (storage shared with full; p keeps its own version counter)
+                p.__class__ = cls
+            else:
+                p = cls(data, requires_grad=self.requires_grad)
+            p._oz_flat, p._oz_label = self, f"parameter {e.names[0]!r}"
+            if cls is _AliasParam:
+                p._oz_entry = e
+            self.exposed.append(p)
+            for module, attr, _ in e.refs:
+                module._parameters[attr] = p
+        self.hide_views()
+
+    def live_view(self, entry: ParamEntry) -> torch.Tensor:
+        """A view of ``entry``'s piece of ``full`` (must be UNSHARDED), shape ``entry.shape``,
+        that autograd tracks into ``full``'s gradient."""
+        if self.state is not ShardedState.UNSHARDED:
+            raise RuntimeError(f"[rank {self.rank}] {self.name}: live_view while "
+                               f"{self.state.value}")
+        return self.full[entry.offset:entry.offset + entry.numel].view(entry.shape)
+
+    def hide_views(self) -> None:
+        """Drop the gathered views from the modules' ``__dict__``: attribute lookup finds the
+        registered model parameters again (no-op before :meth:`expose`)."""
+        if not self.exposed:
+            return
+        for e in self.entries:
+            for module, attr, _ in e.refs:
+                module.__dict__.pop(attr, None)
+
+    def write_version(self) -> Tuple[int, ...]:
+        """The version counters of ``full`` and of each model parameter: they move only when
+        something outside the engine writes to the views or the model parameters (see [Note:
+        model parameters while wrapped])."""
+        return (self.full._version,) + tuple(p._version for p in self.exposed)
 
     def set_placeholders(self, gather=None) -> None:
-        """Point every module attribute at a zero-element placeholder naming the parameter; with
+        """Point every module attribute at a placeholder: the registered model parameters
+        (:meth:`expose`), or before that a zero-element placeholder naming the parameter; with
         ``gather`` (``f()`` that gathers this flat parameter and sets its views), at a
         placeholder of the parameter's shape whose first computation calls it and then runs on
         the gathered view (see :class:`_LateParam`)."""
+        if gather is None and self.exposed:
+            self.hide_views()
+            return
         for e in self.entries:
             for module, attr, fqn in e.refs:
                 if gather is None:
@@ -329,7 +616,7 @@ class FlatParam:
                     one = torch.empty(1, dtype=self.dtype, device=self.device)
                     t = torch.Tensor._make_subclass(_LateParam, one.expand(e.shape))
                     t._oz_label, t._oz_gather, t._oz_ref = f"parameter {fqn!r}", gather, (module, attr)
-                setattr(module, attr, t)
+                module.__dict__[attr] = t
 
     def full_values(self) -> torch.Tensor:
         """The gathered compute-dtype values (must be UNSHARDED), shape (padded_numel,), no grad."""
@@ -349,6 +636,14 @@ class FlatParam:
             self.home.release(self)
         elif not self.keep_unsharded:
             self._acct.sub(Tier.DEVICE, StateKind.PARAMS, self.shard_numel * self.itemsize)
+        for e in self.entries:  # the model is left without parameters (zero-element placeholders)
+            for module, attr, _ in e.refs:
+                module._parameters.pop(attr, None)
+        for p in self.exposed:  # (references still held elsewhere: empty plain parameters)
+            with torch._C.DisableTorchFunctionSubclass():
+                p.data = torch.empty(0, dtype=self.dtype)
+            p.__class__ = nn.Parameter
+        self.exposed = []
         self.set_placeholders()
         empty = torch.empty(0, dtype=self.dtype, device=self.device)
         self.full = self._full_alias = self.sharded = empty

@@ -1,0 +1,147 @@
+"""PEFT/LoRA under the engine: get_peft_model(...) then wrapped trains only the adapters, equal
+to torch + peft on an unwrapped copy, keeps optimizer state for the adapters alone, never
+writes frozen base weights back to NVMe, and peft's save_pretrained writes the trained
+adapter."""
+import copy
+import warnings
+
+import pytest
+import torch
+
+from offload_zero import OffloadEngine
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+from safetensors.torch import load_file  # noqa: E402
+
+LR = 1e-3
+
+
+def lora_llama():
+    """A tiny Llama (hidden 32, 2 layers, vocabulary 64) with LoRA adapters of rank 4 on the
+    attention's q and v projections (random adapter weights, so every gradient is nonzero)."""
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=64)
+    model = transformers.LlamaForCausalLM(cfg)
+    torch.manual_seed(1)
+    return peft.get_peft_model(model, peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0,
+        init_lora_weights=False))
+
+
+def wrap(model, stage, offload, tmp_path, dtype=torch.float32):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return OffloadEngine(model, offload=offload, stage=stage, dtype=dtype, lr=LR,
+                             weight_decay=0.0,
+                             path=str(tmp_path) if offload == "nvme" else None)
+
+
+def tokens(i):
+    g = torch.Generator().manual_seed(100 + i)
+    return torch.randint(0, 64, (2, 7), generator=g)
+
+
+CONFIGS = [(1, "none"), (2, "cpu"), (3, "cpu"), (3, "nvme")]
+
+
+@pytest.mark.parametrize("stage,offload", CONFIGS)
+def test_lora_trains_like_torch_and_peft(stage, offload, tmp_path):
+    """Three steps: the adapters equal torch AdamW on an unwrapped copy to 1e-6, the frozen
+    base weights do not move, and peft's save_pretrained while wrapped writes the trained
+    adapter (the same tensors as the unwrapped copy's)."""
+    model = lora_llama()
+    ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=LR,
+                            weight_decay=0.0)
+    base = {k: v.clone() for k, v in ref.state_dict().items() if "lora_" not in k}
+    with wrap(model, stage, offload, tmp_path) as eng:
+        names = {n for fp in eng.trainable for e in fp.entries for n in e.names}
+        assert names == {n for n, p in ref.named_parameters() if p.requires_grad}
+        assert all("lora_" in n for n in names)
+        for i in range(3):
+            ids = tokens(i)
+            loss = model(input_ids=ids, labels=ids).loss
+            ref_loss = ref(input_ids=ids, labels=ids).loss
+            assert abs(loss.item() - ref_loss.item()) < 1e-6
+            eng.backward(loss)
+            ref_loss.backward()
+            assert all(p.grad is None for p in model.parameters() if not p.requires_grad)
+            eng.step()
+            opt.step()
+            opt.zero_grad()
+        sd = model.state_dict()
+        model.save_pretrained(tmp_path / "adapter")
+    ref.save_pretrained(tmp_path / "ref_adapter")
+    for name, p in ref.named_parameters():
+        assert (sd[name] - p.detach()).abs().max().item() < 1e-6, name
+    for name, value in base.items():
+        assert torch.equal(sd[name], value), name
+    got = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
+    want = load_file(tmp_path / "ref_adapter" / "adapter_model.safetensors")
+    assert got.keys() == want.keys() and got
+    for k in want:
+        assert (got[k] - want[k]).abs().max().item() < 1e-6, k
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("stage,offload", [(2, "cpu"), (3, "nvme")])
+def test_lora_optimizer_state_is_adapters_only(stage, offload, dtype, tmp_path):
+    """memory_report: 12 bytes of optimizer state (fp32 master + two moments) per trainable
+    element of this rank's shards (padded to the 4 KiB alignment), none for the frozen base."""
+    model = lora_llama()
+    with wrap(model, stage, offload, tmp_path, dtype=dtype) as eng:
+        rep = eng.memory_report()
+        trainable_numel = sum(fp.shard_numel for fp in eng.trainable)
+        frozen_numel = sum(fp.shard_numel for fp in eng.flat_params if not fp.requires_grad)
+        tiers = ("device", "host", "nvme")
+        moments = sum(rep[t]["by_kind"]["moments"]["current_bytes"] for t in tiers)
+        masters = sum(rep[t]["by_kind"]["master_weights"]["current_bytes"] for t in tiers)
+        assert moments == 8 * trainable_numel
+        if eng.store.aliases(eng.trainable[0]) or eng._master_is_param_on_nvme():
+            assert masters == 0  # (the fp32 shard is the master: counted as parameters)
+        else:
+            assert masters == 4 * trainable_numel
+        assert frozen_numel > 0  # (and none of it holds state)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_frozen_base_on_nvme_is_read_never_written(dtype, tmp_path):
+    """Stage 3 with parameters on NVMe: each step reads the frozen base shards and writes 0
+    bytes to their files (only the adapters' state and shards are written)."""
+    model = lora_llama()
+    with wrap(model, 3, "nvme", tmp_path, dtype=dtype) as eng:
+        written, read = {}, {}
+        sw = eng.swapper
+        out, inn = sw.swap_out, sw.swap_in
+
+        def swap_out(key, tensor, offset_bytes=0):
+            written[key] = written.get(key, 0) + tensor.numel() * tensor.element_size()
+            return out(key, tensor, offset_bytes)
+
+        def swap_in(key, tensor, offset_bytes=0):
+            read[key] = read.get(key, 0) + tensor.numel() * tensor.element_size()
+            return inn(key, tensor, offset_bytes)
+
+        sw.swap_out, sw.swap_in = swap_out, swap_in
+        frozen = [fp.name for fp in eng.flat_params if not fp.requires_grad]
+
+        def bytes_to(counts, of_frozen):
+            return sum(v for k, v in counts.items()
+                       if (k.split(".param")[0] in frozen) == of_frozen)
+
+        adapters_written = 0
+        for i in range(3):
+            ids = tokens(i)
+            eng.backward(model(input_ids=ids, labels=ids).loss)
+            eng.step()
+            assert bytes_to(written, of_frozen=True) == 0
+            for name in frozen:
+                assert any(k.startswith(name) for k in read), name
+            adapters_written += bytes_to(written, of_frozen=False)
+            written.clear()
+            read.clear()
+        # (with step_in_forward the update of a step is written in the next forward)
+        assert adapters_written > 0
