@@ -270,7 +270,10 @@ def test_tied_parameter_is_one_parameter_and_the_rest_get_a_default_group():
         assert len(first["params"]) == 1 and first["lr"] == 0.5
         assert rest["lr"] == LR and rest["weight_decay"] == 0.01
         assert len(rest["params"]) == distinct - 1
-        assert all(p.numel() == 0 for p in rest["params"])  # (the engine holds the values)
+        # the groups hold the model's own parameter objects, which stay registered on it
+        own = {id(p) for p in model.parameters()}
+        assert all(id(p) in own for g in (first, rest) for p in g["params"])
+        assert first["params"][0] is model.emb.weight is model.head.weight
         with pytest.raises(NotImplementedError, match="pass param_groups"):
             eng.optimizer.add_param_group({"params": []})
 

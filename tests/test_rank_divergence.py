@@ -369,3 +369,36 @@ def test_a_container_leaf_trains_like_torch_on_one_rank():
         assert eng.scheduler.live_peak <= 2
         sd = eng.full_state_dict()
     assert max((sd[n] - p).abs().max().item() for n, p in ref.named_parameters()) <= 1e-6
+
+
+def _generate_then_train_rank(rank, world_size, synced):
+    """Generation of a different length per rank at stage 3 (evaluation), then a step."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from offload_zero import OffloadEngine
+    from offload_zero.lockstep import CollectiveMismatch
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48,
+                                         num_hidden_layers=2, num_attention_heads=4,
+                                         num_key_value_heads=2))
+    ids = torch.randint(0, 64, (1, 4), generator=torch.Generator().manual_seed(rank))
+    with OffloadEngine(model, offload="cpu", stage=3) as eng:
+        t0 = time.monotonic()
+        try:
+            with torch.no_grad():
+                out = model.generate(ids, max_new_tokens=2 + 3 * rank, min_new_tokens=2 + 3 * rank,
+                                     do_sample=False, pad_token_id=0, synced_gpus=synced)
+            eng.backward(eng(input_ids=ids, labels=ids).loss)
+            eng.step()
+        except CollectiveMismatch as exc:
+            return "mismatch", time.monotonic() - t0, str(exc)
+        return "ok", time.monotonic() - t0, out.shape[1]
+
+
+def test_generation_of_per_rank_length_needs_synced_gpus():
+    results = run_ranks(_generate_then_train_rank, 2, False, timeout_s=120)
+    for outcome, waited_s, text in results:
+        assert outcome == "mismatch" and waited_s < 30, results
+        assert "synced_gpus=True" in text, text
+    results = run_ranks(_generate_then_train_rank, 2, True, timeout_s=120)
+    assert [(r[0], r[2]) for r in results] == [("ok", 6), ("ok", 9)], results
