@@ -193,8 +193,8 @@ def _plain(value):
 class EngineOptimizer(torch.optim.Optimizer):
     """The engine's Adam/AdamW as a ``torch.optim.Optimizer`` (``engine.optimizer``).
 
-    ``param_groups``: one dict per group, ``params`` (the model's parameter objects, taken
-    before wrapping: the engine holds their values, so these tensors are empty placeholders),
+    ``param_groups``: one dict per group, ``params`` (the model's own parameter objects, which
+    stay registered on it while wrapped; the engine holds their fp32 values and gradients),
     ``lr``, ``betas``, ``eps``, ``weight_decay``; schedulers add their own keys (``initial_lr``).
     Edit them by hand or with any ``torch.optim.lr_scheduler`` scheduler (OneCycleLR's
     momentum cycling edits ``betas``) or transformers' schedules: the engine reads a group's
