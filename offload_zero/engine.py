@@ -85,6 +85,10 @@ class OffloadEngine:
             dynamic by default with ``dtype=torch.float16``), or None without loss scaling.
         skipped_steps: steps that updated nothing (or, with ``step_in_backward``, not every flat
             parameter) because a gradient held an inf/nan.
+        lr_scheduler: None, or a torch LR scheduler on :attr:`optimizer` that :meth:`step`
+            steps after each update it makes (not after a skipped one, nor between accumulated
+            micro-batches), as DeepSpeed steps its configured schedule
+            (:func:`offload_zero.from_deepspeed_config` sets it). Do not step it yourself too.
 
     Memory per rank (Ψ parameters, N ranks, bf16 compute): 4Ψ + 12Ψ/N at stage 1, 2Ψ + 14Ψ/N at
     stage 2, 16Ψ/N at stage 3, split over the tiers as ``offload`` says; :meth:`memory_report`
@@ -150,6 +154,7 @@ class OffloadEngine:
         self._micro_steps = 0           # step() calls since the engine was built
         self._micro_stepped = False     # step() ended a micro-batch, no backward since
         self.skipped_steps = 0
+        self.lr_scheduler = None  # stepped after each update (see the class docstring)
         # fp16: the loss is scaled up before backward, the update scales the gradients down
         self.loss_scaler = cfg.make_loss_scaler()
         pin = self.device.type == "cuda"
@@ -915,8 +920,11 @@ class OffloadEngine:
                 self._micro_steps += 1
                 self._micro_stepped = True
                 return
+            skipped = self.skipped_steps
             self._update_step(self._hypers())
             self._micro_steps += 1
+            if self.lr_scheduler is not None and self.skipped_steps == skipped:
+                self.lr_scheduler.step()
 
     def _update_step(self, hypers: tuple) -> None:
         """Update every trainable flat parameter with the parameter groups' ``hypers``
