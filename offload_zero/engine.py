@@ -13,6 +13,7 @@ import dataclasses
 import logging
 import math
 import os
+import sys
 import warnings
 import weakref
 from typing import Dict, Iterator, List, Optional
@@ -20,6 +21,7 @@ from typing import Dict, Iterator, List, Optional
 import torch
 import torch.nn as nn
 
+from offload_zero.accelerate_guard import RefusePrepare, refuse_in_accelerate
 from offload_zero.comm import Comm, init_from_env
 from offload_zero.lockstep import Phase
 from offload_zero.config import EngineConfig, Tier, check_number
@@ -102,6 +104,10 @@ class OffloadEngine:
                  param_groups=None, **kwargs):
         if not isinstance(model, nn.Module):
             raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if getattr(model, "_is_accelerate_prepared", None) is True:
+            raise ValueError(f"model {type(model).__name__} was prepared by accelerate; wrap "
+                             "the model itself (the engine places and shards it), and prepare "
+                             "only the data loader")
         if getattr(model, _WRAPPED, False):
             raise ValueError(f"model {type(model).__name__} is already wrapped by an "
                              "OffloadEngine: its parameters live in that engine (and go with "
@@ -178,6 +184,16 @@ class OffloadEngine:
                                            self.param_home, self.swapper, self.pools,
                                            self.scheduler, self.grads, self.flat_params)
         object.__setattr__(model, _WRAPPED, True)
+        # accelerator.prepare(model) raises (see [Note: accelerate's prepare])
+        object.__setattr__(model, "_is_accelerate_prepared", RefusePrepare("model"))
+
+    @property
+    def __class__(self):
+        """``type(self)``; but an ``isinstance`` test of the engine by accelerate (its
+        ``prepare(engine)``) raises ValueError naming the pattern that works (see [Note:
+        accelerate's prepare] in :mod:`offload_zero.accelerate_guard`)."""
+        refuse_in_accelerate(sys._getframe(1), "engine")
+        return type(self)
 
     # -- construction ------------------------------------------------------------------------
     def _build(self, model: nn.Module) -> None:
