@@ -615,7 +615,7 @@ def _batch_sizes(res: _Resolver, world_size: int) -> Tuple[Optional[int], Option
         accum = 1
     if total is None and micro is not None and accum is not None:
         total = micro * accum * world_size
-    for name, value in zip(names, (micro, total, accum)):
+    for name, value in ((names[2], accum), (names[0], micro), (names[1], total)):
         if value is None and res.leaves.get(name) == "auto":
             raise ValueError(f"DeepSpeed config key {name!r} is \"auto\" and nothing resolves "
                              f"it: pass {name}=... beside the config (or two of the three "
