@@ -539,8 +539,11 @@ def save_training_state(engine, args: argparse.Namespace, step: int, run_state: 
     :func:`resumed_step` checks: the data order, the layout, the schedule, the corpus), for
     ``--resume``. Collective. Atomic: a failed save leaves the previous one, and raises
     ``ValueError`` naming ``--checkpoint`` and the cause (e.g. no space left on the device)."""
+    state = {"step": step, **run_state}
+    if getattr(engine, "lr_scheduler", None) is not None:  # (--deepspeed's schedule)
+        state["lr_scheduler"] = engine.lr_scheduler.state_dict()
     try:
-        engine.save_checkpoint(args.checkpoint, client_state={"step": step, **run_state})
+        engine.save_checkpoint(args.checkpoint, client_state=state)
     except OSError as exc:
         raise ValueError(f"--checkpoint {args.checkpoint!r} cannot be written at step {step}: "
                          f"{exc}; the checkpoint saved before (if any) is kept") from None
@@ -805,8 +808,10 @@ def apply_deepspeed_config(args: argparse.Namespace):
     except ValueError as exc:  # name the flags, not the keywords
         msg = str(exc)
         for dest, name in _DS_FLAGS.items():
-            msg = msg.replace(f"{name}=", f"--{dest.replace('_', '-')} ", 1) if msg.startswith(
-                f"{name}=") else msg
+            flag = "--" + dest.replace("_", "-")
+            if msg.startswith(f"{name}="):
+                msg = f"{flag} " + msg[len(name) + 1:]
+            msg = msg.replace(f"pass {name}=... beside the config", f"give {flag}")
         raise ValueError(f"--deepspeed {args.deepspeed}: {msg}") from None
     kw = dict(settings.engine_kwargs)
     args.stage = kw.pop("stage", args.stage)
@@ -1162,9 +1167,8 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         if args.resume:
             for _ in range(start_step * args.grad_accum):  # the batches the saved run trained on
                 next(batches)
-            if engine.lr_scheduler is not None:  # where the saved run's schedule was
-                engine.lr_scheduler.last_epoch = start_step - 1
-                engine.lr_scheduler.step()
+            if engine.lr_scheduler is not None and "lr_scheduler" in saved:
+                engine.lr_scheduler.load_state_dict(saved["lr_scheduler"])
         engine.train()
         tokens_per_step = args.batch_size * args.seq_len * world_size * args.grad_accum
         setup_s = time.perf_counter() - setup_start

@@ -457,6 +457,22 @@ def test_cli_trains_from_a_deepspeed_config(tmp_path):
     assert not summary["step_in_backward"]  # (clipping needs the whole gradient)
 
 
+@pytest.mark.slow
+def test_cli_resume_continues_the_configured_schedule(tmp_path):
+    config = copy.deepcopy(CLI_CONFIG)
+    config["scheduler"]["params"]["total_num_steps"] = 4
+    (tmp_path / "ds.json").write_text(json.dumps(config))
+    common = ["--deepspeed", "ds.json", "--preset", "tiny", "--seq-len", "32", "--log-every", "0",
+              "--no-progress"]
+    whole = _cli(common + ["--steps", "4", "--json", "whole.json"], tmp_path)
+    first = _cli(common + ["--steps", "2", "--checkpoint", "ck"], tmp_path)
+    rest = _cli(common + ["--steps", "4", "--resume", "ck", "--json", "rest.json"], tmp_path)
+    for run in (whole, first, rest):
+        assert run.returncode == 0, run.stderr
+    losses = json.loads((tmp_path / "whole.json").read_text())["losses"]
+    assert json.loads((tmp_path / "rest.json").read_text())["losses"] == losses[2:]
+
+
 def test_cli_flag_in_conflict_with_the_config_is_one_line(tmp_path):
     (tmp_path / "ds.json").write_text(json.dumps(CLI_CONFIG))
     run = _cli(["--deepspeed", "ds.json", "--steps", "1", "--preset", "tiny", "--lr", "0.01"],
