@@ -105,6 +105,20 @@ def test_schedule_steps_once_per_update_not_per_micro_batch():
     assert lrs == pytest.approx([0.0, 2.5e-3, 2.5e-3, 5e-3, 5e-3, 7.5e-3])
 
 
+def test_schedule_does_not_step_after_a_skipped_fp16_step():
+    config = {"fp16": {"enabled": True, "loss_scale": 0, "initial_scale_power": 8},
+              "scheduler": {"type": "WarmupLR", "params": {
+                  "warmup_max_lr": 1e-2, "warmup_num_steps": 4, "warmup_type": "linear"}}}
+    with from_deepspeed_config(TinyLM(2), config, offload="cpu") as eng:
+        (x, y), (x2, y2) = batches(2)
+        eng.backward(lm_loss(eng(x), y) * float("inf"))
+        eng.step()
+        assert (eng.skipped_steps, eng.lr) == (1, 0.0)  # skipped: the schedule waits
+        eng.backward(lm_loss(eng(x2), y2))
+        eng.step()
+        assert (eng.skipped_steps, eng.lr) == (1, 2.5e-3)
+
+
 def _sgd_lrs(schedule, base_lr, n):
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=base_lr)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
