@@ -95,8 +95,8 @@ KEYS: Dict[str, Key] = {
         "stage3_module_granularity_threshold", "memory_efficient_linear")},
     _ZO + "stage3_gather_16bit_weights_on_model_save": _auto(
         "engine.full_state_dict() gathers the weights when asked"),
-    _ZO + "gather_16bit_weights_on_model_save": _auto(
-        "engine.full_state_dict() gathers the weights when asked"),
+    **{_ZO + k: _auto("engine.full_state_dict() gathers the weights when asked") for k in (
+        "gather_16bit_weights_on_model_save", "stage3_gather_fp16_weights_on_model_save")},
     _ZO + "ignore_unused_parameters": _auto("unused parameters get zero gradients (README)"),
     _ZO + "load_from_fp32_weights": _auto("checkpoints hold the fp32 masters"),
     _ZO + "elastic_checkpoint": _auto("checkpoints load at any world size"),
@@ -155,6 +155,14 @@ KEYS: Dict[str, Key] = {
     **{k: _auto("logging and checks this engine does not need") for k in (
         "steps_per_print", "wall_clock_breakdown", "memory_breakdown", "dump_state",
         "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer")},
+    "bfloat16": Key(REFUSED, "the old name of the bf16 section: write bf16", OFF),
+    **{k: Key(REFUSED, "DeepSpeed's own training features are not part of this engine", OFF)
+       for k in ("elasticity", "autotuning", "compression_training")},
+    "dataloader_drop_last": _auto("the engine builds no data loader: yours decides"),
+    "checkpoint.tag_validation": _auto("every tensor's CRC-32 is checked on load"),
+    "checkpoint.use_node_local_storage": _auto("each rank writes its own file"),
+    "checkpoint.load_universal": Key(REFUSED, "checkpoints load at any world size as they are; "
+                                     "DeepSpeed's universal checkpoints are not read", (False,)),
     "prescale_gradients": Key(REFUSED, "gradients are averaged after the reduction", (False,)),
     "gradient_predivide_factor": Key(REFUSED, "gradients are averaged after the reduction",
                                      (1, 1.0)),
@@ -433,7 +441,10 @@ class _Resolver:
                 return fallback
             raise ValueError(f"DeepSpeed config key {path!r} is \"auto\" and nothing resolves "
                              f"it: pass {names[0]}=... beside the config")
-        value = convert(raw)
+        try:
+            value = convert(raw)
+        except (TypeError, ValueError):
+            raise ValueError(f"DeepSpeed config key {path!r}={raw!r} is not valid") from None
         if override is not _MISSING and not _same(override, value):
             raise ValueError(f"{names[0]}={override!r} conflicts with the DeepSpeed config's "
                              f"{path}={raw!r} (= {value!r} here); give one of them")
@@ -577,6 +588,9 @@ def _precision_kwargs(res: _Resolver) -> dict:
 
 def _optimizer_kwargs(res: _Resolver, leaves: dict) -> dict:
     kw = {}
+    given = [p for p in leaves if p.startswith("optimizer.")]
+    if given and "optimizer.type" not in leaves:
+        raise ValueError(f"{given} given without optimizer.type (Adam or AdamW)")
     if "optimizer.type" in leaves:
         kind = leaves["optimizer.type"]
         if not isinstance(kind, str) or kind.lower() not in _OPTIMIZERS:

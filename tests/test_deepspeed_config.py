@@ -206,7 +206,8 @@ MAPPED_CASES = {
                                _kw("betas"), (0.8, 0.9)),
     "optimizer.params.eps": ({"optimizer": {"type": "Adam", "params": {"eps": 1e-6}}},
                              _kw("eps"), 1e-6),
-    "optimizer.params.weight_decay": ({"optimizer": {"params": {"weight_decay": 0.2}}},
+    "optimizer.params.weight_decay": ({"optimizer": {"type": "AdamW", "params": {
+        "weight_decay": 0.2}}},
                                       _kw("weight_decay"), 0.2),
     "optimizer.params.adam_w_mode": ({"optimizer": {"type": "adam", "params": {
         "adam_w_mode": False}}}, _kw("adamw"), False),
@@ -253,12 +254,19 @@ def test_mapped_key_sets_its_setting(path):
     assert before != expected  # the key itself changed the setting
 
 
+def _section_for(path):
+    """The config a key needs around it (a schedule's or optimizer's type)."""
+    if path.startswith("scheduler.params."):
+        return _sched("WarmupLR")
+    return {"optimizer": {"type": "AdamW"}} if path.startswith("optimizer.params.") else {}
+
+
 @pytest.mark.parametrize("path", keys_by_kind(AUTO))
 def test_automatic_key_is_accepted_and_logged(path, caplog):
-    config = nest(path, "auto" if path.endswith("_size") else 1)
+    config = nest(path, "auto" if path.endswith("_size") else 1, _section_for(path))
     with caplog.at_level(logging.INFO, logger="offload_zero"):
         settings = parse(config)
-    assert settings.engine_kwargs == parse({}).engine_kwargs
+    assert settings.engine_kwargs == parse(_section_for(path)).engine_kwargs
     assert settings.automatic == (path,)
     lines = [r.getMessage() for r in caplog.records if "handled automatically" in r.getMessage()]
     assert len(lines) == 1 and path in lines[0]
@@ -277,7 +285,7 @@ def _refused_value(key):
 @pytest.mark.parametrize("path", keys_by_kind(REFUSED))
 def test_refused_key_raises_unless_off(path):
     key = KEYS[path]
-    base = _sched("WarmupLR") if path.startswith("scheduler.params.") else {}
+    base = _section_for(path)
     with pytest.raises(NotImplementedError, match=path.replace(".", r"\.")):
         parse(nest(path, _refused_value(key), copy.deepcopy(base)))
     for ok in ({"enabled": False},) if key.accepts == OFF else key.accepts:
@@ -338,6 +346,9 @@ def test_unsupported_types_raise_not_implemented(config, match):
     (_sched("WarmupDecayLR"), "needs scheduler.params.total_num_steps"),
     (_sched("WarmupLR", warmup_type="cosine"), "warmup_type"),
     ({"zero_optimization": 3}, "must be an object"),
+    ({"optimizer": {"params": {"lr": 1e-3}}}, "without optimizer.type"),
+    ({"fp16": {"enabled": True, "initial_scale_power": "high"}},
+     "'fp16.initial_scale_power'='high' is not valid"),
 ])
 def test_bad_values_raise_value_error(config, match):
     with pytest.raises(ValueError, match=match):
