@@ -221,9 +221,8 @@ class WarmupSchedule:
     ``lr`` by after ``t`` updates (see the module's docstring for the formulas).
 
     ``kind``: WarmupLR, WarmupDecayLR or WarmupCosineLR; ``params``: its parameters, complete
-    (defaults filled, ``warmup_max_lr`` resolved); ``base_lr``: the lr the factor is relative
-    to (``warmup_max_lr``; unused by WarmupCosineLR). A plain object, so the scheduler's
-    ``state_dict()`` holds it as numbers.
+    (defaults filled, ``warmup_max_lr`` resolved: the rate the factor of the first two is
+    relative to). A plain object, so the scheduler's ``state_dict()`` holds it as numbers.
     """
 
     def __init__(self, kind: str, params: Dict[str, Any]):
@@ -309,7 +308,7 @@ class DeepSpeedSettings:
         """One line of the mapped settings (the CLI's run summary prints it)."""
         kw = self.engine_kwargs
         parts = [f"stage {kw.get('stage', 3)}",
-                 f"optimizer state {kw.get('offload_optimizer', 'none')}",
+                 f"optimizer state {kw.get('offload_optimizer', kw.get('offload', 'none'))}",
                  f"parameters {kw.get('offload_param', 'none')}"]
         if "dtype" in kw:
             parts.append(str(kw["dtype"]).replace("torch.", ""))
@@ -621,10 +620,13 @@ def _batch_sizes(res: _Resolver, world_size: int) -> Tuple[Optional[int], Option
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)
                                   or value < 1):
             raise ValueError(f"{name}={value!r} must be an int >= 1")
+    fallback = {n: res.fallbacks.get(n) if res.leaves.get(n) == "auto" else None for n in names}
     if accum is None and total is not None and micro is not None:
         accum = max(1, total // (micro * world_size))
+    accum = accum if accum is not None else fallback[names[2]]
     if micro is None and total is not None:
         micro = max(1, total // ((accum or 1) * world_size))
+    micro = micro if micro is not None else fallback[names[0]]
     if accum is None and res.leaves.get(names[2]) != "auto":
         accum = 1
     if total is None and micro is not None and accum is not None:

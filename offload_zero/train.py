@@ -793,6 +793,9 @@ def apply_deepspeed_config(args: argparse.Namespace):
     values["dtype"] = _DTYPES[args.dtype]
     values["warmup_num_steps"] = (args.warmup if args.warmup is not None
                                   else min(100, args.steps // 10))
+    # (what this CLI trains with when no flag sets them: the engine's defaults, no clipping)
+    values.update(betas=(0.9, 0.999), eps=1e-8, adamw=True, max_grad_norm=None,
+                  warmup_min_lr=0.0)
     # (--steps is the run's length, total_num_steps the schedule's: it fills "auto" only)
     overrides = {name: values[name] for dest, name in _DS_FLAGS.items()
                  if dest in explicit and dest != "steps" and values[name] is not None}

@@ -418,6 +418,19 @@ def test_an_unresolved_auto_names_its_key(missing, key):
         parse(HF_STYLE, **overrides)
 
 
+def test_fallbacks_fill_auto_batch_sizes():
+    config = {k: "auto" for k in ("train_batch_size", "train_micro_batch_size_per_gpu",
+                                  "gradient_accumulation_steps")}
+    s = parse_deepspeed_config(config, fallbacks=dict(train_micro_batch_size_per_gpu=4,
+                                                      gradient_accumulation_steps=3),
+                               world_size=2)
+    assert (s.train_micro_batch_size_per_gpu, s.gradient_accumulation_steps,
+            s.train_batch_size) == (4, 3, 24)
+    s = parse_deepspeed_config({**config, "train_batch_size": 24},
+                               fallbacks=dict(gradient_accumulation_steps=3), world_size=2)
+    assert s.train_micro_batch_size_per_gpu == 4
+
+
 def test_an_override_that_contradicts_the_config_raises():
     config = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "bf16": {"enabled": True}}
     with pytest.raises(ValueError, match=r"lr=0.01 conflicts .* optimizer\.params\.lr=0\.001"):
@@ -496,6 +509,21 @@ def test_cli_resume_continues_the_configured_schedule(tmp_path):
         assert run.returncode == 0, run.stderr
     losses = json.loads((tmp_path / "whole.json").read_text())["losses"]
     assert json.loads((tmp_path / "rest.json").read_text())["losses"] == losses[2:]
+
+
+def test_cli_fills_a_transformers_style_config_from_its_flags(tmp_path):
+    from offload_zero import cli, train
+
+    (tmp_path / "ds.json").write_text(json.dumps(HF_STYLE))
+    args = cli.build_parser().parse_args(["train", "--deepspeed", str(tmp_path / "ds.json"),
+                                          "--steps", "40", "--dtype", "bf16", "--lr", "1e-3",
+                                          "--batch-size", "2", "--grad-accum", "3"])
+    settings = train.apply_deepspeed_config(args)
+    assert (args.stage, args.dtype, args.lr, args.batch_size, args.grad_accum) == (
+        3, "bf16", 1e-3, 2, 3)
+    assert args.offload == "none" and args.warmup == 4  # (no offload section; steps / 10)
+    assert settings.schedule.params["total_num_steps"] == 40
+    assert args.ds_kwargs["betas"] == (0.9, 0.999) and "max_grad_norm" not in args.ds_kwargs
 
 
 def test_cli_flag_in_conflict_with_the_config_is_one_line(tmp_path):
