@@ -16,8 +16,9 @@ Nothing of accelerate is patched. [Note: accelerate's prepare]
   testing them with ``isinstance`` against its DataLoader, Module, Optimizer and LRScheduler
   classes; a failed ``isinstance`` reads ``obj.__class__``. The engine's ``__class__`` is a
   property returning its type, as for any object, that raises instead when the caller is
-  accelerate's code (:func:`refuse_in_accelerate`), as ``unittest.mock`` answers
-  ``isinstance`` through ``__class__``.
+  accelerate's ``prepare`` or one of its ``_prepare_*`` helpers (:func:`refuse_in_accelerate`;
+  other accelerate calls, ``unwrap_model`` say, are left alone), as ``unittest.mock``
+  answers ``isinstance`` through ``__class__``.
 - ``accelerator.accumulate(model)`` reads nothing of the model in one process, so it cannot be
   refused without patching accelerate: with an engine, use ``gradient_accumulation_steps=N``
   and keep ``Accelerator(gradient_accumulation_steps=1)`` (the default).
@@ -49,8 +50,9 @@ class RefusePrepare:
 
 def refuse_in_accelerate(frame, what: str) -> None:
     """Raise ValueError naming ``what`` and the pattern that works if ``frame`` (the caller of
-    an ``isinstance`` test on the engine) is code of the ``accelerate`` package."""
-    module = frame.f_globals.get("__name__", "") if frame is not None else ""
-    if module == "accelerate" or module.startswith("accelerate."):
-        raise ValueError(f"accelerator.prepare({what}) or another accelerate call was given "
-                         f"the engine: {PATTERN}")
+    an ``isinstance`` test on the engine) is ``Accelerator.prepare`` or one of its
+    ``_prepare_*`` helpers."""
+    if frame is None or frame.f_globals.get("__name__") != "accelerate.accelerator":
+        return
+    if frame.f_code.co_name.lstrip("_").startswith("prepare"):
+        raise ValueError(f"accelerator.prepare({what}): {PATTERN}")
