@@ -63,7 +63,7 @@ setup(
     install_requires=["torch>=2.1", "numpy", "psutil", "libaio", "safetensors"],
     extras_require={
         "train": ["transformers>=4.40", "tqdm", "matplotlib"],
-        "test": ["pytest", "transformers>=4.40", "peft"],
+        "test": ["pytest", "transformers>=4.40", "peft", "accelerate"],
     },
     entry_points={"console_scripts": ["offload-zero=offload_zero.cli:main"]},
     ext_modules=ext_modules,

@@ -71,6 +71,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _explicit_flags(argv: Optional[List[str]]) -> set:
+    """The dests of the flags ``argv`` gives (not their defaults): parsed again with every
+    default suppressed."""
+    parser = build_parser()
+    commands = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    for sub in commands[0].choices.values():
+        for action in sub._actions:
+            action.default = argparse.SUPPRESS
+    given = vars(parser.parse_args(argv))
+    return set(given) - {"command", "_module"}
+
+
 def _cleanup(args) -> str:
     """What an interrupted command cleaned up, for its last line: only the commands that write
     swap or test files have any. Files still under ``--path`` (a clean-up cut short) are named
@@ -89,6 +101,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     """Parse ``argv`` (default ``sys.argv[1:]``), run the command, return the exit status."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.explicit_flags = _explicit_flags(argv)
     logging.basicConfig(level=logging.INFO, format=f"{PROG}: %(levelname)s: %(message)s")
     # SIGTERM (torchrun, Slurm, docker stop) unwinds like Ctrl-C, so every `with` block closes
     # and swap files and temporary folders are removed.

@@ -13,6 +13,7 @@ import dataclasses
 import logging
 import math
 import os
+import sys
 import warnings
 import weakref
 from typing import Dict, Iterator, List, Optional
@@ -20,6 +21,7 @@ from typing import Dict, Iterator, List, Optional
 import torch
 import torch.nn as nn
 
+from offload_zero.accelerate_guard import RefusePrepare, refuse_in_accelerate
 from offload_zero.comm import Comm, init_from_env
 from offload_zero.lockstep import Phase
 from offload_zero.config import EngineConfig, Tier, check_number
@@ -92,6 +94,10 @@ class OffloadEngine:
             dynamic by default with ``dtype=torch.float16``), or None without loss scaling.
         skipped_steps: steps that updated nothing (or, with ``step_in_backward``, not every flat
             parameter) because a gradient held an inf/nan.
+        lr_scheduler: None, or a torch LR scheduler on :attr:`optimizer` that :meth:`step`
+            steps after each update it makes (not after a skipped one, nor between accumulated
+            micro-batches), as DeepSpeed steps its configured schedule
+            (:func:`offload_zero.from_deepspeed_config` sets it). Do not step it yourself too.
 
     Memory per rank (Ψ parameters, N ranks, bf16 compute): 4Ψ + 12Ψ/N at stage 1, 2Ψ + 14Ψ/N at
     stage 2, 16Ψ/N at stage 3, split over the tiers as ``offload`` says; :meth:`memory_report`
@@ -105,6 +111,10 @@ class OffloadEngine:
                  param_groups=None, **kwargs):
         if not isinstance(model, nn.Module):
             raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if getattr(model, "_is_accelerate_prepared", None) is True:
+            raise ValueError(f"model {type(model).__name__} was prepared by accelerate; wrap "
+                             "the model itself (the engine places and shards it), and prepare "
+                             "only the data loader")
         if getattr(model, _WRAPPED, False):
             raise ValueError(f"model {type(model).__name__} is already wrapped by an "
                              "OffloadEngine: its parameters live in that engine (and go with "
@@ -157,6 +167,7 @@ class OffloadEngine:
         self._micro_steps = 0           # step() calls since the engine was built
         self._micro_stepped = False     # step() ended a micro-batch, no backward since
         self.skipped_steps = 0
+        self.lr_scheduler = None  # stepped after each update (see the class docstring)
         # fp16: the loss is scaled up before backward, the update scales the gradients down
         self.loss_scaler = cfg.make_loss_scaler()
         pin = self.device.type == "cuda"
@@ -183,6 +194,16 @@ class OffloadEngine:
         # the model's own parameters(), state_dict(), load_state_dict() and in-place writes
         from offload_zero.exposure import ModelExposure
         self._exposure = ModelExposure(self)
+        # accelerator.prepare(model) raises (see [Note: accelerate's prepare])
+        object.__setattr__(model, "_is_accelerate_prepared", RefusePrepare("model"))
+
+    @property
+    def __class__(self):
+        """``type(self)``; but an ``isinstance`` test of the engine by accelerate (its
+        ``prepare(engine)``) raises ValueError naming the pattern that works (see [Note:
+        accelerate's prepare] in :mod:`offload_zero.accelerate_guard`)."""
+        refuse_in_accelerate(sys._getframe(1), "engine")
+        return type(self)
 
     # -- construction ------------------------------------------------------------------------
     def _build(self, model: nn.Module) -> None:
@@ -933,8 +954,11 @@ class OffloadEngine:
                 self._micro_steps += 1
                 self._micro_stepped = True
                 return
+            skipped = self.skipped_steps
             self._update_step(self._hypers())
             self._micro_steps += 1
+            if self.lr_scheduler is not None and self.skipped_steps == skipped:
+                self.lr_scheduler.step()
 
     def _update_step(self, hypers: tuple) -> None:
         """Update every trainable flat parameter with the parameter groups' ``hypers``

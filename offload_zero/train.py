@@ -212,6 +212,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     out.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     out.add_argument("--memory-plot", metavar="FILE.png", default=None,
                      help="draw bytes per tier (device, host, NVMe) over the steps to this PNG")
+    engine.add_argument("--deepspeed", metavar="DS.json", default=None,
+                        help="take stage, offload, dtype, optimizer, clipping, schedule, batch "
+                             "size and accumulation from a DeepSpeed config (see "
+                             "docs/deepspeed.md); a flag given as well must agree with it, and "
+                             "fills its \"auto\" values")
     engine.add_argument("--activation-checkpointing", action="store_true",
                         help="recompute each layer's forward in backward (less activation memory)")
     engine.add_argument("--step-in-backward", action=argparse.BooleanOptionalAction, default=None,
@@ -242,7 +247,7 @@ def _step_in_backward(args) -> bool:
                          "--no-step-in-backward (or --grad-accum 1)")
     if args.step_in_backward is None:  # (an explicit --step-in-forward turns it off)
         return (args.stage >= 2 and args.dtype != "fp16" and not args.step_in_forward
-                and accum == 1)
+                and accum == 1 and not getattr(args, "ds_kwargs", {}).get("max_grad_norm"))
     return args.step_in_backward
 
 
@@ -424,6 +429,7 @@ def format_summary(s: Dict[str, Any]) -> str:
         + (", step in backward" if s.get("step_in_backward") else "")
         + (", step in forward" if s.get("step_in_forward") else "")
         + (f", {s['grad_accum']} micro-batches a step" if s.get("grad_accum", 1) > 1 else ""),
+    ] + ([f"  deepspeed    {s['deepspeed']}"] if s.get("deepspeed") else []) + [
         f"  loss         first {s['first_loss']:.4f} -> last {s['last_loss']:.4f} "
         f"(mean of {k} step(s) each)" + _skipped_note(s),
         f"  peak memory  engine-held (accounting): device {_fmt_bytes(peak['device'])} | "
@@ -488,8 +494,9 @@ def _train_loop(engine, batches, args, warmup: int, tokens_per_step: int,
     start = time.perf_counter()
     try:
         for step in range(start_step, args.steps):
-            lr = lr_at(step, args.steps, args.lr, warmup)
-            engine.set_lr(lr)
+            if getattr(engine, "lr_scheduler", None) is None:
+                engine.set_lr(lr_at(step, args.steps, args.lr, warmup))
+            lr = engine.lr  # (a DeepSpeed schedule steps itself after each update)
             micro = []
             for _ in range(args.grad_accum):
                 input_ids, labels = next(batches)  # (B, T) int64 each
@@ -532,8 +539,11 @@ def save_training_state(engine, args: argparse.Namespace, step: int, run_state: 
     :func:`resumed_step` checks: the data order, the layout, the schedule, the corpus), for
     ``--resume``. Collective. Atomic: a failed save leaves the previous one, and raises
     ``ValueError`` naming ``--checkpoint`` and the cause (e.g. no space left on the device)."""
+    state = {"step": step, **run_state}
+    if getattr(engine, "lr_scheduler", None) is not None:  # (--deepspeed's schedule)
+        state["lr_scheduler"] = engine.lr_scheduler.state_dict()
     try:
-        engine.save_checkpoint(args.checkpoint, client_state={"step": step, **run_state})
+        engine.save_checkpoint(args.checkpoint, client_state=state)
     except OSError as exc:
         raise ValueError(f"--checkpoint {args.checkpoint!r} cannot be written at step {step}: "
                          f"{exc}; the checkpoint saved before (if any) is kept") from None
@@ -748,6 +758,80 @@ def check_args(args: argparse.Namespace) -> None:
     if args.save is not None:
         check_save_dir(args.save)
     check_checkpoint_args(args)
+
+
+# train flag (its dest) -> the engine keyword or DeepSpeed name it sets (see --deepspeed)
+_DS_FLAGS = {"stage": "stage", "lr": "lr", "weight_decay": "weight_decay",
+             "grad_accum": "gradient_accumulation_steps",
+             "batch_size": "train_micro_batch_size_per_gpu", "dtype": "dtype",
+             "steps": "total_num_steps", "warmup": "warmup_num_steps", "path": "path"}
+
+
+def explicit_flags(args: argparse.Namespace) -> set:
+    """The dests of the flags given on the command line: ``args.explicit_flags`` (set by
+    :func:`offload_zero.cli.main`), else those whose value differs from the default."""
+    given = getattr(args, "explicit_flags", None)
+    if given is not None:
+        return set(given)
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    defaults = vars(parser.parse_args([]))
+    return {k for k, v in vars(args).items() if k in defaults and defaults[k] != v}
+
+
+def apply_deepspeed_config(args: argparse.Namespace):
+    """``--deepspeed FILE``: map the config (:func:`offload_zero.deepspeed_config.
+    parse_deepspeed_config`) onto ``args`` (stage, offload, path, dtype, lr, weight decay,
+    accumulation, batch size) and ``args.ds_kwargs`` (the engine keywords no flag has). Flags
+    given explicitly must agree with the config (ValueError naming both otherwise); every
+    flag's value, given or default, resolves the config's ``"auto"``. Returns the
+    :class:`~offload_zero.deepspeed_config.DeepSpeedSettings`."""
+    from offload_zero.deepspeed_config import parse_deepspeed_config
+
+    explicit = explicit_flags(args)
+    values = {name: getattr(args, dest) for dest, name in _DS_FLAGS.items()}
+    values["dtype"] = _DTYPES[args.dtype]
+    values["warmup_num_steps"] = (args.warmup if args.warmup is not None
+                                  else min(100, args.steps // 10))
+    # (what this CLI trains with when no flag sets them: the engine's defaults, no clipping)
+    values.update(betas=(0.9, 0.999), eps=1e-8, adamw=True, max_grad_norm=None,
+                  warmup_min_lr=0.0)
+    # (--steps is the run's length, total_num_steps the schedule's: it fills "auto" only)
+    overrides = {name: values[name] for dest, name in _DS_FLAGS.items()
+                 if dest in explicit and dest != "steps" and values[name] is not None}
+    if "offload" in explicit:
+        if args.offload == "auto":
+            raise ValueError("--offload auto cannot be combined with --deepspeed: the config "
+                             "places the state (zero_optimization.offload_*)")
+        overrides["offload_optimizer"] = args.offload
+        if args.offload == "nvme" and args.stage == 3:
+            overrides["offload_param"] = "nvme"
+    try:
+        settings = parse_deepspeed_config(args.deepspeed, overrides, fallbacks=values)
+    except ValueError as exc:  # name the flags, not the keywords
+        msg = str(exc)
+        for dest, name in _DS_FLAGS.items():
+            flag = "--" + dest.replace("_", "-")
+            if msg.startswith(f"{name}="):
+                msg = f"{flag} " + msg[len(name) + 1:]
+            msg = msg.replace(f"pass {name}=... beside the config", f"give {flag}")
+        raise ValueError(f"--deepspeed {args.deepspeed}: {msg}") from None
+    kw = dict(settings.engine_kwargs)
+    args.stage = kw.pop("stage", args.stage)
+    args.lr = kw.pop("lr", args.lr)
+    args.weight_decay = kw.pop("weight_decay", args.weight_decay)
+    args.grad_accum = kw.pop("gradient_accumulation_steps")
+    args.batch_size = settings.train_micro_batch_size_per_gpu or args.batch_size
+    dtype = kw.pop("dtype", _DTYPES[args.dtype])
+    args.dtype = next(k for k, v in _DTYPES.items() if v == dtype)
+    devices = (kw.setdefault("offload_optimizer", "none"), kw.setdefault("offload_param", "none"))
+    args.offload = "nvme" if "nvme" in devices else "cpu" if "cpu" in devices else "none"
+    args.path = kw.pop("path", args.path)
+    kw.pop("offload", None)
+    if settings.schedule is not None:
+        args.warmup = min(settings.schedule.params["warmup_num_steps"], args.steps)
+    args.ds_kwargs = kw
+    return settings
 
 
 def _run_identity(args: argparse.Namespace) -> Dict[str, Any]:
@@ -1036,6 +1120,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     from offload_zero import OffloadEngine
 
     setup_start = time.perf_counter()
+    settings = apply_deepspeed_config(args) if getattr(args, "deepspeed", None) else None
     check_args(args)  # fail now, not after the whole run
     saved = read_resume_state(args) if args.resume else None
     if (saved is not None and args.step_in_backward is None and not args.step_in_forward
@@ -1063,12 +1148,13 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         check_disk_space(args.path, nvme_need)
 
     with _disk_full_as_value_error(args.path, nvme_need), \
-            _swap_folder(args.offload, args.path) as path, OffloadEngine(
+            _swap_folder(args.offload, args.path) as path, (settings.build if settings else OffloadEngine)(
             model, offload=args.offload, path=path, stage=args.stage, lr=args.lr,
             weight_decay=args.weight_decay, dtype=_DTYPES[args.dtype],
             activation_checkpointing=args.activation_checkpointing,
             step_in_backward=step_in_backward, step_in_forward=step_in_forward,
-            gradient_accumulation_steps=args.grad_accum) as engine:
+            gradient_accumulation_steps=args.grad_accum,
+            **getattr(args, "ds_kwargs", {})) as engine:
         rank, world_size = engine.rank, engine.world_size
         offload_shown = args.offload
         if args.offload == "auto":  # say what was chosen
@@ -1084,6 +1170,8 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         if args.resume:
             for _ in range(start_step * args.grad_accum):  # the batches the saved run trained on
                 next(batches)
+            if engine.lr_scheduler is not None and "lr_scheduler" in saved:
+                engine.lr_scheduler.load_state_dict(saved["lr_scheduler"])
         engine.train()
         tokens_per_step = args.batch_size * args.seq_len * world_size * args.grad_accum
         setup_s = time.perf_counter() - setup_start
@@ -1120,7 +1208,9 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
                             lr=args.lr, warmup=warmup, seed=args.seed, setup_s=setup_s,
                             step_in_backward=step_in_backward,
                             step_in_forward=engine.config.step_in_forward, skipped_steps=skipped,
-                            loss_scale=loss_scale, peak_rss_bytes=peak_rss, saved=saved))
+                            loss_scale=loss_scale, peak_rss_bytes=peak_rss, saved=saved,
+                            deepspeed=(f"{args.deepspeed}: {settings.describe()}"
+                                       if settings else None)))
     if rank == 0:
         print(format_summary(summary), flush=True)
         if args.memory_plot:

@@ -24,6 +24,7 @@ from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 import torch
 import torch.nn as nn
 
+from offload_zero.accelerate_guard import RefusePrepare
 from offload_zero.config import check_number
 
 HYPER_KEYS = ("lr", "betas", "eps", "weight_decay")
@@ -213,6 +214,9 @@ class EngineOptimizer(torch.optim.Optimizer):
     The groups are fixed when the engine is built (``OffloadEngine(param_groups=...)``):
     :meth:`add_param_group` afterwards raises NotImplementedError.
     """
+
+    # accelerator.prepare(engine.optimizer) raises (see [Note: accelerate's prepare])
+    _is_accelerate_prepared = RefusePrepare("engine.optimizer")
 
     def __init__(self, engine, groups: List[dict], defaults: dict):
         """Built by the engine: ``groups`` from :func:`resolve_param_groups`, ``defaults`` the
