@@ -65,6 +65,17 @@ class OffloadEngine:
             of dicts, each with ``params`` (parameters of ``model``, taken before wrapping) and
             any of ``lr``, ``betas``, ``eps``, ``weight_decay``. Trainable parameters in no group
             go to a last group with the values above. See :attr:`optimizer`.
+        load_from: a Hugging Face safetensors checkpoint folder whose weights (any float
+            dtype) become the fp32 master weights, streamed one flat parameter at a time, each
+            rank reading only its shard's bytes; works with a model built on the meta device
+            (never materialised whole) or a normal one (its values are replaced). Names follow
+            ``from_pretrained`` (tied weights, the model's renames, ``base_model_prefix``).
+            See :func:`offload_zero.stream_load.initial_values`.
+        init: ``"model"``: parameters not in ``load_from`` (all without it) come from the
+            model's own initialiser (transformers' ``_init_weights``, else
+            ``reset_parameters()``), one unit at a time; seed torch first for determinism.
+        strict: with ``load_from``, missing or unexpected keys raise ValueError; False
+            loads anyway and lists them in :attr:`load_report`.
         **kwargs: further :class:`EngineConfig` fields (prefetch, unit_classes, max_grad_norm,
             aio_backend, aio_block_size, aio_queue_depth, step_in_backward, step_in_forward,
             ...). At stage 3 with the optimizer state on NVMe, ``step_in_forward`` is on by
@@ -75,7 +86,9 @@ class OffloadEngine:
     Raises:
         ValueError: any invalid argument, naming the value and the valid choices; a missing or
             read-only ``path``; a model without parameters, or one another engine wraps; a
-            parameter in two groups or not in ``model`` (named), a bad group value.
+            parameter in two groups or not in ``model`` (named), a bad group value; a
+            parameter on the meta device without ``load_from``/``init``; a bad checkpoint
+            (missing shard, truncated file, wrong shape, unexpected key: file and key named).
 
     Attributes:
         optimizer: the :class:`offload_zero.optim.facade.EngineOptimizer` (a
@@ -85,6 +98,8 @@ class OffloadEngine:
             dynamic by default with ``dtype=torch.float16``), or None without loss scaling.
         skipped_steps: steps that updated nothing (or, with ``step_in_backward``, not every flat
             parameter) because a gradient held an inf/nan.
+        load_report: ``{"missing_keys": [...], "unexpected_keys": [...]}`` of ``load_from``
+            (empty lists without it, and always when ``strict``).
 
     Memory per rank (Ψ parameters, N ranks, bf16 compute): 4Ψ + 12Ψ/N at stage 1, 2Ψ + 14Ψ/N at
     stage 2, 16Ψ/N at stage 3, split over the tiers as ``offload`` says; :meth:`memory_report`
@@ -95,7 +110,8 @@ class OffloadEngine:
                  stage: int = 3, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, adamw: bool = True, dtype: torch.dtype = torch.float32,
                  device=None, process_group=None, timeout_s: float = 300.0,
-                 param_groups=None, **kwargs):
+                 param_groups=None, load_from=None, init: Optional[str] = None,
+                 strict: bool = True, **kwargs):
         if not isinstance(model, nn.Module):
             raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if getattr(model, _WRAPPED, False):
@@ -158,6 +174,12 @@ class OffloadEngine:
         self.swapper = None
         self.param_home = None
         self.pools: Dict[str, object] = {}  # HostBufferPool | GatherPool, by name
+        from offload_zero.stream_load import initial_values
+        # checked (and buffers filled) before anything is allocated
+        self._initial = initial_values(model, load_from, init, strict)
+        self.load_report = {
+            "missing_keys": list(getattr(self._initial, "missing_keys", [])),
+            "unexpected_keys": list(getattr(self._initial, "unexpected_keys", []))}
         try:
             self._build(model)
             self._build_optimizer(groups, group_of, defaults)
@@ -167,6 +189,10 @@ class OffloadEngine:
                          self.swapper, self.pools, getattr(self, "scheduler", None),
                          getattr(self, "grads", None), getattr(self, "flat_params", []))
             raise
+        finally:
+            if self._initial is not None:
+                self._initial.close()
+            self._initial = None
         # Hooks on tensors live in C++, where the cycle collector cannot see them: the finalizer
         # must not reference the engine, and it removes the hooks itself.
         self._finalizer = weakref.finalize(self, _release, self._acct, self.store,
@@ -388,7 +414,7 @@ class OffloadEngine:
         owner_of = {}
         for (unit, trainable, members), name in zip(planned, _flat_param_names(planned)):
             entries = build_entries(members)
-            values = [p.detach() for p, _ in members]
+            values = self._initial_values(entries, members)
             fp = FlatParam(name, entries, values,
                            trainable, cfg.dtype, self.device, self.rank, self.world_size,
                            keep_unsharded=self._keeps_full_params(), accountant=self._acct,
@@ -406,7 +432,8 @@ class OffloadEngine:
                 owner_of[id(p)] = unit
                 for mod, attr, _ in refs:
                     mod._parameters.pop(attr, None)
-                p.data = torch.empty(0, dtype=p.dtype)  # the engine holds the only copy now
+                # the engine holds the only copy now
+                p.data = torch.empty(0, dtype=p.dtype, device="meta" if p.is_meta else "cpu")
         for unit_index, unit in enumerate(units):
             deps = {owner_of[k] for k, us in users.items() if unit_index in us} - {unit, root}
             unit.deps = sorted(deps, key=lambda u: u.index)
@@ -414,6 +441,18 @@ class OffloadEngine:
             for fp in unit.flat_params:
                 fp.set_views() if fp.keep_unsharded else fp.set_placeholders()
         return blocks, root
+
+    def _initial_values(self, entries, members) -> List[torch.Tensor]:
+        """A flat parameter's initial values, one tensor per entry: the parameters themselves,
+        or (``load_from``/``init``) streamed for the elements this rank keeps (see [Note:
+        streamed initial values] in :mod:`offload_zero.stream_load`)."""
+        if self._initial is None:
+            return [p.detach() for p, _ in members]
+        numel = sum(e.numel for e in entries)
+        shard = shard_numel_for(numel, self.world_size, self.config.dtype)
+        lo, hi = ((0, numel) if self._keeps_full_params()
+                  else (self.rank * shard, min(numel, (self.rank + 1) * shard)))
+        return self._initial.flat_values(entries, members, shard * self.world_size, lo, hi)
 
     def _tail_in_host(self, plan) -> Optional[str]:
         """The name of the flat parameter whose optimizer state stays in host memory
