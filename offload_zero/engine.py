@@ -1228,6 +1228,8 @@ class OffloadEngine:
     def full_state_dict(self, rank0_only: bool = False) -> Dict[str, torch.Tensor]:
         """Every parameter as a full fp32 CPU tensor under the model's own names, plus the
         persistent buffers: what ``model.state_dict()`` has, so a fresh model loads it strictly.
+        It materialises the whole model in host memory (4 bytes per parameter); for a model
+        larger than RAM use :meth:`iter_full_parameters` or :meth:`save_pretrained`.
 
         Trainable parameters come from the fp32 master weights (all-gathered over ranks);
         frozen ones from the compute-dtype shards. A tied parameter appears under each of its
@@ -1262,6 +1264,46 @@ class OffloadEngine:
         if rank0_only and self.rank != 0:
             return {}
         return out
+
+    def iter_full_parameters(self, dtype: Optional[torch.dtype] = None
+                             ) -> Iterator[tuple]:
+        """Yield ``(name, tensor)`` for every parameter name, then every persistent buffer,
+        gathering one flat parameter at a time: host memory holds one flat parameter's fp32
+        values (``padded_numel`` elements) and the tensors yielded from it, not the model.
+
+        Tensors are full CPU tensors of the original shapes: trainable parameters from the
+        fp32 master weights, frozen ones from the compute-dtype shards, as fp32 or cast to
+        ``dtype`` (floating buffers too). A tied parameter comes under each of its names as
+        one tensor object. Collective: every rank must run the iterator to its end (each gets
+        every tensor)."""
+        self._check_open()
+        from offload_zero.hf_export import iter_full_parameters
+        with self._together(Phase.EXPORT):
+            yield from iter_full_parameters(self, dtype)
+
+    def save_pretrained(self, folder, dtype: torch.dtype = torch.bfloat16,
+                        max_shard_size="5GB", tokenizer=None) -> dict:
+        """Write the model as a Hugging Face checkpoint folder that ``from_pretrained`` loads:
+        safetensors shards of at most ``max_shard_size`` (bytes, or ``"5GB"``/``"500MiB"``)
+        named as transformers names them (``model.safetensors`` when one is enough, else
+        ``model-0000k-of-0000N.safetensors`` and ``model.safetensors.index.json``), weights in
+        ``dtype`` (float32, bfloat16, float16), plus ``config.json`` (its ``dtype`` set to
+        ``dtype``), ``generation_config.json`` and ``tokenizer``'s files when given. A tied
+        parameter is written once, under the name transformers keeps.
+
+        Streamed (see [Note: streamed export] in :mod:`offload_zero.hf_export`): gathered one
+        flat parameter at a time across ranks and written by rank 0, so host memory holds
+        about one unit. Atomic: the folder is written as a hidden sibling and swapped in; a
+        failed export leaves an earlier folder intact. Collective. Returns ``{"dir",
+        "weights" (the index or single file), "weights_bytes", "tensors", "shards",
+        "dropped_tied", "files"}``. Raises ValueError for a bad ``dtype`` or size, or a
+        ``folder`` holding files an export does not write; the write's own error (OSError)
+        on rank 0, a RuntimeError naming rank 0 on the others."""
+        self._check_open()
+        from offload_zero.hf_export import save_pretrained
+        with self._together(Phase.EXPORT):
+            return save_pretrained(self, folder, dtype=dtype, max_shard_size=max_shard_size,
+                                   tokenizer=tokenizer)
 
     def save_checkpoint(self, folder, client_state: Optional[dict] = None) -> None:
         """Save the training state to resume from: every rank writes its shard (fp32 master
