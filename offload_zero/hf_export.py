@@ -173,7 +173,7 @@ def _write_weights(engine, tmp: str, shards, dtype) -> Tuple[Dict[str, str], Opt
     weight_map = {spec[0]: names[i] for i, spec in order}
     writing = engine.rank == 0
     f, current, pos, error = None, -1, 0, None
-    for name, tensor in iter_full_parameters(engine, dtype):
+    for name, tensor in engine.iter_full_parameters(dtype):
         if pos >= len(order) or order[pos][1][0] != name:
             continue  # a tied copy's second name
         i, (_, want_dtype, shape) = order[pos]
