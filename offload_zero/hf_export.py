@@ -148,8 +148,8 @@ def _header(specs) -> bytes:
 
 def write_tensor(f, tensor: torch.Tensor) -> None:
     """Append ``tensor``'s bytes (contiguous CPU) to the open file ``f``."""
-    f.write(tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-            if tensor.numel() else b"")
+    if tensor.numel():  # (the tensor's own memory, no copy)
+        f.write(memoryview(tensor.contiguous().reshape(-1).view(torch.uint8).numpy()))
 
 
 def _check_replaceable(final: str) -> None:

@@ -36,18 +36,16 @@ _DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
 INIT_CHOICES = (None, "model")
 
 
-def pread(fd: int, nbytes: int, offset: int) -> bytes:
-    """Read exactly ``nbytes`` at ``offset`` of file descriptor ``fd`` (every checkpoint read
-    goes through here). Raises ValueError on a short read (a file truncated after its header
-    was checked)."""
-    chunks, done = [], 0
-    while done < nbytes:
-        got = os.pread(fd, nbytes - done, offset + done)
-        if not got:
-            raise ValueError(f"short read: {done} of {nbytes} bytes at offset {offset}")
-        chunks.append(got)
-        done += len(got)
-    return b"".join(chunks)
+def pread(fd: int, buf: memoryview, offset: int) -> None:
+    """Fill ``buf`` (a writable byte buffer) from ``offset`` of file descriptor ``fd``: every
+    checkpoint read goes through here. Raises ValueError on a short read (a file truncated
+    after its header was checked)."""
+    done = 0
+    while done < len(buf):
+        got = os.preadv(fd, [buf[done:]], offset + done)
+        if got <= 0:
+            raise ValueError(f"short read: {done} of {len(buf)} bytes at offset {offset}")
+        done += got
 
 
 class TensorInfo:
@@ -109,12 +107,13 @@ class SafetensorsFolder:
         fd = self._fds.get(info.path)
         if fd is None:
             fd = self._fds[info.path] = os.open(info.path, os.O_RDONLY)
-        try:
-            raw = pread(fd, (hi - lo) * size, info.start + lo * size)
-        except (OSError, ValueError) as exc:
-            raise ValueError(f"load_from: reading {key!r} from {info.path!r}: {exc}") from exc
-        return torch.frombuffer(bytearray(raw), dtype=info.dtype) if raw else \
-            torch.empty(0, dtype=info.dtype)
+        out = torch.empty(hi - lo, dtype=info.dtype)
+        if out.numel():
+            try:
+                pread(fd, memoryview(out.view(torch.uint8).numpy()), info.start + lo * size)
+            except (OSError, ValueError) as exc:
+                raise ValueError(f"load_from: reading {key!r} from {info.path!r}: {exc}") from exc
+        return out
 
     def close(self) -> None:
         """Close the open files; idempotent."""
@@ -302,13 +301,13 @@ def initial_values(model: nn.Module, load_from=None, init: Optional[str] = None,
     source.unexpected_keys, source.missing_keys = unexpected, missing
     try:
         where = f" in {checkpoint.folder!r}" if checkpoint is not None else ""
+        if strict and (missing or unexpected):
+            raise ValueError(f"load_from{where}: missing keys {missing[:8]}, unexpected keys "
+                             f"{unexpected[:8]} (strict=False loads anyway)")
         lost = [names[k][0] for k, p in params.items() if k not in key_of and p.is_meta]
         if lost and init is None:
             raise ValueError(f"parameters {lost[:5]} are on the meta device and missing"
                              f"{where}: nothing to build them from (give init='model')")
-        if strict and (missing or unexpected):
-            raise ValueError(f"load_from{where}: missing keys {missing[:8]}, unexpected keys "
-                             f"{unexpected[:8]} (strict=False loads anyway)")
         if missing or unexpected:
             log.warning("load_from%s: missing keys %s, unexpected keys %s", where, missing,
                         unexpected)
