@@ -1296,7 +1296,8 @@ class OffloadEngine:
         about one unit. Atomic: the folder is written as a hidden sibling and swapped in; a
         failed export leaves an earlier folder intact. Collective. Returns ``{"dir",
         "weights" (the index or single file), "weights_bytes", "tensors", "shards",
-        "dropped_tied", "files"}``. Raises ValueError for a bad ``dtype`` or size, or a
+        "dropped_tied", "files"}`` (other ranks list the weight files only). Raises ValueError
+        for a bad ``dtype`` or size, or a
         ``folder`` holding files an export does not write; the write's own error (OSError)
         on rank 0, a RuntimeError naming rank 0 on the others."""
         self._check_open()
