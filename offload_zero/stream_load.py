@@ -302,8 +302,10 @@ def initial_values(model: nn.Module, load_from=None, init: Optional[str] = None,
     try:
         where = f" in {checkpoint.folder!r}" if checkpoint is not None else ""
         if strict and (missing or unexpected):
+            files = [f"{k} ({os.path.basename(checkpoint.tensors[k].path)})"
+                     for k in unexpected[:8]]
             raise ValueError(f"load_from{where}: missing keys {missing[:8]}, unexpected keys "
-                             f"{unexpected[:8]} (strict=False loads anyway)")
+                             f"{unexpected[:8]} (in {files}) (strict=False loads anyway)")
         lost = [names[k][0] for k, p in params.items() if k not in key_of and p.is_meta]
         if lost and init is None:
             raise ValueError(f"parameters {lost[:5]} are on the meta device and missing"

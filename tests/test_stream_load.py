@@ -290,7 +290,7 @@ def test_wrong_shape_and_unexpected_key(checkpoints, tmp_path):
     extra = dict(tensors, **{"model.extra.weight": torch.zeros(2, dtype=torch.bfloat16)})
     save_file(extra, str(folder / name), metadata={"format": "pt"})
     _refused(folder, tmp_path, r"in '.*/c': missing keys \[\], unexpected keys "
-                               r"\['model.extra.weight'\]")
+                               rf"\['model.extra.weight'\] \(in \['model.extra.weight \({name}\)")
     with OffloadEngine(hf_tiny.empty_model(False), offload="cpu", load_from=folder,
                        strict=False) as eng:
         assert eng.load_report["unexpected_keys"] == ["model.extra.weight"]
@@ -319,3 +319,30 @@ def test_not_a_checkpoint_folder_and_bad_init(tmp_path):
         OffloadEngine(hf_tiny.empty_model(False), offload="cpu", load_from=tmp_path)
     with pytest.raises(ValueError, match=r"init='random': valid values are \[None, 'model'\]"):
         OffloadEngine(hf_tiny.empty_model(False), offload="cpu", init="random")
+
+
+def test_cli_model_dir_under_torchrun_streams_a_sharded_checkpoint(tmp_path):
+    """``offload-zero train --model DIR`` on 2 ranks: the model is built empty from
+    config.json and each rank streams its shards of the sharded bf16 checkpoint in; --save
+    exports what both trained."""
+    import subprocess
+    import sys
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), repo) if p))
+    out, saved = tmp_path / "out.json", tmp_path / "saved"
+    ckpt = hf_tiny.write_checkpoint(tmp_path / "ckpt", True, vocab_size=300,
+                                    max_shard_size="40KB")  # (the byte tokenizer fits)
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         "-m", "offload_zero.cli", "train", "--model", ckpt, "--steps", "2",
+         "--stage", "3", "--offload", "cpu", "--seq-len", "16", "--batch-size", "2",
+         "--json", str(out), "--no-progress", "--save", str(saved)],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads(out.read_text())
+    assert summary["world_size"] == 2 and summary["saved"]["dropped_tied"] == ["lm_head.weight"]
+    tuned = hf_tiny.eager_model(saved).state_dict()
+    start = hf_tiny.eager_model(ckpt).state_dict()
+    assert tuned.keys() == start.keys()
+    assert any(not torch.equal(tuned[n], start[n]) for n in start)  # trained
