@@ -74,6 +74,17 @@ class OffloadEngine:
             of dicts, each with ``params`` (parameters of ``model``, taken before wrapping) and
             any of ``lr``, ``betas``, ``eps``, ``weight_decay``. Trainable parameters in no group
             go to a last group with the values above. See :attr:`optimizer`.
+        load_from: a Hugging Face safetensors checkpoint folder whose weights (any float
+            dtype) become the fp32 master weights, streamed one flat parameter at a time, each
+            rank reading only its shard's bytes; works with a model built on the meta device
+            (never materialised whole) or a normal one (its values are replaced). Names follow
+            ``from_pretrained`` (tied weights, the model's renames, ``base_model_prefix``).
+            See :func:`offload_zero.stream_load.initial_values`.
+        init: ``"model"``: parameters not in ``load_from`` (all without it) come from the
+            model's own initialiser (transformers' ``_init_weights``, else
+            ``reset_parameters()``), one unit at a time; seed torch first for determinism.
+        strict: with ``load_from``, missing or unexpected keys raise ValueError; False
+            loads anyway and lists them in :attr:`load_report`.
         **kwargs: further :class:`EngineConfig` fields (prefetch, unit_classes, max_grad_norm,
             aio_backend, aio_block_size, aio_queue_depth, step_in_backward, step_in_forward,
             ...). At stage 3 with the optimizer state on NVMe, ``step_in_forward`` is on by
@@ -84,7 +95,9 @@ class OffloadEngine:
     Raises:
         ValueError: any invalid argument, naming the value and the valid choices; a missing or
             read-only ``path``; a model without parameters, or one another engine wraps; a
-            parameter in two groups or not in ``model`` (named), a bad group value.
+            parameter in two groups or not in ``model`` (named), a bad group value; a
+            parameter on the meta device without ``load_from``/``init``; a bad checkpoint
+            (missing shard, truncated file, wrong shape, unexpected key: file and key named).
 
     Attributes:
         optimizer: the :class:`offload_zero.optim.facade.EngineOptimizer` (a
@@ -98,6 +111,8 @@ class OffloadEngine:
             steps after each update it makes (not after a skipped one, nor between accumulated
             micro-batches), as DeepSpeed steps its configured schedule
             (:func:`offload_zero.from_deepspeed_config` sets it). Do not step it yourself too.
+        load_report: ``{"missing_keys": [...], "unexpected_keys": [...]}`` of ``load_from``
+            (empty lists without it, and always when ``strict``).
 
     Memory per rank (Ψ parameters, N ranks, bf16 compute): 4Ψ + 12Ψ/N at stage 1, 2Ψ + 14Ψ/N at
     stage 2, 16Ψ/N at stage 3, split over the tiers as ``offload`` says; :meth:`memory_report`
@@ -108,7 +123,8 @@ class OffloadEngine:
                  stage: int = 3, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, adamw: bool = True, dtype: torch.dtype = torch.float32,
                  device=None, process_group=None, timeout_s: float = 300.0,
-                 param_groups=None, **kwargs):
+                 param_groups=None, load_from=None, init: Optional[str] = None,
+                 strict: bool = True, **kwargs):
         if not isinstance(model, nn.Module):
             raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if getattr(model, "_is_accelerate_prepared", None) is True:
@@ -176,6 +192,12 @@ class OffloadEngine:
         self.swapper = None
         self.param_home = None
         self.pools: Dict[str, object] = {}  # HostBufferPool | GatherPool, by name
+        from offload_zero.stream_load import initial_values
+        # checked (and buffers filled) before anything is allocated
+        self._initial = initial_values(model, load_from, init, strict)
+        self.load_report = {
+            "missing_keys": list(getattr(self._initial, "missing_keys", [])),
+            "unexpected_keys": list(getattr(self._initial, "unexpected_keys", []))}
         try:
             self._build(model)
             self._build_optimizer(groups, group_of, defaults)
@@ -185,6 +207,10 @@ class OffloadEngine:
                          self.swapper, self.pools, getattr(self, "scheduler", None),
                          getattr(self, "grads", None), getattr(self, "flat_params", []))
             raise
+        finally:
+            if self._initial is not None:
+                self._initial.close()
+            self._initial = None
         # Hooks on tensors live in C++, where the cycle collector cannot see them: the finalizer
         # must not reference the engine, and it removes the hooks itself.
         self._finalizer = weakref.finalize(self, _release, self._acct, self.store,
@@ -419,7 +445,7 @@ class OffloadEngine:
         owner_of, originals = {}, {}
         for (unit, trainable, members), name in zip(planned, _flat_param_names(planned)):
             entries = build_entries(members)
-            values = [p.detach() for p, _ in members]
+            values = self._initial_values(entries, members)
             fp = FlatParam(name, entries, values,
                            trainable, cfg.dtype, self.device, self.rank, self.world_size,
                            keep_unsharded=self._keeps_full_params(), accountant=self._acct,
@@ -438,7 +464,8 @@ class OffloadEngine:
                 owner_of[id(p)] = unit
                 for mod, attr, _ in refs:
                     mod._parameters.pop(attr, None)
-                p.data = torch.empty(0, dtype=p.dtype)  # the engine holds the only copy now
+                # the engine holds the only copy now
+                p.data = torch.empty(0, dtype=p.dtype, device="meta" if p.is_meta else "cpu")
         for unit_index, unit in enumerate(units):
             deps = {owner_of[k] for k, us in users.items() if unit_index in us} - {unit, root}
             unit.deps = sorted(deps, key=lambda u: u.index)
@@ -453,6 +480,18 @@ class OffloadEngine:
     def _grad_pending(self, fp: FlatParam) -> bool:
         """Whether a backward since the last step left a gradient of ``fp`` in the engine."""
         return fp.requires_grad and self._backward_pending and not self._closed
+
+    def _initial_values(self, entries, members) -> List[torch.Tensor]:
+        """A flat parameter's initial values, one tensor per entry: the parameters themselves,
+        or (``load_from``/``init``) streamed for the elements this rank keeps (see [Note:
+        streamed initial values] in :mod:`offload_zero.stream_load`)."""
+        if self._initial is None:
+            return [p.detach() for p, _ in members]
+        numel = sum(e.numel for e in entries)
+        shard = shard_numel_for(numel, self.world_size, self.config.dtype)
+        lo, hi = ((0, numel) if self._keeps_full_params()
+                  else (self.rank * shard, min(numel, (self.rank + 1) * shard)))
+        return self._initial.flat_values(entries, members, shard * self.world_size, lo, hi)
 
     def _tail_in_host(self, plan) -> Optional[str]:
         """The name of the flat parameter whose optimizer state stays in host memory
@@ -1232,6 +1271,8 @@ class OffloadEngine:
     def full_state_dict(self, rank0_only: bool = False) -> Dict[str, torch.Tensor]:
         """Every parameter as a full fp32 CPU tensor under the model's own names, plus the
         persistent buffers: what ``model.state_dict()`` has, so a fresh model loads it strictly.
+        It materialises the whole model in host memory (4 bytes per parameter); for a model
+        larger than RAM use :meth:`iter_full_parameters` or :meth:`save_pretrained`.
 
         Trainable parameters come from the fp32 master weights (all-gathered over ranks);
         frozen ones from the compute-dtype shards. A tied parameter appears under each of its
@@ -1269,6 +1310,47 @@ class OffloadEngine:
         if rank0_only and self.rank != 0:
             return {}
         return out
+
+    def iter_full_parameters(self, dtype: Optional[torch.dtype] = None
+                             ) -> Iterator[tuple]:
+        """Yield ``(name, tensor)`` for every parameter name, then every persistent buffer,
+        gathering one flat parameter at a time: host memory holds one flat parameter's fp32
+        values (``padded_numel`` elements) and the tensors yielded from it, not the model.
+
+        Tensors are full CPU tensors of the original shapes: trainable parameters from the
+        fp32 master weights, frozen ones from the compute-dtype shards, as fp32 or cast to
+        ``dtype`` (floating buffers too). A tied parameter comes under each of its names as
+        one tensor object. Collective: every rank must run the iterator to its end (each gets
+        every tensor)."""
+        self._check_open()
+        from offload_zero.hf_export import iter_full_parameters
+        with self._together(Phase.EXPORT):
+            yield from iter_full_parameters(self, dtype)
+
+    def save_pretrained(self, folder, dtype: torch.dtype = torch.bfloat16,
+                        max_shard_size="5GB", tokenizer=None) -> dict:
+        """Write the model as a Hugging Face checkpoint folder that ``from_pretrained`` loads:
+        safetensors shards of at most ``max_shard_size`` (bytes, or ``"5GB"``/``"500MiB"``)
+        named as transformers names them (``model.safetensors`` when one is enough, else
+        ``model-0000k-of-0000N.safetensors`` and ``model.safetensors.index.json``), weights in
+        ``dtype`` (float32, bfloat16, float16), plus ``config.json`` (its ``dtype`` set to
+        ``dtype``), ``generation_config.json`` and ``tokenizer``'s files when given. A tied
+        parameter is written once, under the name transformers keeps.
+
+        Streamed (see [Note: streamed export] in :mod:`offload_zero.hf_export`): gathered one
+        flat parameter at a time across ranks and written by rank 0, so host memory holds
+        about one unit. Atomic: the folder is written as a hidden sibling and swapped in; a
+        failed export leaves an earlier folder intact. Collective. Returns ``{"dir",
+        "weights" (the index or single file), "weights_bytes", "tensors", "shards",
+        "dropped_tied", "files"}`` (other ranks list the weight files only). Raises ValueError
+        for a bad ``dtype`` or size, or a
+        ``folder`` holding files an export does not write; the write's own error (OSError)
+        on rank 0, a RuntimeError naming rank 0 on the others."""
+        self._check_open()
+        from offload_zero.hf_export import save_pretrained
+        with self._together(Phase.EXPORT):
+            return save_pretrained(self, folder, dtype=dtype, max_shard_size=max_shard_size,
+                                   tokenizer=tokenizer)
 
     def save_checkpoint(self, folder, client_state: Optional[dict] = None) -> None:
         """Save the training state to resume from: every rank writes its shard (fp32 master

@@ -294,17 +294,33 @@ def resolve_size(args: argparse.Namespace) -> ModelSize:
     return size
 
 
-def build_model(args: argparse.Namespace) -> Tuple[torch.nn.Module, Any, str]:
+def model_source(args: argparse.Namespace) -> Dict[str, Any]:
+    """The engine's keyword arguments that give an empty model (``build_model(args,
+    empty=True)``) its values: ``{"load_from": DIR}`` for ``--model DIR`` (streamed from its
+    safetensors), ``{"init": "model"}`` for a preset (the model's own initialiser, one unit at
+    a time, after ``torch.manual_seed(--seed)``)."""
+    return {"load_from": str(args.model)} if args.model is not None else {"init": "model"}
+
+
+def build_model(args: argparse.Namespace, empty: bool = False
+                ) -> Tuple[torch.nn.Module, Any, str]:
     """Build or load the model and its tokenizer.
 
     Returns ``(model, tokenizer, description)``: an fp32 causal LM in train mode, a tokenizer
     with ``encode``/``eos_id``/``vocab_size`` (see :mod:`offload_zero.data`), and a one-line
-    description. Raises ``ValueError`` on conflicting flags, a missing checkpoint, a tokenizer
-    that does not fit the model's vocabulary, or a sequence length beyond the model's.
+    description. With ``empty`` the model's parameters are on the meta device (built under
+    accelerate's ``init_empty_weights()`` from the preset or ``config.json``, nothing read
+    or allocated): give the engine :func:`model_source`'s arguments. Raises ``ValueError`` on
+    conflicting flags, a missing checkpoint, a tokenizer that does not fit the model's
+    vocabulary, or a sequence length beyond the model's.
     """
     import transformers  # deferred: importing transformers takes seconds
 
     torch.manual_seed(args.seed)
+    if empty:
+        from accelerate import init_empty_weights
+    else:
+        init_empty_weights = contextlib.nullcontext
     if args.model is None:
         size = resolve_size(args)
         tokenizer = data_lib.ByteTokenizer()
@@ -315,7 +331,8 @@ def build_model(args: argparse.Namespace) -> Tuple[torch.nn.Module, Any, str]:
             max_position_embeddings=max(args.seq_len, 512),
             bos_token_id=tokenizer.bos_id, eos_token_id=tokenizer.eos_id,
             pad_token_id=tokenizer.pad_id)
-        model = transformers.LlamaForCausalLM(config)
+        with init_empty_weights():
+            model = transformers.LlamaForCausalLM(config)
         return model.train(), tokenizer, f"preset {args.preset or DEFAULT_PRESET} ({size.describe()})"
 
     size_flags = [f for f in ("preset", "hidden_size", "layers", "heads", "intermediate_size")
@@ -329,7 +346,16 @@ def build_model(args: argparse.Namespace) -> Tuple[torch.nn.Module, Any, str]:
                          f"(no config.json)")
     if getattr(args, "no_progress", False):
         transformers.utils.logging.disable_progress_bar()  # its "Loading weights" bar too
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+    if empty:
+        config = transformers.AutoConfig.from_pretrained(str(folder))
+        with init_empty_weights():
+            model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model.tie_weights()  # (init_empty_weights unties them)
+        if (folder / "generation_config.json").is_file():  # as from_pretrained takes it
+            model.generation_config = transformers.GenerationConfig.from_pretrained(str(folder))
+    else:
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(folder),
+                                                                  dtype=torch.float32)
     vocab_rows = model.get_input_embeddings().num_embeddings
     if any((folder / name).is_file() for name in _TOKENIZER_FILES):
         tokenizer = data_lib.HFTokenizer(transformers.AutoTokenizer.from_pretrained(str(folder)))
@@ -1107,6 +1133,18 @@ def _tokenizer_to_save(args: argparse.Namespace, tokenizer) -> Any:
     return transformers.AutoTokenizer.from_pretrained(str(args.model))
 
 
+def export(engine, args: argparse.Namespace, tokenizer) -> Dict[str, Any]:
+    """``--save``: ``engine.save_pretrained(args.save)`` in fp32 (as trained), with the
+    tokenizer; returns its summary dict. Collective. Raises ``ValueError`` naming the folder if
+    it cannot be written."""
+    try:
+        return engine.save_pretrained(args.save, dtype=torch.float32,
+                                      tokenizer=(_tokenizer_to_save(args, tokenizer)
+                                                 if engine.rank == 0 else None))
+    except OSError as exc:
+        raise ValueError(f"--save {str(args.save)!r}: cannot write the checkpoint: {exc}") from exc
+
+
 def run(args: argparse.Namespace) -> Dict[str, Any]:
     """Run ``offload-zero train`` for parsed ``args``; return the summary dict.
 
@@ -1138,9 +1176,8 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     run_state = {**_run_identity(args), "steps": args.steps, "lr": args.lr, "warmup": args.warmup,
                  "stage": args.stage, "dtype": args.dtype, "step_in_backward": step_in_backward,
                  "data": data_id}
-    model, tokenizer, description = build_model(args)
+    model, tokenizer, description = build_model(args, empty=True)
     params = sum(p.numel() for p in model.parameters())
-    tied = tied_weight_patterns(model)
     warmup = args.warmup if args.warmup is not None else min(100, args.steps // 10)
     nvme_need = None
     if args.offload == "nvme":
@@ -1154,7 +1191,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
             activation_checkpointing=args.activation_checkpointing,
             step_in_backward=step_in_backward, step_in_forward=step_in_forward,
             gradient_accumulation_steps=args.grad_accum,
-            **getattr(args, "ds_kwargs", {})) as engine:
+            **getattr(args, "ds_kwargs", {}), **model_source(args)) as engine:
         rank, world_size = engine.rank, engine.world_size
         offload_shown = args.offload
         if args.offload == "auto":  # say what was chosen
@@ -1185,15 +1222,10 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         peak_rss = peak_rss_bytes()
         if world_size > 1:
             losses, report, peak_rss = _reduce_across_ranks(losses, report, peak_rss)
-        # every rank takes part in the gathers; only rank 0 gets (and writes) the weights
-        state = engine.full_state_dict(rank0_only=True) if args.save else {}
-
-    saved = None
-    if args.save and rank == 0:
-        saved = save_checkpoint(args.save, state, config=getattr(model, "config", None),
-                                generation_config=getattr(model, "generation_config", None),
-                                tokenizer=_tokenizer_to_save(args, tokenizer), tied_patterns=tied)
-    del state
+        # every rank takes part in the gathers; rank 0 writes, one unit at a time
+        saved = export(engine, args, tokenizer) if args.save else None
+        if rank != 0:
+            saved = None
     summary = summarize(losses, report, wall_s=wall_s, tokens=tokens_per_step * (args.steps - start_step),
                         extra=dict(
                             model=description, params=params,

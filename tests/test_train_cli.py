@@ -454,17 +454,19 @@ def test_warmup_more_than_steps_is_an_error(capsys):
 # --- --save -----------------------------------------------------------------------------------
 
 def _run_capturing_weights(monkeypatch, argv):
-    """``train.run`` in process; returns (summary, what engine.full_state_dict returned)."""
+    """``train.run`` in process; returns (summary, the fp32 tensors the export took from
+    engine.iter_full_parameters, by name)."""
     from offload_zero import OffloadEngine
 
     captured = {}
-    original = OffloadEngine.full_state_dict
+    original = OffloadEngine.iter_full_parameters
 
     def spy(self, *args, **kwargs):
-        captured.update(original(self, *args, **kwargs))
-        return captured
+        for name, tensor in original(self, *args, **kwargs):
+            captured[name] = tensor
+            yield name, tensor
 
-    monkeypatch.setattr(OffloadEngine, "full_state_dict", spy)
+    monkeypatch.setattr(OffloadEngine, "iter_full_parameters", spy)
     summary = train.run(_parse(*argv, "--no-progress", *FAST))
     assert captured, "--save did not take the engine's weights"
     return summary, captured

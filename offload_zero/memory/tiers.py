@@ -202,7 +202,8 @@ class NVMeStore:
         return getattr(fp, "name", None) in self._host_names
 
     def add(self, fp, master_shard: torch.Tensor, alias: Optional[torch.Tensor] = None) -> None:
-        """Create ``fp``'s file and write the initial master (and zero moments) to it; for a
+        """Create ``fp``'s file and write the initial master to it (the moments' bytes, never
+        written, read as zeros); for a
         flat parameter kept in host memory, allocate its state there instead (``alias``: an
         fp32 tensor to use as its master, as in :meth:`HostStore.add`; ignored otherwise)."""
         if self.in_host(fp):
@@ -215,14 +216,13 @@ class NVMeStore:
         self._acct.add(Tier.NVME, StateKind.MASTER, self._master_bytes(n))
         self._acct.add(Tier.NVME, StateKind.MOMENTS, 8 * n)
         c = self._chunk
+        # the moments' regions are left as allocated: a new file (fallocate'd or sparse)
+        # reads as zeros, so 8 bytes per element are never written
         for lo in range(0, n, c):
             hi = min(n, lo + c)
-            views = self._views(0, hi - lo)
-            views[0].copy_(master_shard[lo:hi])
-            views[1].zero_()
-            views[2].zero_()
-            for h in self._io(fp, lo, hi, 0, write=True, key=key, n=n):
-                h.wait()
+            view = self._views(0, hi - lo)[0]
+            view.copy_(master_shard[lo:hi])
+            self.swapper.swap_out(key, view, offset_bytes=4 * lo).wait()
 
     def aliases(self, fp) -> bool:
         """Whether ``fp``'s master weights are its parameter shard itself: only for state kept
