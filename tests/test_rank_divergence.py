@@ -53,23 +53,35 @@ def _experts_rank(rank, world_size, stage, offload, kwargs, routes, steps=3):
     return max((sd[n] - p.detach()).abs().max().item() for n, p in ref.named_parameters())
 
 
-@pytest.mark.parametrize("stage,offload,kwargs", [
-    (1, "cpu", {}), (1, "none", {}), (2, "cpu", {}), (2, "nvme", {}),
-    (2, "cpu", {"step_in_backward": True}), (2, "nvme", {"step_in_backward": True}),
-    (3, "cpu", {"leaf_modules": ["experts"]}), (3, "nvme", {"leaf_modules": ["experts"]}),
-    (3, "cpu", {"leaf_modules": ["experts"], "step_in_backward": True}),
-])
-def test_experts_routed_per_rank_equal_adamw(stage, offload, kwargs):
-    diffs = run_ranks(_experts_rank, 2, stage, offload, kwargs, ROUTES, timeout_s=120)
-    assert max(diffs) <= 1e-6, diffs
-
-
-@pytest.mark.parametrize("kwargs", [{}, {"step_in_backward": True}])
-def test_an_expert_no_rank_used_is_not_updated(kwargs):
+EXPERT_CASES = [  # (stage, offload, engine keywords, routes per rank)
+    (1, "cpu", {}, ROUTES), (1, "none", {}, ROUTES), (2, "cpu", {}, ROUTES),
+    (2, "nvme", {}, ROUTES), (2, "cpu", {"step_in_backward": True}, ROUTES),
+    (2, "nvme", {"step_in_backward": True}, ROUTES),
+    (3, "cpu", {"leaf_modules": ["experts"]}, ROUTES),
+    (3, "nvme", {"leaf_modules": ["experts"]}, ROUTES),
+    (3, "cpu", {"leaf_modules": ["experts"], "step_in_backward": True}, ROUTES),
     # expert 1 runs on no rank: torch.optim skips it (no .grad), and so must the engine;
     # weight decay would move it if it were updated with a zero gradient
-    diffs = run_ranks(_experts_rank, 2, 2, "cpu", kwargs, [[0], [0]], timeout_s=120)
-    assert max(diffs) <= 1e-6, diffs
+    (2, "cpu", {}, [[0], [0]]), (2, "cpu", {"step_in_backward": True}, [[0], [0]]),
+]
+
+
+def _expert_cases_rank(rank, world_size):
+    return [_experts_rank(rank, world_size, *case) for case in EXPERT_CASES]
+
+
+@pytest.fixture(scope="module")
+def expert_diffs():
+    """Every case of :data:`EXPERT_CASES` in one launch of two ranks: ``[rank][case]``."""
+    return run_ranks(_expert_cases_rank, 2, timeout_s=300)
+
+
+@pytest.mark.parametrize("case", range(len(EXPERT_CASES)),
+                         ids=[f"stage{c[0]}-{c[1]}-{'-'.join(c[2]) or 'step'}-{c[3]}"
+                              for c in EXPERT_CASES])
+def test_experts_routed_per_rank_equal_adamw(expert_diffs, case):
+    diffs = [expert_diffs[r][case] for r in range(2)]
+    assert max(diffs) <= 1e-6, (EXPERT_CASES[case], diffs)
 
 
 def _mismatch_rank(rank, world_size, stage, kwargs):
@@ -134,12 +146,15 @@ def _moe_rank(rank, world_size, arch, offload, steps=3):
     return diff, leaves
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
-def test_transformers_moe_at_stage3_equal_adamw(arch):
-    results = run_ranks(_moe_rank, 2, arch, "cpu", timeout_s=180)
-    for diff, leaves in results:
-        assert leaves == ["model.layers.0.mlp", "model.layers.1.mlp"], leaves
-        assert diff <= 1e-6, results
+def _moe_archs_rank(rank, world_size):
+    return {arch: _moe_rank(rank, world_size, arch, "cpu") for arch in ("mixtral", "qwen2_moe")}
+
+
+def test_transformers_moe_at_stage3_equal_adamw():
+    for rank_result in run_ranks(_moe_archs_rank, 2, timeout_s=300):
+        for arch, (diff, leaves) in rank_result.items():
+            assert leaves == ["model.layers.0.mlp", "model.layers.1.mlp"], (arch, leaves)
+            assert diff <= 1e-6, (arch, diff)
 
 
 def _forward_counts_rank(rank, world_size, counts):

@@ -553,7 +553,8 @@ class FlatParam:
         ``originals``: the model's own ``nn.Parameter`` objects, one per entry (in order): each
         becomes its entry's model parameter in place (its class and ``.data`` change), so
         references to it taken before wrapping see the engine's values and writes through
-        them are seen; a parameter of another class (a subclass) is replaced by a new one."""
+        them are seen; a parameter of another class (a subclass), or on another device (the
+        meta device of an empty model), is replaced by a new one."""
         zero = torch.zeros((), dtype=self.dtype, device=self.device)  # (expands to any shape)
         base = self.full.detach()
         self.exposed = []
@@ -563,8 +564,10 @@ class FlatParam:
             else:
                 data, cls = zero.expand(e.shape), _ShardedParam
             p = None if originals is None else originals[i]
-            if p is not None and type(p) is nn.Parameter:
-                p.data = data  # (storage shared with full; p keeps its own version counter)
+            if p is not None and type(p) is nn.Parameter and not p.is_meta:
+                # (storage shared with full; p keeps its own version counter). A parameter of
+                # an empty model (on the meta device) holds nothing to keep: a new one
+                p.data = data
                 p.__class__ = cls
             else:
                 p = cls(data, requires_grad=self.requires_grad)
