@@ -142,6 +142,17 @@ class EngineConfig:
             parameter shard itself, on a CPU device). ``None`` (default): on when that state is
             at most a quarter of the model's (so the NVMe tier still holds most of it); True or
             False forces it (True where it cannot act warns).
+        host_cache_bytes: with the optimizer state on NVMe, host memory (bytes, an int >= 0)
+            that may hold the state of some flat parameters instead of their files: no I/O for
+            those, the same numbers. It is filled in a fixed order (the root's parts: input
+            embeddings, LM head; then the blocks from both ends of the update order), each flat
+            parameter whose state fits in what is left, at 12 bytes per element of its shard (8
+            when its fp32 master is the parameter shard itself, fp32 on a CPU device); the state
+            ``tail_state_in_host`` keeps counts against it (see [Note: host cache] in
+            :mod:`offload_zero.memory.host_cache`). The NVMe bytes read and written per step
+            are then the state bytes of the flat parameters left on NVMe, each way;
+            :meth:`OffloadEngine.memory_report` shows the split (``"host_cache"``). Unused
+            (a UserWarning) when the optimizer state is not on NVMe. Default 0.
         loss_scale: ``"dynamic"``, a number > 0 (a static scale) or None: dynamic with
             ``dtype=torch.float16``, none otherwise. The loss is multiplied by the scale before
             backward and the gradients divided by it in the update (fused into the C++ Adam's
@@ -183,6 +194,7 @@ class EngineConfig:
     step_in_backward: bool = False
     step_in_forward: Optional[bool] = None
     tail_state_in_host: Optional[bool] = None
+    host_cache_bytes: int = 0
     loss_scale: Optional[object] = None
     initial_loss_scale: float = 2.0 ** 16
     loss_scale_window: int = 2000
@@ -217,6 +229,19 @@ class EngineConfig:
                 except ValueError:
                     raise ValueError(f"{name}={value!r} is not valid; it must be an int >= 0 "
                                      "(bytes) or None") from None
+        try:
+            object.__setattr__(self, "host_cache_bytes",
+                               check_int("host_cache_bytes", self.host_cache_bytes, 0))
+        except ValueError:
+            raise ValueError(f"host_cache_bytes={self.host_cache_bytes!r} is not valid; it must "
+                             "be an int >= 0 (bytes of host memory for optimizer state that "
+                             "would otherwise be on NVMe)") from None
+        if (self.host_cache_bytes and self.offload != "auto"
+                and self.offload_optimizer != "nvme"):
+            warnings.warn(f"host_cache_bytes={self.host_cache_bytes} is not used: the optimizer "
+                          f"state is on {self.offload_optimizer!r}, not NVMe (set "
+                          "offload='nvme' or offload_optimizer='nvme')", UserWarning,
+                          stacklevel=4)
         _check_float(self, "lr", low=0.0, low_inclusive=False)
         try:
             betas = tuple(self.betas)

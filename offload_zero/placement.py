@@ -77,13 +77,16 @@ def choose_placement(model: nn.Module, stage: int, world_size: int, dtype: torch
                      step_in_backward: bool = False,
                      tail_state_in_host: Optional[bool] = None,
                      step_in_forward: Optional[bool] = None,
-                     leaf_modules=()) -> PlacementChoice:
+                     leaf_modules=(), host_cache_bytes: int = 0) -> PlacementChoice:
     """Pick the first of :data:`CANDIDATES` whose bytes fit the budgets (``step_in_backward``,
     ``step_in_forward``: count their NVMe read-ahead buffers too). ``step_in_forward=None``
     (the engine's default) tries each candidate as the engine would run it (see
     :func:`offload_zero.config.default_step_in_forward`), then, where that turned
     ``step_in_forward`` on and nothing fitted, the same candidates with the plain step, whose
     host memory is smaller; the choice says which (``PlacementChoice.step_in_forward``).
+    ``host_cache_bytes``: the engine's option (bytes of NVMe-placed optimizer state kept in
+    host memory; see [Note: host cache] in :mod:`offload_zero.memory.host_cache`), counted in
+    the candidates with the state on NVMe.
 
     Raises:
         ValueError: nothing fits; the message names, for the placement that needs the least
@@ -117,7 +120,8 @@ def choose_placement(model: nn.Module, stage: int, world_size: int, dtype: torch
             layout = model_layout(model, unit_classes, leaf_modules)
         p = placement_bytes(model, stage, opt, param, world_size, dtype, prefetch, unit_classes,
                             accelerator, layout=layout, step_in_backward=step_in_backward,
-                            tail_state_in_host=tail_state_in_host, step_in_forward=sif)
+                            tail_state_in_host=tail_state_in_host, step_in_forward=sif,
+                            host_cache_bytes=host_cache_bytes)
         need = {t: p.tier_bytes(t) for t in ("device", "host", "nvme")}
         short = _shortfall(need, budgets)
         tried.append(f"{label}: needs " + ", ".join(f"{t} {_fmt(need[t])}" for t in need)

@@ -151,9 +151,9 @@ class NVMeStore:
             master's NVMe bytes are then accounted as parameters.
 
     A flat parameter whose name was given to :meth:`keep_in_host` before :meth:`add` keeps its
-    state in host memory instead (a :class:`HostStore` inside this one: no file, no I/O):
-    with ``step_in_backward``, the one updated last in backward, whose I/O no compute is left
-    to hide.
+    state in host memory instead (a :class:`HostStore` inside this one: no file, no I/O): the
+    ones whose I/O has the least compute to hide behind, as ``host_cache_bytes`` allows (see
+    [Note: host cache] in :mod:`offload_zero.memory.host_cache`).
 
     Raises:
         offload_zero.memory.swapper.SwapIOError: an I/O failed; it names file and offset.
@@ -188,6 +188,7 @@ class NVMeStore:
         self._keys: Dict[object, str] = {}
         self._host = HostStore(accountant, host_alloc)   # state kept in host memory
         self._host_names: set = set()
+        self._moved = [0, 0]  # state bytes submitted: [read, written]
         self._closed = False
 
     def keep_in_host(self, name: str) -> None:
@@ -246,6 +247,7 @@ class NVMeStore:
         n = n or self._numel[fp]
         op = self.swapper.swap_out if write else self.swapper.swap_in
         views = views if views is not None else self._views(slot, hi - lo)
+        self._moved[write] += sum(v.numel() * v.element_size() for v in views)
         return [op(key, view, offset_bytes=4 * (part * n + lo)) for part, view in enumerate(views)]
 
     # -- whole-state read-ahead (step_in_backward) ----------------------------------------------
@@ -535,6 +537,35 @@ class NVMeStore:
         per = self._bufs[0].numel() * 4 if self._bufs else 0
         return {"buffers": len(self._bufs), "buffer_bytes": per, "capacity_bytes": self._buf_bytes,
                 "in_use": 0, "peak_in_use": self._DEPTH if self._bufs else 0}
+
+    def cache_report(self) -> dict:
+        """The optimizer state's split between host memory and NVMe (see [Note: host cache]
+        in :mod:`offload_zero.memory.host_cache`): ``{"host_flat_params", "nvme_flat_params"}``
+        (counts) and ``{"host_state_bytes", "nvme_state_bytes"}``: bytes of master weights and
+        moments kept in host memory (:meth:`keep_in_host`), and bytes of the state files, which
+        each step reads and writes once (every flat parameter updated). Units: bytes."""
+        return {"host_flat_params": len(self._host._held),
+                "nvme_flat_params": len(self._numel),
+                "host_state_bytes": sum(mb + sb for mb, sb in self._host._held.values()),
+                "nvme_state_bytes": sum(self.state_file_bytes(fp) for fp in self._numel)}
+
+    def state_file_bytes(self, fp) -> int:
+        """Bytes of ``fp``'s state file (``[master | exp_avg | exp_avg_sq]``), what one update
+        reads and writes; 0 for a state kept in host memory."""
+        return 12 * self._numel.get(fp, 0)
+
+    @property
+    def state_read_bytes(self) -> int:
+        """Bytes of optimizer state (master weights, moments) this store has asked to read
+        from its files since construction (counted as each read starts; a parameter shard
+        read from a master's bytes by :class:`NVMeParamHome` is not counted here)."""
+        return self._moved[False]
+
+    @property
+    def state_written_bytes(self) -> int:
+        """Bytes of optimizer state this store has asked to write to its files since
+        construction (the initial state included; counted as each write starts)."""
+        return self._moved[True]
 
     @property
     def read_bytes(self) -> int:
