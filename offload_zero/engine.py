@@ -15,6 +15,7 @@ import math
 import os
 import warnings
 import weakref
+import zlib
 from typing import Dict, Iterator, List, Optional
 
 import torch
@@ -114,7 +115,7 @@ class OffloadEngine:
                 self.device, cfg.path, cfg.max_device_bytes, cfg.max_host_bytes,
                 step_in_backward=cfg.step_in_backward, tail_state_in_host=cfg.tail_state_in_host,
                 step_in_forward=cfg.step_in_forward, leaf_modules=cfg.leaf_modules,
-                host_cache_bytes=cfg.host_cache_bytes)
+                host_cache_bytes=cfg.host_cache_bytes, moment_dtype=cfg.moment_dtype)
             self.config = cfg = dataclasses.replace(
                 cfg, offload_optimizer=self.placement.offload_optimizer,
                 offload_param=self.placement.offload_param,
@@ -291,10 +292,10 @@ class OffloadEngine:
             # next forward's compute is all there is to hide the state's reads and writes
             # behind: a block's read then need not wait for the write-back two blocks before
             count = 3 if cfg.step_in_forward or self._params_from_state() else 2
-            ring = HostBufferPool("optimizer_prefetch", count, 3 * numel, torch.float32,
-                                  self._host_alloc, self._acct)
+            ring = HostBufferPool("optimizer_prefetch", count, self.store.fmt.buffer_numel(numel),
+                                  torch.float32, self._host_alloc, self._acct)
             self.pools["optimizer_prefetch"] = ring
-            self.store.enable_prefetch(ring)
+            self.store.enable_prefetch(ring, numel)
             if cfg.step_in_backward:
                 on_unit_forward = _weakly(self._read_ahead_in_forward)
         self._reduction = None
@@ -400,13 +401,14 @@ class OffloadEngine:
         return (None if tail is None else names[tail]), {names[i] for i in chosen}
 
     def _state_bytes_per_element(self) -> int:
-        """Host bytes of one element's optimizer state kept in host memory: 12 (fp32 master,
-        two fp32 moments), 8 when the fp32 master is the parameter shard itself (fp32 on a
-        CPU device, parameter shards on the device)."""
+        """Host bytes of one element's optimizer state kept in host memory: 4 (fp32 master)
+        plus two moments (4 bytes each, 2 in bf16), the master's 4 less when it is the
+        parameter shard itself (fp32 on a CPU device, parameter shards on the device)."""
         cfg = self.config
         aliased = (self.device.type == "cpu" and cfg.param_tier is Tier.DEVICE
                    and cfg.dtype == torch.float32)
-        return 8 if aliased else 12
+        moments = 2 * torch.empty(0, dtype=cfg.moment_torch_dtype).element_size()
+        return moments + (0 if aliased else 4)
 
     def _build_gather_pools(self):
         """Device slots for gathered units, sized now (see [Note: gather pool]); returns
@@ -447,16 +449,17 @@ class OffloadEngine:
 
     def _build_store(self, plan):
         tier = self.config.optimizer_tier
+        moments = self.config.moment_torch_dtype
         if tier is Tier.DEVICE:
-            return DeviceStore(self._acct, self.device)
+            return DeviceStore(self._acct, self.device, moments)
         if tier is Tier.HOST:
-            return HostStore(self._acct, self._host_alloc)
+            return HostStore(self._acct, self._host_alloc, moments)
         # (a tail state kept in host memory never streams through the pipeline)
         sizes = [shard_numel_for(sum(p.numel() for p, _ in members), self.world_size, self.config.dtype)
                  for (_, trainable, members), name in zip(plan[2], _flat_param_names(plan[2]))
                  if trainable and name not in self._in_host]
         return NVMeStore(self.swapper, self._acct, self._host_alloc, max(sizes, default=1024),
-                         master_is_param=self._master_is_param_on_nvme())
+                         master_is_param=self._master_is_param_on_nvme(), moment_dtype=moments)
 
     def _master_is_param_on_nvme(self) -> bool:
         """fp32 parameter shards and optimizer state both on NVMe: a trainable shard is read
@@ -814,7 +817,7 @@ class OffloadEngine:
                 or store.in_host(fp):
             return False
         later = sum(1 for f in self._lazy if f is not fp and not store.in_host(f)
-                    and 3 * f.shard_numel <= ring.numel)
+                    and store.fits_ahead(f.shard_numel))
         return later <= ring.count - store.deferred_writes - 1
 
     def _read_ahead_lazy(self, order: List[FlatParam]) -> None:
@@ -824,7 +827,7 @@ class OffloadEngine:
         ring = self.pools.get("optimizer_prefetch")
         if ring is None:
             return
-        self._read_ahead([fp for fp in order if 3 * fp.shard_numel <= ring.numel])
+        self._read_ahead([fp for fp in order if self.store.fits_ahead(fp.shard_numel)])
 
     def apply_pending_updates(self) -> None:
         """Apply every update that :meth:`step` decided and ``step_in_forward`` left for the
@@ -1020,9 +1023,12 @@ class OffloadEngine:
         if master.device.type == "cpu":
             out = self._targets[fp]
             out = None if out is None else out[lo:hi]
+            # (bf16 moments: rounding keyed by the element's place in the flat parameter, the
+            # same however the update is cut into chunks and at any world size)
             overflow = adam_step_(master, grad, m, v, step=step, lr=lr, betas=cfg.betas,
                                   eps=cfg.eps, weight_decay=cfg.weight_decay, adamw=cfg.adamw,
-                                  grad_scale=coef, out=out, check_overflow=check_overflow)
+                                  grad_scale=coef, out=out, check_overflow=check_overflow,
+                                  sr_seed=_sr_seed(fp), sr_offset=self.rank * fp.shard_numel + lo)
             if (not overflow and out is not None and fp.home is None
                     and out.data_ptr() != fp.sharded[lo:hi].data_ptr()):
                 # staging buffer -> accelerator shard, chunk by chunk: the buffer is free again
@@ -1326,6 +1332,12 @@ def _checkpoint_forward(module: nn.Module, offload_to_host: bool) -> None:
             return checkpoint(inner, *args, use_reentrant=False, **kwargs)
 
     module.forward = forward
+
+
+def _sr_seed(fp: FlatParam) -> int:
+    """The stochastic-rounding seed of ``fp``'s bf16 moments: a CRC-32 of its name, the same
+    in every run and on every rank."""
+    return zlib.crc32(fp.name.encode())
 
 
 def _flat_shard_fp32(fp: FlatParam, values: List[torch.Tensor]) -> torch.Tensor:

@@ -91,6 +91,7 @@ import torch
 import torch.nn as nn
 
 from offload_zero.config import check_int, check_switch, default_step_in_forward
+from offload_zero.memory.state_format import StateFormat, moment_dtype_of
 
 STAGES = (0, 1, 2, 3)
 OFFLOADS = ("none", "cpu", "nvme")
@@ -105,6 +106,7 @@ _ASPECT = 128          # hidden size per layer (GPT-3 175B: 12288 / 96)
 _ASSUMED_VOCAB = 32000  # Llama vocabulary
 
 Number = Union[int, Fraction]
+_FP32_STATE = StateFormat()  # fp32 master weights and moments
 
 
 @dataclasses.dataclass(frozen=True)
@@ -397,7 +399,7 @@ def default_offload_param(offload: str, stage: int) -> str:
 
 def _cached_in_host(layout, stage, offload, n, k, padded, step_in_backward, setting,
                     step_in_forward=False, host_cache_bytes=0, offload_param=None,
-                    accelerator=True):
+                    accelerator=True, fmt=_FP32_STATE):
     """Indices in ``layout`` of the flat parameters whose optimizer state the engine keeps in
     host memory: the one ``tail_state_in_host`` keeps (see
     :func:`offload_zero.partition.units.host_tail_index`) and those ``host_cache_bytes`` takes
@@ -416,12 +418,23 @@ def _cached_in_host(layout, stage, offload, n, k, padded, step_in_backward, sett
         offload_param = default_offload_param(offload, stage)
     param_tier = _TIER_OF[offload_param] if stage == 3 else "device"
     aliased = k == 4 and param_tier == "device" and not accelerator
-    return frozenset(plan_host_cache(flat, host_cache_bytes, 8 if aliased else 12, tail=tail,
+    per_element = fmt.bytes_per_element - (4 if aliased else 0)
+    return frozenset(plan_host_cache(flat, host_cache_bytes, per_element, tail=tail,
                                      blocks_reversed=step_in_backward))
 
 
+def _state_bytes(fmt: StateFormat, numel, padded: bool, moments_only: bool = False):
+    """Bytes of a state of ``numel`` elements in format ``fmt`` (master and moments, or the
+    moments alone): the padded layout of [Note: state layout], or the plain arithmetic
+    (``bytes_per_element``) for an unpadded estimate."""
+    if padded:
+        return fmt.moment_bytes(numel) if moments_only else fmt.nbytes(numel)
+    return (fmt.bytes_per_element - (4 if moments_only else 0)) * numel
+
+
 def _model_states(layout, stage, offload, n, k, padded, offload_param=None,
-                  accelerator=True, cached=frozenset()) -> Dict[str, Dict[str, Number]]:
+                  accelerator=True, cached=frozenset(),
+                  fmt=_FP32_STATE) -> Dict[str, Dict[str, Number]]:
     """Per-rank model-state bytes by tier and kind; see [Note: model-state arithmetic].
     ``cached``: indices of the flat parameters whose state is kept in host memory (see
     :func:`_cached_in_host`)."""
@@ -444,7 +457,7 @@ def _model_states(layout, stage, offload, n, k, padded, offload_param=None,
             out["host"]["gradients"] += 4 * shard
             aliased = k == 4 and param_tier == "device" and not accelerator
             out["host"]["master_weights"] += 0 if aliased else 4 * shard
-            out["host"]["moments"] += 8 * shard
+            out["host"]["moments"] += 2 * fmt.moment_itemsize * shard
             continue
         out[param_tier]["parameters"] += k * (full if stage < 3 else shard)
         if not spec.trainable:
@@ -460,7 +473,9 @@ def _model_states(layout, stage, offload, n, k, padded, offload_param=None,
         aliased = k == 4 and (offload == "none" or (offload == "nvme" and param_tier == "nvme")
                               or (offload == "cpu" and param_tier == "device" and not accelerator))
         out[opt_tier]["master_weights"] += 0 if aliased else 4 * opt
-        out[opt_tier]["moments"] += 8 * opt
+        # (in NVMe files with the padding of [Note: state layout])
+        out[opt_tier]["moments"] += (_state_bytes(fmt, opt, padded, moments_only=True)
+                                     if opt_tier == "nvme" else 2 * fmt.moment_itemsize * opt)
     return out
 
 
@@ -479,7 +494,8 @@ def _shards_adopt_grads(stage, offload, n, k, accelerator) -> bool:
 
 
 def _extras(layout, stage, offload, n, k, padded, prefetch, accelerator, offload_param=None,
-            step_in_backward=False, cached=frozenset(), step_in_forward=False):
+            step_in_backward=False, cached=frozenset(), step_in_forward=False,
+            fmt=_FP32_STATE):
     """Per-rank bytes of this engine's buffers at the step's peak; see [Note: engine extras].
     ``cached``: as for :func:`_model_states`."""
     out = _zeros()
@@ -529,8 +545,8 @@ def _extras(layout, stage, offload, n, k, padded, prefetch, accelerator, offload
                     if spec.trainable and i not in cached]
         # with nothing to stream the engine sizes its buffers for 1024 elements
         from offload_zero.memory.tiers import NVMeStore
-        out["host"]["buffers"] += 3 * 3 * min(max(streamed, default=1024),
-                                              NVMeStore.CHUNK_NUMEL) * 4
+        out["host"]["buffers"] += 3 * _state_bytes(
+            fmt, min(max(streamed, default=1024), NVMeStore.CHUNK_NUMEL), padded)
     if stage == 3 and offload_param == "nvme" and all_shards:
         block_shard = max([sh for sh, u in zip(all_shards, units_of) if u != -1], default=0)
         root_shard = max([sh for sh, u in zip(all_shards, units_of) if u == -1], default=0)
@@ -558,7 +574,8 @@ def _extras(layout, stage, offload, n, k, padded, prefetch, accelerator, offload
                             if u != -1 and spec.trainable and i not in cached]
         count = 3 if (step_in_forward or (step_in_backward and stage == 3
                                           and offload_param == "nvme" and k == 4)) else 2
-        out["host"]["buffers"] += count * 3 * 4 * max(trainable_blocks, default=0)
+        out["host"]["buffers"] += count * _state_bytes(fmt, max(trainable_blocks, default=0),
+                                                       padded)
     if offload != "none" and offload_param == "none" and accelerator and shards:
         out["host"]["buffers"] += biggest * k
     return out
@@ -575,7 +592,7 @@ def estimate_memory(model_or_num_params, world_size: int = 1, gpus_per_node: int
                     largest_unit_numel: Optional[int] = None, root_numel: Optional[int] = None,
                     accelerator: bool = True,
                     step_in_forward: Optional[bool] = None,
-                    host_cache_bytes: int = 0) -> MemoryEstimate:
+                    host_cache_bytes: int = 0, moment_dtype="fp32") -> MemoryEstimate:
     """Estimate training memory in bytes per device, per node (host) and on NVMe.
 
     Accounting from Rajbhandari et al., 2019 (ZeRO), sec. 5: KΨ parameters + KΨ gradients +
@@ -609,6 +626,9 @@ def estimate_memory(model_or_num_params, world_size: int = 1, gpus_per_node: int
         host_cache_bytes: bytes of optimizer state kept in host memory instead of NVMe in the
             ``"nvme"`` rows, an int >= 0 (the engine's option; see [Note: host cache] in
             :mod:`offload_zero.memory.host_cache`). Default 0.
+        moment_dtype: ``"fp32"`` (default) or ``"bf16"``: Adam's moments, 8 or 4 bytes per
+            element of the state (the engine's option; see [Note: state layout] in
+            :mod:`offload_zero.memory.state_format`).
 
     Returns:
         :class:`MemoryEstimate` with the selected placement and the 12-row table (bytes).
@@ -632,6 +652,7 @@ def estimate_memory(model_or_num_params, world_size: int = 1, gpus_per_node: int
     itemsize = torch.empty(0, dtype=dt).element_size()
     step_in_forward = check_switch("step_in_forward", step_in_forward, "the engine's default")
     host_cache_bytes = check_int("host_cache_bytes", host_cache_bytes, 0)
+    fmt = StateFormat(moment_dtype_of(moment_dtype))
     if step_in_forward and stage != 3:
         raise ValueError(f"step_in_forward=True needs stage 3 (as the engine's); got "
                          f"stage={stage}")
@@ -643,11 +664,11 @@ def estimate_memory(model_or_num_params, world_size: int = 1, gpus_per_node: int
             sif = s == 3 and (default_step_in_forward(s, o, False) if step_in_forward is None
                               else step_in_forward)
             cached = _cached_in_host(layout, s, o, world_size, itemsize, padded, False, None,
-                                     sif, host_cache_bytes, accelerator=accelerator)
+                                     sif, host_cache_bytes, accelerator=accelerator, fmt=fmt)
             states = _model_states(layout, s, o, world_size, itemsize, padded,
-                                   accelerator=accelerator, cached=cached)
+                                   accelerator=accelerator, cached=cached, fmt=fmt)
             extras = _extras(layout, s, o, world_size, itemsize, padded, prefetch, accelerator,
-                             cached=cached, step_in_forward=sif)
+                             cached=cached, step_in_forward=sif, fmt=fmt)
             rows.append(Placement(s, o, _to_bytes(states), _to_bytes(extras), gpus_per_node,
                                   engine_supported=s > 0, step_in_forward=sif))
     selected = next(p for p in rows if p.stage == stage and p.offload == offload)
@@ -669,7 +690,7 @@ def placement_bytes(model: nn.Module, stage: int, offload_optimizer: str, offloa
                     layout=None, step_in_backward: bool = False,
                     tail_state_in_host: Optional[bool] = None,
                     step_in_forward: Optional[bool] = None,
-                    host_cache_bytes: int = 0) -> "Placement":
+                    host_cache_bytes: int = 0, moment_dtype="fp32") -> "Placement":
     """Bytes per rank for one placement with the optimizer and parameter tiers set apart.
 
     ``offload_optimizer`` / ``offload_param``: "none", "cpu" or "nvme" (parameters off the
@@ -679,7 +700,8 @@ def placement_bytes(model: nn.Module, stage: int, offload_optimizer: str, offloa
     ``step_in_forward=None``: the engine's default for this placement, see
     :func:`offload_zero.config.default_step_in_forward`); ``host_cache_bytes``: bytes of
     optimizer state the engine keeps in host memory instead of NVMe (see [Note: host cache] in
-    :mod:`offload_zero.memory.host_cache`). Returns a :class:`Placement` whose
+    :mod:`offload_zero.memory.host_cache`); ``moment_dtype``: ``"fp32"`` or ``"bf16"``, the
+    engine's option. Returns a :class:`Placement` whose
     ``offload`` reads ``"<optimizer>+<param>"``. Used by ``offload="auto"``
     (:mod:`offload_zero.placement`).
     """
@@ -689,11 +711,12 @@ def placement_bytes(model: nn.Module, stage: int, offload_optimizer: str, offloa
     k = torch.empty(0, dtype=dt).element_size()
     if layout is None:
         layout = model_layout(model, unit_classes)
+    fmt = StateFormat(moment_dtype_of(moment_dtype))
     cached = _cached_in_host(layout, stage, offload_optimizer, world_size, k, True,
                              step_in_backward, tail_state_in_host, step_in_forward,
-                             host_cache_bytes, offload_param, accelerator)
+                             host_cache_bytes, offload_param, accelerator, fmt=fmt)
     states = _model_states(layout, stage, offload_optimizer, world_size, k, True, offload_param,
-                           accelerator=accelerator, cached=cached)
+                           accelerator=accelerator, cached=cached, fmt=fmt)
     if step_in_backward and _shards_adopt_grads(stage, offload_optimizer, world_size, k,
                                                 accelerator):
         # one rank on a CPU device: the host shards are the gradients' own memory, each used up
@@ -710,7 +733,7 @@ def placement_bytes(model: nn.Module, stage: int, offload_optimizer: str, offloa
                                            + max(taken, default=0))
     extras = _extras(layout, stage, offload_optimizer, world_size, k, True, prefetch, accelerator,
                      offload_param, step_in_backward=step_in_backward, cached=cached,
-                     step_in_forward=step_in_forward)
+                     step_in_forward=step_in_forward, fmt=fmt)
     return Placement(stage, f"{offload_optimizer}+{offload_param}", _to_bytes(states),
                      _to_bytes(extras), 1, engine_supported=stage > 0,
                      step_in_forward=step_in_forward)

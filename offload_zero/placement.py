@@ -77,7 +77,8 @@ def choose_placement(model: nn.Module, stage: int, world_size: int, dtype: torch
                      step_in_backward: bool = False,
                      tail_state_in_host: Optional[bool] = None,
                      step_in_forward: Optional[bool] = None,
-                     leaf_modules=(), host_cache_bytes: int = 0) -> PlacementChoice:
+                     leaf_modules=(), host_cache_bytes: int = 0,
+                     moment_dtype: str = "fp32") -> PlacementChoice:
     """Pick the first of :data:`CANDIDATES` whose bytes fit the budgets (``step_in_backward``,
     ``step_in_forward``: count their NVMe read-ahead buffers too). ``step_in_forward=None``
     (the engine's default) tries each candidate as the engine would run it (see
@@ -86,7 +87,8 @@ def choose_placement(model: nn.Module, stage: int, world_size: int, dtype: torch
     host memory is smaller; the choice says which (``PlacementChoice.step_in_forward``).
     ``host_cache_bytes``: the engine's option (bytes of NVMe-placed optimizer state kept in
     host memory; see [Note: host cache] in :mod:`offload_zero.memory.host_cache`), counted in
-    the candidates with the state on NVMe.
+    the candidates with the state on NVMe; ``moment_dtype``: ``"fp32"`` or ``"bf16"``, the
+    moments' dtype (12 or 8 bytes of state per parameter).
 
     Raises:
         ValueError: nothing fits; the message names, for the placement that needs the least
@@ -121,7 +123,7 @@ def choose_placement(model: nn.Module, stage: int, world_size: int, dtype: torch
         p = placement_bytes(model, stage, opt, param, world_size, dtype, prefetch, unit_classes,
                             accelerator, layout=layout, step_in_backward=step_in_backward,
                             tail_state_in_host=tail_state_in_host, step_in_forward=sif,
-                            host_cache_bytes=host_cache_bytes)
+                            host_cache_bytes=host_cache_bytes, moment_dtype=moment_dtype)
         need = {t: p.tier_bytes(t) for t in ("device", "host", "nvme")}
         short = _shortfall(need, budgets)
         tried.append(f"{label}: needs " + ", ".join(f"{t} {_fmt(need[t])}" for t in need)
