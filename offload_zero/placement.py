@@ -112,6 +112,11 @@ def choose_placement(model: nn.Module, stage: int, world_size: int, dtype: torch
     for opt, param, sif in options:
         if param != "none" and stage != 3:
             continue
+        if opt == "none" and moment_dtype == "bf16" and device.type != "cpu":
+            # (bf16 moments need the host kernel: see EngineConfig's moment_dtype)
+            tried.append(f"{opt}+{param}: skipped, moment_dtype='bf16' needs the optimizer "
+                         "state off the accelerator")
+            continue
         twin = (opt, param, True) in options and not sif  # (the plain step's second try)
         if "nvme" in (opt, param) and path is None:
             if not twin:

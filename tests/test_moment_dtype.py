@@ -190,3 +190,14 @@ def test_bad_moment_dtype_raises_value_error(value):
     with pytest.raises(ValueError, match=r"moment_dtype=.* is not valid; choose one of "
                                          r"\('fp32', 'bf16'\)"):
         OffloadEngine(TinyLM(n_blocks=2), moment_dtype=value)
+
+
+def test_auto_with_bf16_moments_keeps_the_state_off_an_accelerator(tmp_path):
+    """offload="auto" with bf16 moments on an accelerator skips the placements that keep the
+    optimizer state there (its update would run in torch ops), with a line saying why."""
+    from offload_zero.placement import choose_placement
+    choice = choose_placement(TinyLM(n_blocks=2), 3, 1, torch.float32, 1, (),
+                              torch.device("cuda"), str(tmp_path), max_device_bytes=10 ** 12,
+                              max_host_bytes=10 ** 12, moment_dtype="bf16")
+    assert (choice.offload_optimizer, choice.offload_param) == ("cpu", "none")
+    assert choice.tried[0].startswith("none+none: skipped, moment_dtype='bf16'")
