@@ -147,7 +147,8 @@ class EngineConfig:
             those, the same numbers. It is filled in a fixed order (the root's parts: input
             embeddings, LM head; then the blocks from both ends of the update order), each flat
             parameter whose state fits in what is left, at 12 bytes per element of its shard (8
-            when its fp32 master is the parameter shard itself, fp32 on a CPU device); the state
+            with bf16 moments; 4 less when its fp32 master is the parameter shard itself, fp32
+            on a CPU device); the state
             ``tail_state_in_host`` keeps counts against it (see [Note: host cache] in
             :mod:`offload_zero.memory.host_cache`). The NVMe bytes read and written per step
             are then the state bytes of the flat parameters left on NVMe, each way;

@@ -28,6 +28,10 @@ trainable shards): 12 bytes per element there, its fp32 parameter shard then bei
 host master (0 on NVMe), and 8 when its master is the CPU device's shard itself. With
 ``host_cache_bytes`` (any mode) more flat parameters keep their state there by the same
 arithmetic, chosen by :func:`offload_zero.memory.host_cache.plan_host_cache`.
+With ``moment_dtype="bf16"`` the moments take 2 bytes each per element instead of 4 (8Ψ/N
+of optimizer state instead of 12Ψ/N; in NVMe files each moment of a shard is padded to 4096
+bytes, see [Note: state layout] in :mod:`offload_zero.memory.state_format`), and every buffer
+that holds states (pipeline, read-ahead) is sized in that format.
 Frozen parameters (``requires_grad=False``) cost only their compute-dtype copy.
 
 [Note: engine extras]

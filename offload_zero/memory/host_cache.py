@@ -19,7 +19,8 @@ by the estimator alike (:func:`plan_host_cache`):
    ...), whose reads and write-backs start or end the step's stream and overlap least.
 
 A flat parameter's cost is ``bytes_per_element * shard_numel``: 12 (fp32 master, two fp32
-moments), or 8 when its fp32 master is the parameter shard itself (fp32 on a CPU device).
+moments) or 8 (bf16 moments, ``moment_dtype="bf16"``), 4 less when its fp32 master is the
+parameter shard itself (fp32 on a CPU device).
 Everything not chosen stays on NVMe, so the bytes read and written per step are the state
 bytes of the NVMe-resident flat parameters, each way.
 """
@@ -60,8 +61,8 @@ def plan_host_cache(flat: Sequence[FlatInfo], budget_bytes: int, bytes_per_eleme
         flat: ``(block, trainable, shard_numel)`` per flat parameter in construction order
             (``block``: position of its block unit in forward order, None for the root).
         budget_bytes: ``host_cache_bytes``, bytes >= 0.
-        bytes_per_element: host bytes of one element's state (12; 8 when the fp32 master is
-            the parameter shard itself).
+        bytes_per_element: host bytes of one element's state (12 with fp32 moments, 8 with
+            bf16; 4 less when the fp32 master is the parameter shard itself).
         tail: the index ``tail_state_in_host`` keeps (taken whatever the budget), or None.
         blocks_reversed: as for :func:`cache_order`.
 
