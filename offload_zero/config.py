@@ -153,7 +153,10 @@ class EngineConfig:
             :mod:`offload_zero.memory.host_cache`). The NVMe bytes read and written per step
             are then the state bytes of the flat parameters left on NVMe, each way;
             :meth:`OffloadEngine.memory_report` shows the split (``"host_cache"``). Unused
-            (a UserWarning) when the optimizer state is not on NVMe. Default 0.
+            (a UserWarning) when the optimizer state is not on NVMe. ``"auto"`` (with
+            ``offload="auto"`` only): when the chosen placement puts the optimizer state on
+            NVMe, half the host memory the measured budget leaves beside it (see
+            :mod:`offload_zero.placement`). Default 0.
         moment_dtype: ``"fp32"`` (default: exact AdamW, as torch's) or ``"bf16"``: the dtype of
             Adam's two moments wherever the optimizer state lives (host buffers, NVMe files,
             the read-ahead ring, the pipeline, checkpoints). bf16 moments are updated in fp32
@@ -207,7 +210,7 @@ class EngineConfig:
     step_in_backward: bool = False
     step_in_forward: Optional[bool] = None
     tail_state_in_host: Optional[bool] = None
-    host_cache_bytes: int = 0
+    host_cache_bytes: object = 0
     moment_dtype: str = "fp32"
     loss_scale: Optional[object] = None
     initial_loss_scale: float = 2.0 ** 16
@@ -243,13 +246,18 @@ class EngineConfig:
                 except ValueError:
                     raise ValueError(f"{name}={value!r} is not valid; it must be an int >= 0 "
                                      "(bytes) or None") from None
+        if self.host_cache_bytes == "auto" and self.offload != "auto":
+            raise ValueError(f"host_cache_bytes='auto' needs offload='auto' (it sizes the cache "
+                             f"from the measured RAM the placement leaves); got "
+                             f"offload={self.offload!r}: give a number of bytes")
         try:
-            object.__setattr__(self, "host_cache_bytes",
-                               check_int("host_cache_bytes", self.host_cache_bytes, 0))
+            if self.host_cache_bytes != "auto":
+                object.__setattr__(self, "host_cache_bytes",
+                                   check_int("host_cache_bytes", self.host_cache_bytes, 0))
         except ValueError:
             raise ValueError(f"host_cache_bytes={self.host_cache_bytes!r} is not valid; it must "
                              "be an int >= 0 (bytes of host memory for optimizer state that "
-                             "would otherwise be on NVMe)") from None
+                             "would otherwise be on NVMe), or 'auto' with offload='auto'") from None
         if (self.host_cache_bytes and self.offload != "auto"
                 and self.offload_optimizer != "nvme"):
             warnings.warn(f"host_cache_bytes={self.host_cache_bytes} is not used: the optimizer "

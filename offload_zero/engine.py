@@ -119,7 +119,8 @@ class OffloadEngine:
             self.config = cfg = dataclasses.replace(
                 cfg, offload_optimizer=self.placement.offload_optimizer,
                 offload_param=self.placement.offload_param,
-                step_in_forward=self.placement.step_in_forward)
+                step_in_forward=self.placement.step_in_forward,
+                host_cache_bytes=self.placement.host_cache_bytes)
         self.module = model
         self.lr = cfg.lr
         self._closed = False

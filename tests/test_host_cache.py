@@ -223,3 +223,28 @@ def test_bad_host_cache_bytes_raise_value_error(value, tmp_path):
 def test_host_cache_without_nvme_state_warns():
     with pytest.warns(UserWarning, match="host_cache_bytes=4096 is not used"):
         OffloadEngine(TinyLM(n_blocks=2), offload="cpu", host_cache_bytes=4096).close()
+
+
+def test_auto_sizes_the_cache_from_the_host_memory_left(tmp_path):
+    """offload="auto" with host_cache_bytes="auto": the placement chosen puts the optimizer
+    state on NVMe, and its cache is half the host budget it leaves; the engine runs with it."""
+    from offload_zero.placement import choose_placement
+    torch.manual_seed(0)
+    model = CacheLM()
+    plain = placement_bytes(model, 3, "nvme", "nvme", dtype=torch.float32, accelerator=False)
+    budgets = {"max_device_bytes": plain.tier_bytes("device"),
+               "max_host_bytes": plain.tier_bytes("host") + 400_000}
+    choice = choose_placement(model, 3, 1, torch.float32, 1, (), torch.device("cpu"),
+                              str(tmp_path), host_cache_bytes="auto", **budgets)
+    assert choice.offload_optimizer == "nvme"
+    without = placement_bytes(model, 3, "nvme", choice.offload_param, dtype=torch.float32,
+                              accelerator=False)
+    assert choice.host_cache_bytes == (budgets["max_host_bytes"] - without.tier_bytes("host")) // 2
+    assert choice.need["host"] <= budgets["max_host_bytes"]
+    with OffloadEngine(model, offload="auto", path=str(tmp_path), host_cache_bytes="auto",
+                       **budgets) as eng:
+        assert eng.config.host_cache_bytes == choice.host_cache_bytes > 0
+        assert eng.memory_report()["host_cache"]["host_flat_params"] >= 3
+    with pytest.raises(ValueError, match="host_cache_bytes='auto' needs offload='auto'"):
+        OffloadEngine(TinyLM(n_blocks=2), offload="nvme", path=str(tmp_path),
+                      host_cache_bytes="auto")

@@ -201,3 +201,40 @@ def test_auto_with_bf16_moments_keeps_the_state_off_an_accelerator(tmp_path):
                               max_host_bytes=10 ** 12, moment_dtype="bf16")
     assert (choice.offload_optimizer, choice.offload_param) == ("cpu", "none")
     assert choice.tried[0].startswith("none+none: skipped, moment_dtype='bf16'")
+
+
+def _two_rank_run(rank, world_size):
+    """Stage 3 on NVMe at two ranks: all-NVMe fp32 moments, with a host cache; bf16 moments
+    all on NVMe with the plain step, with a host cache and step_in_backward, and on the CPU
+    tier. The weights of each on this rank."""
+    import tempfile
+    out = {}
+    runs = {"fp32": {"step_in_forward": False},
+            "fp32+cache": {"host_cache_bytes": 150_000},
+            "bf16": {"moment_dtype": "bf16", "step_in_forward": False},
+            "bf16+cache+sib": {"moment_dtype": "bf16", "host_cache_bytes": 150_000,
+                               "step_in_backward": True},
+            "bf16+cpu": {"moment_dtype": "bf16", "offload": "cpu"}}
+    for name, extra in runs.items():
+        torch.manual_seed(0)
+        kw = {"offload": "nvme", "stage": 3, "lr": 1e-2, "weight_decay": 0.1, **extra}
+        with tempfile.TemporaryDirectory() as d:
+            if kw["offload"] == "nvme":
+                kw["path"] = d
+            with OffloadEngine(CacheLM(), **kw) as eng:
+                for x, y in batches(4, seed=1, batch=2 * world_size):
+                    lo = rank * 2
+                    eng.backward(lm_loss(eng(x[lo:lo + 2]), y[lo:lo + 2]))
+                    eng.step()
+                out[name] = {k: v.numpy() for k, v in eng.full_state_dict().items()}
+    return out
+
+
+def test_host_cache_and_bf16_moments_at_two_ranks():
+    """At world size 2 a host cache changes no weight, and bf16 moments give the same weights
+    with a host cache, step_in_backward or on the CPU tier, on every rank."""
+    from dist_harness import run_ranks
+    for result in run_ranks(_two_rank_run, 2):
+        for a, b in (("fp32", "fp32+cache"), ("bf16", "bf16+cache+sib"), ("bf16", "bf16+cpu")):
+            assert all((result[a][k] == result[b][k]).all() for k in result[a]), (a, b)
+        assert any((result["fp32"][k] != result["bf16"][k]).any() for k in result["fp32"])
