@@ -811,6 +811,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--step-in-forward", action=argparse.BooleanOptionalAction, default=None,
                         help="count the engine's step_in_forward in the stage-3 rows (default: "
                              "as the engine, on with the optimizer state on NVMe)")
+    parser.add_argument("--moment-dtype", default="fp32", choices=("fp32", "bf16"),
+                        help="Adam's moments: fp32 (default, 12 bytes of optimizer state per "
+                             "parameter) or bf16 (8)")
+    parser.add_argument("--host-cache-bytes", type=int, default=0, metavar="B",
+                        help="bytes of the NVMe rows' optimizer state kept in host memory "
+                             "(the engine's host_cache_bytes; default 0)")
     parser.add_argument("--cpu-device", action="store_true",
                         help="the CPU plays the device (no accelerator): device and host are one "
                              "memory, so an fp32 master offloaded to the host is the shard itself "
@@ -826,7 +832,8 @@ def run(args: argparse.Namespace) -> MemoryEstimate:
                           world_size=args.gpus * args.nodes, gpus_per_node=args.gpus,
                           stage=args.stage, offload=args.offload, dtype=args.dtype,
                           prefetch=args.prefetch, accelerator=not args.cpu_device,
-                          step_in_forward=args.step_in_forward)
+                          step_in_forward=args.step_in_forward,
+                          host_cache_bytes=args.host_cache_bytes, moment_dtype=args.moment_dtype)
     print(json.dumps(est.to_dict(), indent=2) if args.json else format_table(est, args.unit))
     return est
 
