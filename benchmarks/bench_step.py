@@ -30,6 +30,12 @@ Rows (a step = forward + backward + optimizer step, AdamW lr 1e-4, wd 0.01):
 - ``ours-nvme+plain``, ``ours-nvme-opt+plain``: the same with ``step_in_forward=False``: the
   whole update in ``step()``, its state I/O between backward and the next forward. Same
   losses.
+- ``ours-nvme+cache``: ``ours-nvme`` with ``host_cache_bytes`` = ``--host-cache-frac`` (default
+  0.5) of the optimizer state's bytes (12, or 8 with bf16 moments, per parameter): those flat
+  parameters' state stays in RAM (no I/O), the rest on NVMe. Same losses.
+- ``ours-nvme+bf16m``: ``ours-nvme`` with ``moment_dtype="bf16"`` (8 bytes of state per
+  parameter instead of 12; close to, not equal to, fp32 moments' losses).
+- ``--moment-dtype bf16`` gives every other ``ours-*`` row bf16 moments too.
 - ``ds-cpu``, ``ds-nvme-opt``, ``ds-nvme-opt+param``: DeepSpeed ZeRO-3 (only when
   ``import deepspeed`` works), with optimizer and parameters offloaded to the CPU; optimizer to
   NVMe (parameters on the CPU); both to NVMe. Model built under ``deepspeed.zero.Init``;
@@ -56,12 +62,17 @@ Columns:
   median of the same steps, in thousands: memory mapped afresh and touched each step (on a CPU
   device, each fault is a 4 KiB page the kernel zeroes and maps).
 - ``dev GB`` (``--device cuda`` only): the CUDA allocator's peak over the steps, in GB.
+- ``state R/W MB``: optimizer-state bytes read / written per step (``memory_report()["nvme"]``'s
+  ``state_read_bytes`` / ``state_written_bytes``, mean over the measured steps), in MB (1e6),
+  beside ``formula``: the state bytes of the flat parameters on NVMe (``memory_report()
+  ["host_cache"]["nvme_state_bytes"]``), what each step must read and write. ``all R/W MB``:
+  everything the swapper moved (parameter shards too), per step.
 With several rounds the memory figures are the median over rounds.
 
 Usage: PYTHONPATH=. python benchmarks/bench_step.py [--layers 8] [--hidden 1024]
        [--intermediate 2048] [--vocab 32000] [--seq 256] [--batch 4] [--dtype fp32|bf16]
        [--steps 10] [--skip 2] [--rounds 1] [--path DIR] [--configs torch,ours-cpu,...]
-       [--device cpu|cuda]
+       [--device cpu|cuda] [--host-cache-frac 0.5] [--moment-dtype fp32|bf16]
 """
 from __future__ import annotations
 
@@ -81,8 +92,8 @@ from typing import Dict, List
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = ["torch", "torch+io", "ours-cpu", "ours-nvme", "ours-nvme-opt", "ours-nvme+sib",
-           "ours-nvme-opt+sib", "ours-nvme+plain", "ours-nvme-opt+plain", "ds-cpu", "ds-nvme-opt",
-           "ds-nvme-opt+param"]
+           "ours-nvme-opt+sib", "ours-nvme+plain", "ours-nvme-opt+plain", "ours-nvme+cache",
+           "ours-nvme+bf16m", "ds-cpu", "ds-nvme-opt", "ds-nvme-opt+param"]
 LR, BETAS, EPS, WD = 1e-4, (0.9, 0.999), 1e-8, 0.01
 GB = 1e9
 
@@ -235,6 +246,7 @@ def worker(args) -> None:
     gen = torch.Generator().manual_seed(1)
     x = torch.randint(0, args.vocab, (args.batch, args.seq), generator=gen).to(dev)
     closer = None
+    moved = None  # f() -> NVMe byte counters (ours-* rows)
     if config in ("torch", "torch+io"):
         model = _build_model(args, dtype).to(dev)
         opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS,
@@ -258,13 +270,18 @@ def worker(args) -> None:
     elif config.startswith("ours-"):
         from offload_zero import OffloadEngine
         model = _build_model(args, dtype)
-        base = config.replace("+sib", "").replace("+plain", "")
+        base = config.split("+")[0]
         offload = base.split("-")[1]
         extra = {"offload_param": "none"} if base == "ours-nvme-opt" else {}
         if config.endswith("+sib"):
             extra["step_in_backward"] = True
         if config.endswith("+plain"):
             extra["step_in_forward"] = False
+        extra["moment_dtype"] = "bf16" if config.endswith("+bf16m") else args.moment_dtype
+        if config.endswith("+cache"):
+            per_param = 8 if extra["moment_dtype"] == "bf16" else 12
+            state = per_param * sum(p.numel() for p in model.parameters())
+            extra["host_cache_bytes"] = int(args.host_cache_frac * state)
         engine = OffloadEngine(model, stage=3, offload=offload,
                                path=args.path if offload == "nvme" else None, **extra,
                                lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, dtype=dtype,
@@ -276,6 +293,12 @@ def worker(args) -> None:
             engine.backward(loss)
             engine.step()
             return loss
+
+        def moved():
+            rep = engine.memory_report()
+            nvme = rep["nvme"]
+            return (nvme["state_read_bytes"], nvme["state_written_bytes"], nvme["read_bytes"],
+                    nvme["written_bytes"], rep.get("host_cache", {}).get("nvme_state_bytes", 0))
     elif config.startswith("ds-"):
         _, step = _ds_init(args, dtype, config, args.path)
     else:
@@ -286,14 +309,18 @@ def worker(args) -> None:
         torch.cuda.synchronize(dev)
         torch.cuda.reset_peak_memory_stats(dev)
     hwm_ok = _reset_hwm()
-    times, losses, faults = [], [], []
+    times, losses, faults, io = [], [], [], []
     for _ in range(args.steps):
         f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        b0 = moved() if moved else None
         t0 = time.perf_counter()
         loss = step(x)
         if cuda:
             torch.cuda.synchronize(dev)
         times.append(time.perf_counter() - t0)
+        if moved:
+            b1 = moved()
+            io.append([b - a for a, b in zip(b0[:4], b1[:4])] + [b1[4]])
         faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
         losses.append(float(loss.detach().float()))
     train_peak = _hwm_bytes() if hwm_ok else None
@@ -304,7 +331,7 @@ def worker(args) -> None:
     print("RESULT " + json.dumps({"config": config, "times": times, "losses": losses,
                                   "faults": faults,
                                   "peak_rss": peak, "train_peak_rss": train_peak,
-                                  "dev_peak": dev_peak,
+                                  "dev_peak": dev_peak, "io": io,
                                   "params": nparams}), flush=True)
 
 
@@ -363,6 +390,10 @@ def main() -> None:
     p.add_argument("--timeout", type=float, default=1800, help="seconds per subprocess")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="where the rows compute (cuda: the GPU; the ds-* rows need cpu)")
+    p.add_argument("--host-cache-frac", type=float, default=0.5,
+                   help="ours-nvme+cache: host_cache_bytes as this fraction of the state's bytes")
+    p.add_argument("--moment-dtype", choices=("fp32", "bf16"), default="fp32",
+                   help="moment_dtype of the ours-* rows (ours-nvme+bf16m: always bf16)")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
@@ -382,8 +413,8 @@ def main() -> None:
     configs = [c for c in configs if c not in skipped_ds]
     args.passthrough = []
     for k in ("layers", "hidden", "intermediate", "heads", "vocab", "seq", "batch", "dtype",
-              "steps", "threads", "path", "device"):
-        args.passthrough += [f"--{k}", str(getattr(args, k))]
+              "steps", "threads", "path", "device", "host_cache_frac", "moment_dtype"):
+        args.passthrough += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
 
     import torch
     load0 = os.getloadavg()
@@ -415,6 +446,8 @@ def main() -> None:
                    "dev": (statistics.median(r["dev_peak"] for r in ok)
                            if ok[0].get("dev_peak") is not None else None),
                    "faults": statistics.median(f for r in ok for f in r["faults"][args.skip:]),
+                   "io": [statistics.mean(s[i] for r in ok for s in r.get("io", [])[args.skip:])
+                          for i in range(5)] if ok[0].get("io") else None,
                    "loss": ok[0]["losses"], "params": ok[0]["params"], "n": len(ts)}
 
     nparams = next((r["params"] for r in rows.values() if "params" in r), 0)
@@ -433,7 +466,8 @@ def main() -> None:
     base = rows.get("torch", {})
     hdr = (f"{'config':<20}{'step s':>8}{'min':>7}{'max':>7}{'vs torch':>10}"
            f"{'peak RSS GB':>13}{'train GB':>10}{'d torch':>9}{'faults/step':>12}"
-           + (f"{'dev GB':>9}" if args.device == "cuda" else ""))
+           + (f"{'dev GB':>9}" if args.device == "cuda" else "")
+           + f"{'state R/W MB':>15}{'formula':>9}{'all R/W MB':>14}")
     print(hdr)
     print("-" * len(hdr))
     for c in configs:
@@ -446,7 +480,9 @@ def main() -> None:
         dgb = f"{(r['train'] - base['train']) / GB:+9.2f}" if "train" in base else f"{'':>9}"
         print(f"{c:<20}{r['median']:8.2f}{r['min']:7.2f}{r['max']:7.2f}{over}"
               f"{r['peak'] / GB:13.2f}{r['train'] / GB:10.2f}{dgb}{r['faults'] / 1e3:11.0f}k"
-              + (f"{r['dev'] / GB:9.2f}" if r.get("dev") is not None else ""))
+              + (f"{r['dev'] / GB:9.2f}" if r.get("dev") is not None else "")
+              + (f"{r['io'][0] / 1e6:8.0f}/{r['io'][1] / 1e6:<6.0f}{r['io'][4] / 1e6:9.0f}"
+                 f"{r['io'][2] / 1e6:7.0f}/{r['io'][3] / 1e6:<6.0f}" if r.get("io") else ""))
     for c in skipped_ds:
         print(f"{c:<20} skipped: deepspeed not importable")
     print("# first/last loss: " + "; ".join(

@@ -69,7 +69,8 @@ inline void store_moments8(const AdamBuffers& b, const AdamHyper& h, int64_t i, 
                            __m256 v) {
   if constexpr (S == DType::kBF16) {
     const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    const uint32_t base = static_cast<uint32_t>(i) + sr_key_hi(h.sr_key, i);
+    const int64_t gi = i + h.sr_offset;  // (sr_offset % 64 == 0: gi % 8 == 0 too)
+    const uint32_t base = static_cast<uint32_t>(gi) + sr_key_hi(h.sr_key, gi);
     const __m256i r = fmix32_8(_mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(base)), lane));
     const __m128i m16 = f32_to_bf16_sr_8(m, _mm256_and_si256(r, _mm256_set1_epi32(0xffff)));
     const __m128i v16 = f32_to_bf16_sr_8(v, _mm256_srli_epi32(r, 16));

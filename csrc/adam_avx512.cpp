@@ -84,7 +84,8 @@ inline void store_moments16(const AdamBuffers& b, const AdamHyper& h, int64_t i,
                             __m512 v) {
   if constexpr (S == DType::kBF16) {
     const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    const uint32_t base = static_cast<uint32_t>(i) + sr_key_hi(h.sr_key, i);
+    const int64_t gi = i + h.sr_offset;  // (sr_offset % 64 == 0: gi % 16 == 0 too)
+    const uint32_t base = static_cast<uint32_t>(gi) + sr_key_hi(h.sr_key, gi);
     const __m512i r = fmix32_16(_mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(base)), lane));
     const __m256i m16 = f32_to_bf16_sr_16(m, _mm512_and_si512(r, _mm512_set1_epi32(0xffff)));
     const __m256i v16 = f32_to_bf16_sr_16(v, _mm512_srli_epi32(r, 16));

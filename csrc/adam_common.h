@@ -35,6 +35,7 @@ struct AdamHyper {
                          // correction)
   float neg_step_size;   // (float)(-(lr / bc1) * sqrt(bc2)), bc1 = 1 - beta1**step (1 without)
   uint32_t sr_key;       // stochastic-rounding key of this (seed, step); see [Note: bf16 moments]
+  int64_t sr_offset;     // counter index of element 0 (a multiple of 64); [Note: bf16 moments]
 };
 
 // The buffers of one call; all hold `numel` elements. param is fp32; exp_avg/exp_avg_sq are

@@ -38,6 +38,8 @@
 // rounding keeps both effects on average.
 // The random bits are a counter-based hash, so a step is deterministic and independent of the
 // thread split and instruction set: for element i (64-bit) of a call with (seed, step),
+// counted from the call's sr_offset (so a call on elements [lo, hi) of a buffer with
+// sr_offset = lo rounds them exactly as one call on the whole buffer does),
 //   key = fmix32(fmix32(seed) + step)                       (per call, in make_hyper)
 //   r   = fmix32((uint32)i + (key ^ (uint32)(i >> 32) * 0x9E3779B9))
 // with fmix32 the 32-bit finalizer of MurmurHash3 (a xor-shift / multiply bijection); m uses
@@ -178,7 +180,7 @@ inline void adam_element(const AdamBuffers& b, const AdamHyper& h, int64_t i) {
   p = p + (h.neg_step_size * m) / denom;
   b.param[i] = p;
   if (b.state_dtype == DType::kBF16) {
-    const uint32_t r = sr_bits(h.sr_key, i);
+    const uint32_t r = sr_bits(h.sr_key, i + h.sr_offset);
     static_cast<uint16_t*>(b.exp_avg)[i] = f32_to_bf16_sr(m, r & 0xffffu);
     static_cast<uint16_t*>(b.exp_avg_sq)[i] = f32_to_bf16_sr(v, r >> 16);
   } else {

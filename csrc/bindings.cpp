@@ -52,7 +52,8 @@ bool adam_step(uintptr_t param_ptr, uintptr_t grad_ptr, uintptr_t exp_avg_ptr,
                uintptr_t out_ptr, const py::object& out_dtype, int64_t step, double lr,
                double beta1, double beta2, double eps, double weight_decay, bool adamw,
                bool bias_correction, double grad_scale, int num_threads,
-               const std::string& state_dtype, int64_t sr_seed, bool check_overflow) {
+               const std::string& state_dtype, int64_t sr_seed, bool check_overflow,
+               int64_t sr_offset) {
   if (numel < 0) throw py::value_error("numel=" + std::to_string(numel) + " is negative");
   if (step < 1) throw py::value_error("step=" + std::to_string(step) + " must be >= 1");
   if (num_threads < 0) {
@@ -67,6 +68,10 @@ bool adam_step(uintptr_t param_ptr, uintptr_t grad_ptr, uintptr_t exp_avg_ptr,
   check_finite_range(weight_decay, 0.0, inf, true, "weight_decay");
   if (sr_seed < 0 || sr_seed > 0xffffffffLL) {
     throw py::value_error("sr_seed=" + std::to_string(sr_seed) + " is outside [0, 2**32)");
+  }
+  if (sr_offset < 0 || sr_offset % 64) {
+    throw py::value_error("sr_offset=" + std::to_string(sr_offset) +
+                          " must be a multiple of 64, >= 0");
   }
   if (!std::isfinite(grad_scale)) {
     throw py::value_error("grad_scale=" + std::to_string(grad_scale) + " is not finite");
@@ -92,7 +97,8 @@ bool adam_step(uintptr_t param_ptr, uintptr_t grad_ptr, uintptr_t exp_avg_ptr,
   }
 
   AdamOptions o{step,  lr,    beta1,           beta2,      eps,
-                weight_decay, adamw, bias_correction, grad_scale, static_cast<uint32_t>(sr_seed)};
+                weight_decay, adamw, bias_correction, grad_scale, static_cast<uint32_t>(sr_seed),
+                sr_offset};
   const AdamHyper h = make_hyper(o);
   // Environment variables are read while we still hold the GIL.
   const AdamKernels& k = select_kernels();
@@ -129,10 +135,11 @@ PYBIND11_MODULE(_C, m) {
         py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),
         py::arg("weight_decay"), py::arg("adamw"), py::arg("bias_correction"),
         py::arg("grad_scale"), py::arg("num_threads"), py::arg("state_dtype") = "float32",
-        py::arg("sr_seed") = 0, py::arg("check_overflow") = true,
+        py::arg("sr_seed") = 0, py::arg("check_overflow") = true, py::arg("sr_offset") = 0,
         "One Adam/AdamW step in place over raw buffers of `numel` elements.\n\n"
         "param: fp32; exp_avg/exp_avg_sq: state_dtype ('float32'|'bfloat16', the latter\n"
-        "stored with stochastic rounding keyed by (sr_seed, step));\n"
+        "stored with stochastic rounding keyed by (sr_seed, step) and the element index\n"
+        "counted from sr_offset, a multiple of 64 >= 0);\n"
         "grad: grad_dtype ('float32'|'bfloat16'|'float16');\n"
         "out: optional copy of the new weight in out_dtype (None: no copy, out_ptr must be 0).\n"
         "num_threads=0 uses set_num_threads(), OFFLOAD_ZERO_ADAM_THREADS or all CPUs.\n"

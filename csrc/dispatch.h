@@ -39,6 +39,7 @@ struct AdamOptions {
   bool bias_correction;
   double grad_scale;
   uint32_t sr_seed;    // stochastic-rounding seed of bf16 moments ([Note: bf16 moments])
+  int64_t sr_offset;   // counter index of element 0 of this call, >= 0, a multiple of 64
 };
 
 // Reduces the options to the floats the kernels use, in double first like torch does.

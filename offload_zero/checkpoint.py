@@ -29,8 +29,11 @@ files of two saves are never loaded together).
 A rank file is a plain safetensors file (any safetensors reader opens it). For each flat
 parameter ``<fp>`` (its name, e.g. ``unit3.trainable``) it holds this rank's shard:
 
-- ``<fp>/master``, ``<fp>/exp_avg``, ``<fp>/exp_avg_sq``: float32, shape (shard_numel,), for a
-  trainable flat parameter: the fp32 master weights and Adam's two moments;
+- ``<fp>/master``, ``<fp>/exp_avg``, ``<fp>/exp_avg_sq``: shape (shard_numel,), for a
+  trainable flat parameter: the fp32 master weights and Adam's two moments (float32, or
+  bfloat16 with ``moment_dtype="bf16"``: ``checkpoint.json``'s ``moment_dtype``, float32 when
+  absent; loading into an engine with the other moment dtype converts them, bf16 -> fp32
+  exactly, fp32 -> bf16 rounding to nearest even);
 - ``<fp>/step``: int64, shape (), its Adam step count (trainable only);
 - ``<fp>/param``: the compute dtype, shape (shard_numel,): the parameter shard, for a frozen flat
   parameter and for every flat parameter when the compute dtype is not float32 (an fp32
@@ -400,6 +403,7 @@ def _layout(engine) -> dict:
         "world_size": engine.world_size,
         "stage": engine.config.stage,
         "dtype": _dtype_name(engine.config.dtype),
+        "moment_dtype": _dtype_name(engine.config.moment_torch_dtype),
         "flat_params": [{"name": fp.name, "requires_grad": fp.requires_grad, "numel": fp.numel,
                          "shard_numel": fp.shard_numel,
                          "parameters": [[e.names, list(e.shape)] for e in fp.entries],
@@ -730,13 +734,16 @@ def _holds_param(requires_grad: bool, dtype: torch.dtype) -> bool:
     return not requires_grad or dtype != torch.float32
 
 
-def _flat_specs(flat: List[Tuple[str, bool, int]], dtype: torch.dtype) -> List[TensorSpec]:
+def _flat_specs(flat: List[Tuple[str, bool, int]], dtype: torch.dtype,
+                moment_dtype: torch.dtype = torch.float32) -> List[TensorSpec]:
     """``(name, dtype, shape)`` of the rank-file tensors of flat parameters ``flat`` (``(name,
-    requires_grad, shard_numel)`` each, in file order) in compute dtype ``dtype``."""
+    requires_grad, shard_numel)`` each, in file order) in compute dtype ``dtype``, the moments
+    in ``moment_dtype``."""
     specs: List[TensorSpec] = []
     for name, requires_grad, n in flat:
         if requires_grad:
-            specs += [(f"{name}/{key}", torch.float32, (n,)) for key in _STATE_KEYS]
+            specs += [(f"{name}/{key}", dt, (n,)) for key, dt in
+                      zip(_STATE_KEYS, (torch.float32, moment_dtype, moment_dtype))]
             specs.append((f"{name}/step", torch.int64, ()))
         if _holds_param(requires_grad, dtype):
             specs.append((f"{name}/param", dtype, (n,)))
@@ -752,7 +759,21 @@ def _buffer_specs(engine) -> List[TensorSpec]:
 def _tensor_specs(engine) -> List[TensorSpec]:
     """(name, dtype, shape) of every tensor in a rank file of ``engine``, in file order."""
     flat = [(fp.name, fp.requires_grad, fp.shard_numel) for fp in engine.flat_params]
-    return _flat_specs(flat, engine.config.dtype) + _buffer_specs(engine)
+    return _flat_specs(flat, engine.config.dtype, engine.config.moment_torch_dtype) + \
+        _buffer_specs(engine)
+
+
+_MOMENT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def _saved_moment_dtype(meta: dict) -> torch.dtype:
+    """The moments' dtype of the checkpoint ``meta`` describes (float32 for one saved before
+    ``moment_dtype`` existed). Raises ValueError for another value."""
+    name = meta.get("moment_dtype", "float32")
+    if name not in _MOMENT_DTYPES:
+        raise ValueError(f"checkpoint moment_dtype {name!r} is not valid; one of "
+                         f"{tuple(_MOMENT_DTYPES)} expected")
+    return _MOMENT_DTYPES[name]
 
 
 def _saved_specs(meta: dict, engine) -> List[TensorSpec]:
@@ -761,7 +782,7 @@ def _saved_specs(meta: dict, engine) -> List[TensorSpec]:
     buffers as ``engine``'s (checked equal by :func:`_check_matches`)."""
     flat = [(f["name"], bool(f.get("requires_grad")), f["shard_numel"])
             for f in meta["flat_params"]]
-    return _flat_specs(flat, _COMPUTE_DTYPES[meta["dtype"]]) + (
+    return _flat_specs(flat, _COMPUTE_DTYPES[meta["dtype"]], _saved_moment_dtype(meta)) + (
         _buffer_specs(engine) if "buffers" in meta else [])
 
 
@@ -912,8 +933,8 @@ def _load_shards(final: str, engine, segments: Dict[object, List[tuple]], source
     one of this engine's (:func:`_segments`); this rank's shard is assembled from the slices of
     the saved shards that hold its range's parameters (``sources``' files; safetensors reads
     only those bytes): at the same world size and grouping that is its own file, whole. One
-    flat parameter at a time (12 bytes per element of its shard in host memory, plus the
-    shard); the padding is zeros, as in a fresh engine's (a zero weight with zero gradient and
+    flat parameter at a time (12 bytes per element of its shard in host memory, 8 with bf16
+    moments, plus the shard); the padding is zeros, as in a fresh engine's (a zero weight with zero gradient and
     moments stays zero under Adam/AdamW). Buffers are the same in every file; ``steps`` are
     the step counts :func:`_saved_steps` read (and checked) before anything changed.
     ``saved_dtype`` is the saving engine's compute dtype: where it is not this engine's, a
@@ -921,6 +942,8 @@ def _load_shards(final: str, engine, segments: Dict[object, List[tuple]], source
     nearest, as an update writes it) and a frozen one the saved shard cast."""
     from contextlib import ExitStack
     from safetensors import safe_open
+    saved_moments = _saved_moment_dtype(_read_metadata(final))
+    moments = engine.config.moment_torch_dtype
     with ExitStack() as stack:
         files = {r: stack.enter_context(safe_open(os.path.join(final, rank_file_name(r)),
                                                   framework="pt")) for r in sources}
@@ -937,7 +960,9 @@ def _load_shards(final: str, engine, segments: Dict[object, List[tuple]], source
 
             master = None
             if fp.requires_grad:
-                master, m, v = (gather(key, torch.float32) for key in _STATE_KEYS)
+                master = gather("master", torch.float32)
+                # (moments saved in another dtype are converted: bf16 -> fp32 exactly)
+                m, v = (gather(key, saved_moments).to(moments) for key in _STATE_KEYS[1:])
                 engine.store.write_all(fp, master, m, v)
                 engine._step_count[fp] = steps[fp]
             if fp.requires_grad and (saved_dtype != fp.dtype or not _saves_param(fp)):

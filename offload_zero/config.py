@@ -144,6 +144,33 @@ class EngineConfig:
             parameter shard itself, on a CPU device). ``None`` (default): on when that state is
             at most a quarter of the model's (so the NVMe tier still holds most of it); True or
             False forces it (True where it cannot act warns).
+        host_cache_bytes: with the optimizer state on NVMe, host memory (bytes, an int >= 0)
+            that may hold the state of some flat parameters instead of their files: no I/O for
+            those, the same numbers. It is filled in a fixed order (the root's parts: input
+            embeddings, LM head; then the blocks from both ends of the update order), each flat
+            parameter whose state fits in what is left, at 12 bytes per element of its shard (8
+            with bf16 moments; 4 less when its fp32 master is the parameter shard itself, fp32
+            on a CPU device); the state
+            ``tail_state_in_host`` keeps counts against it (see [Note: host cache] in
+            :mod:`offload_zero.memory.host_cache`). The NVMe bytes read and written per step
+            are then the state bytes of the flat parameters left on NVMe, each way;
+            :meth:`OffloadEngine.memory_report` shows the split (``"host_cache"``). Unused
+            (a UserWarning) when the optimizer state is not on NVMe. ``"auto"`` (with
+            ``offload="auto"`` only): when the chosen placement puts the optimizer state on
+            NVMe, half the host memory the measured budget leaves beside it (see
+            :mod:`offload_zero.placement`). Default 0.
+        moment_dtype: ``"fp32"`` (default: exact AdamW, as torch's) or ``"bf16"``: the dtype of
+            Adam's two moments wherever the optimizer state lives (host buffers, NVMe files,
+            the read-ahead ring, the pipeline, checkpoints). bf16 moments are updated in fp32
+            by the C++ kernel and stored with stochastic rounding (see
+            :func:`offload_zero.optim.kernel.adam_step_`), so the state takes 8 bytes per
+            parameter instead of 12 (4 fp32 master + 2 + 2): a third fewer bytes in RAM and on
+            NVMe, and read and written per step. Not bit-identical to fp32 moments (the losses
+            stay close; see the README); deterministic, and independent of how the update is
+            chunked and of the world size. A checkpoint records its moments' dtype; loading
+            one of the other dtype converts them (bf16 -> fp32 exactly, fp32 -> bf16 rounding
+            to nearest). bf16 on an accelerator's optimizer state (``offload="none"`` with
+            CUDA) raises NotImplementedError (its update runs in torch ops).
         loss_scale: ``"dynamic"``, a number > 0 (a static scale) or None: dynamic with
             ``dtype=torch.float16``, none otherwise. The loss is multiplied by the scale before
             backward and the gradients divided by it in the update (fused into the C++ Adam's
@@ -190,6 +217,8 @@ class EngineConfig:
     step_in_backward: bool = False
     step_in_forward: Optional[bool] = None
     tail_state_in_host: Optional[bool] = None
+    host_cache_bytes: object = 0
+    moment_dtype: str = "fp32"
     loss_scale: Optional[object] = None
     initial_loss_scale: float = 2.0 ** 16
     loss_scale_window: int = 2000
@@ -225,6 +254,28 @@ class EngineConfig:
                 except ValueError:
                     raise ValueError(f"{name}={value!r} is not valid; it must be an int >= 0 "
                                      "(bytes) or None") from None
+        if self.host_cache_bytes == "auto" and self.offload != "auto":
+            raise ValueError(f"host_cache_bytes='auto' needs offload='auto' (it sizes the cache "
+                             f"from the measured RAM the placement leaves); got "
+                             f"offload={self.offload!r}: give a number of bytes")
+        try:
+            if self.host_cache_bytes != "auto":
+                object.__setattr__(self, "host_cache_bytes",
+                                   check_int("host_cache_bytes", self.host_cache_bytes, 0))
+        except ValueError:
+            raise ValueError(f"host_cache_bytes={self.host_cache_bytes!r} is not valid; it must "
+                             "be an int >= 0 (bytes of host memory for optimizer state that "
+                             "would otherwise be on NVMe), or 'auto' with offload='auto'") from None
+        if (self.host_cache_bytes and self.offload != "auto"
+                and self.offload_optimizer != "nvme"):
+            warnings.warn(f"host_cache_bytes={self.host_cache_bytes} is not used: the optimizer "
+                          f"state is on {self.offload_optimizer!r}, not NVMe (set "
+                          "offload='nvme' or offload_optimizer='nvme')", UserWarning,
+                          stacklevel=4)
+        from offload_zero.memory.state_format import MOMENT_DTYPES, moment_dtype_of
+        moments = moment_dtype_of(self.moment_dtype)  # (ValueError naming the choices)
+        object.__setattr__(self, "moment_dtype",
+                           next(k for k, v in MOMENT_DTYPES.items() if v == moments))
         _check_float(self, "lr", low=0.0)
         try:
             betas = tuple(self.betas)
@@ -305,6 +356,13 @@ class EngineConfig:
         if not isinstance(self.check_collectives, bool):
             raise ValueError(f"check_collectives={self.check_collectives!r} must be True or False")
         object.__setattr__(self, "device", _resolve_device(self.device))
+        if (self.moment_dtype == "bf16" and self.offload_optimizer == "none"
+                and self.device.type != "cpu"):
+            raise NotImplementedError(
+                f"moment_dtype='bf16' with the optimizer state on {self.device} "
+                "(offload_optimizer='none'): its update runs in torch ops, which have no "
+                "stochastically rounded bf16 moments; use offload='cpu' or 'nvme', or "
+                "moment_dtype='fp32'")
         # name the setting that asked for NVMe: offload="nvme" alone, or the finer keywords
         nvme = [f"{k}='nvme'" for k, v in (("offload_optimizer", self.offload_optimizer),
                                            ("offload_param", self.offload_param)) if v == "nvme"]
@@ -340,6 +398,12 @@ class EngineConfig:
             msg = str(exc).replace("init_scale", "initial_loss_scale").replace(
                 "growth_interval", "loss_scale_window").replace("min_scale", "min_loss_scale")
             raise ValueError(msg) from None
+
+    @property
+    def moment_torch_dtype(self) -> torch.dtype:
+        """``moment_dtype`` as a torch dtype (float32 or bfloat16)."""
+        from offload_zero.memory.state_format import MOMENT_DTYPES
+        return MOMENT_DTYPES[self.moment_dtype]
 
     @property
     def optimizer_tier(self) -> Tier:

@@ -16,6 +16,7 @@ import os
 import sys
 import warnings
 import weakref
+import zlib
 from typing import Dict, Iterator, List, Optional
 
 import torch
@@ -27,6 +28,7 @@ from offload_zero.lockstep import Phase
 from offload_zero.config import EngineConfig, Tier, check_number
 from offload_zero.memory.accounting import StateKind, TierAccountant
 from offload_zero.memory.aligned import aligned_empty
+from offload_zero.memory.host_cache import plan_host_cache
 from offload_zero.memory.pool import GatherPool, HostBufferPool, storage_rebinding_supported
 from offload_zero.memory.tiers import (DeviceStore, HostParamHome, HostStore, NVMeParamHome,
                                        NVMeStore)
@@ -162,11 +164,13 @@ class OffloadEngine:
                 model, cfg.stage, self.world_size, cfg.dtype, cfg.prefetch, cfg.unit_classes,
                 self.device, cfg.path, cfg.max_device_bytes, cfg.max_host_bytes,
                 step_in_backward=cfg.step_in_backward, tail_state_in_host=cfg.tail_state_in_host,
-                step_in_forward=cfg.step_in_forward, leaf_modules=cfg.leaf_modules)
+                step_in_forward=cfg.step_in_forward, leaf_modules=cfg.leaf_modules,
+                host_cache_bytes=cfg.host_cache_bytes, moment_dtype=cfg.moment_dtype)
             self.config = cfg = dataclasses.replace(
                 cfg, offload_optimizer=self.placement.offload_optimizer,
                 offload_param=self.placement.offload_param,
-                step_in_forward=self.placement.step_in_forward)
+                step_in_forward=self.placement.step_in_forward,
+                host_cache_bytes=self.placement.host_cache_bytes)
         self.module = model
         self._closed = False
         self._acct = TierAccountant(self.rank)
@@ -237,7 +241,8 @@ class OffloadEngine:
         plan = self._plan = self._plan_units(model)
         if not any(members for _, _, members in plan[2]):
             raise ValueError("model has no parameters to train")
-        self._tail = self._tail_in_host(plan)  # name of the flat parameter whose state stays in RAM
+        # names of the flat parameters whose optimizer state stays in RAM (see [Note: host cache])
+        self._tail, self._in_host = self._state_in_host(plan)
         if "nvme" in (cfg.offload_optimizer, cfg.offload_param):
             from offload_zero.memory.swapper import Swapper
             _exit_on_sigterm()
@@ -267,8 +272,8 @@ class OffloadEngine:
             self.pools["param_shards"] = main
             pool_for = lambda fp: main  # noqa: E731
             keep = None
-            # a tail state kept in host memory is, in fp32, the shard itself: no buffer, no file
-            in_host = self._tail if share else None
+            # a state kept in host memory is, in fp32, the shard itself: no buffer, no file
+            in_host = self._in_host if share else set()
             if root_shard > block_shard:
                 # the root's outsized flat parameters (embeddings, LM head) get root-sized
                 # buffers; its small ones (a final norm split off by gradient order, frozen
@@ -278,7 +283,7 @@ class OffloadEngine:
                             if u.is_root and shard_of(m) > block_shard}
                 keep_root = all(trainable for u, trainable, _ in plan[2] if u.is_root)
                 # (none when the only outsized one is a tail kept in host memory)
-                root_count = len(outsized - {in_host}) if keep_root else 1
+                root_count = len(outsized - in_host) if keep_root else 1
             if root_shard > block_shard and root_count:
                 root = HostBufferPool("param_shards_root", root_count, root_shard, cfg.dtype,
                                       self._host_alloc, self._acct)
@@ -288,20 +293,20 @@ class OffloadEngine:
                     # the root's buffers are idle between its update and the next forward,
                     # which gathers the root first: the updated shards stay there instead of
                     # being read back from the files
-                    keep = lambda fp: fp.name in outsized and fp.name != in_host  # noqa: E731
+                    keep = lambda fp: fp.name in outsized and fp.name not in in_host  # noqa: E731
             if cfg.step_in_forward:
                 # a block's update runs just before its gather: the new shard stays in its
                 # buffer for that gather instead of being written and read back (the root's
                 # only where it has a buffer per flat parameter, as above)
                 keep_root, kept = keep or (lambda fp: False), self._keep_for_gather
                 keep = lambda fp: (keep_root(fp) if fp.name.startswith("root.")  # noqa: E731
-                                   else fp in kept)
+                                   else fp in kept and fp.name not in in_host)
             self.param_home = NVMeParamHome(self.swapper, pool_for, self._acct,
                                             master_is_param=share, keep_after_update=keep)
         self.store = self._build_store(plan)
-        if self._tail is not None:
-            self.store.keep_in_host(self._tail)
-        elif cfg.tail_state_in_host:
+        for name in self._in_host:
+            self.store.keep_in_host(name)
+        if self._tail is None and cfg.tail_state_in_host:
             warnings.warn("tail_state_in_host=True has no effect: it needs step_in_backward=True "
                           "or step_in_forward=True, "
                           f"the optimizer state on NVMe (it is on {cfg.offload_optimizer!r}) "
@@ -353,8 +358,9 @@ class OffloadEngine:
             gather_late = _weakly(self._streaming)
             before_late_gather = _weakly(self._finish_streaming)
             on_unit_backward = _weakly(self._read_ahead_in_backward)
+        # (a state kept in host memory needs no read-ahead)
         numel = max((fp.shard_numel for u in self.blocks for fp in u.flat_params
-                     if fp.requires_grad), default=0)
+                     if fp.requires_grad and fp.name not in self._in_host), default=0)
         if (cfg.step_in_backward or cfg.step_in_forward) and isinstance(self.store, NVMeStore) \
                 and numel:
             # read-ahead of a block's whole state (master | exp_avg | exp_avg_sq) while other
@@ -363,10 +369,10 @@ class OffloadEngine:
             # next forward's compute is all there is to hide the state's reads and writes
             # behind: a block's read then need not wait for the write-back two blocks before
             count = 3 if cfg.step_in_forward or self._params_from_state() else 2
-            ring = HostBufferPool("optimizer_prefetch", count, 3 * numel, torch.float32,
-                                  self._host_alloc, self._acct)
+            ring = HostBufferPool("optimizer_prefetch", count, self.store.fmt.buffer_numel(numel),
+                                  torch.float32, self._host_alloc, self._acct)
             self.pools["optimizer_prefetch"] = ring
-            self.store.enable_prefetch(ring)
+            self.store.enable_prefetch(ring, numel)
             if cfg.step_in_backward:
                 on_unit_forward = _weakly(self._read_ahead_in_forward)
         self._reduction = None
@@ -493,20 +499,36 @@ class OffloadEngine:
                   else (self.rank * shard, min(numel, (self.rank + 1) * shard)))
         return self._initial.flat_values(entries, members, shard * self.world_size, lo, hi)
 
-    def _tail_in_host(self, plan) -> Optional[str]:
-        """The name of the flat parameter whose optimizer state stays in host memory
-        (``tail_state_in_host``, with step_in_backward or step_in_forward and the state on
-        NVMe; see :func:`offload_zero.partition.units.host_tail_index`), or None."""
+    def _state_in_host(self, plan):
+        """``(tail, names)``: the name of the flat parameter ``tail_state_in_host`` keeps (with
+        step_in_backward or step_in_forward and the state on NVMe; see
+        :func:`offload_zero.partition.units.host_tail_index`) or None, and the names of every
+        flat parameter whose optimizer state stays in host memory: that one and those
+        ``host_cache_bytes`` takes (see [Note: host cache]). Empty unless the state is on NVMe."""
         cfg = self.config
-        if not ((cfg.step_in_backward or cfg.step_in_forward)
-                and cfg.optimizer_tier is Tier.NVME):
-            return None
+        if cfg.optimizer_tier is not Tier.NVME:
+            return None, set()
         entries = plan[2]
-        flat = [(u.is_root, trainable,
+        names = _flat_param_names(entries)
+        flat = [(None if u.is_root else u.index, trainable,
                  shard_numel_for(sum(p.numel() for p, _ in members), self.world_size, cfg.dtype))
                 for u, trainable, members in entries]
-        i = host_tail_index(flat, cfg.tail_state_in_host)
-        return None if i is None else _flat_param_names(entries)[i]
+        tail = None
+        if cfg.step_in_backward or cfg.step_in_forward:
+            tail = host_tail_index([(b is None, t, n) for b, t, n in flat], cfg.tail_state_in_host)
+        chosen = plan_host_cache(flat, cfg.host_cache_bytes, self._state_bytes_per_element(),
+                                 tail=tail, blocks_reversed=cfg.step_in_backward)
+        return (None if tail is None else names[tail]), {names[i] for i in chosen}
+
+    def _state_bytes_per_element(self) -> int:
+        """Host bytes of one element's optimizer state kept in host memory: 4 (fp32 master)
+        plus two moments (4 bytes each, 2 in bf16), the master's 4 less when it is the
+        parameter shard itself (fp32 on a CPU device, parameter shards on the device)."""
+        cfg = self.config
+        aliased = (self.device.type == "cpu" and cfg.param_tier is Tier.DEVICE
+                   and cfg.dtype == torch.float32)
+        moments = 2 * torch.empty(0, dtype=cfg.moment_torch_dtype).element_size()
+        return moments + (0 if aliased else 4)
 
     def _build_gather_pools(self):
         """Device slots for gathered units, sized now (see [Note: gather pool]); returns
@@ -547,16 +569,17 @@ class OffloadEngine:
 
     def _build_store(self, plan):
         tier = self.config.optimizer_tier
+        moments = self.config.moment_torch_dtype
         if tier is Tier.DEVICE:
-            return DeviceStore(self._acct, self.device)
+            return DeviceStore(self._acct, self.device, moments)
         if tier is Tier.HOST:
-            return HostStore(self._acct, self._host_alloc)
+            return HostStore(self._acct, self._host_alloc, moments)
         # (a tail state kept in host memory never streams through the pipeline)
         sizes = [shard_numel_for(sum(p.numel() for p, _ in members), self.world_size, self.config.dtype)
                  for (_, trainable, members), name in zip(plan[2], _flat_param_names(plan[2]))
-                 if trainable and name != self._tail]
+                 if trainable and name not in self._in_host]
         return NVMeStore(self.swapper, self._acct, self._host_alloc, max(sizes, default=1024),
-                         master_is_param=self._master_is_param_on_nvme())
+                         master_is_param=self._master_is_param_on_nvme(), moment_dtype=moments)
 
     def _master_is_param_on_nvme(self) -> bool:
         """fp32 parameter shards and optimizer state both on NVMe: a trainable shard is read
@@ -930,7 +953,7 @@ class OffloadEngine:
                 or store.in_host(fp):
             return False
         later = sum(1 for f in self._lazy if f is not fp and not store.in_host(f)
-                    and 3 * f.shard_numel <= ring.numel)
+                    and store.fits_ahead(f.shard_numel))
         return later <= ring.count - store.deferred_writes - 1
 
     def _read_ahead_lazy(self, order: List[FlatParam]) -> None:
@@ -940,7 +963,7 @@ class OffloadEngine:
         ring = self.pools.get("optimizer_prefetch")
         if ring is None:
             return
-        self._read_ahead([fp for fp in order if 3 * fp.shard_numel <= ring.numel])
+        self._read_ahead([fp for fp in order if self.store.fits_ahead(fp.shard_numel)])
 
     def apply_pending_updates(self) -> None:
         """Apply every update that :meth:`step` decided and ``step_in_forward`` left for the
@@ -1175,9 +1198,12 @@ class OffloadEngine:
         if master.device.type == "cpu":
             out = self._targets[fp]
             out = None if out is None else out[lo:hi]
+            # (bf16 moments: rounding keyed by the element's place in the flat parameter, the
+            # same however the update is cut into chunks and at any world size)
             overflow = any([self._adam_cpu(fp, master[a:b], grad[a:b], m[a:b], v[a:b], hp,
                                            coef, None if out is None else out[a:b],
-                                           check_overflow) for a, b, hp in runs])
+                                           check_overflow, self.rank * fp.shard_numel + lo + a)
+                            for a, b, hp in runs])
             if (not overflow and out is not None and fp.home is None
                     and out.data_ptr() != fp.sharded[lo:hi].data_ptr()):
                 # staging buffer -> accelerator shard, chunk by chunk: the buffer is free again
@@ -1195,14 +1221,16 @@ class OffloadEngine:
         return not overflow
 
     def _adam_cpu(self, fp: FlatParam, master, grad, m, v, hp, coef: float, out,
-                  check_overflow: bool) -> bool:
-        """The C++ Adam on one run of ``fp``'s shard (1-d fp32 views of equal length) with the
-        group's ``hp``; returns True on overflow (see :func:`offload_zero.optim.adam_step_`)."""
+                  check_overflow: bool, offset: int) -> bool:
+        """The C++ Adam on one run of ``fp``'s shard (1-d fp32 views of equal length; bf16
+        moments for ``moment_dtype="bf16"``) with the group's ``hp``; ``offset``: the run's first
+        element's index in the whole flat parameter (the stochastic rounding's position key);
+        returns True on overflow (see :func:`offload_zero.optim.adam_step_`)."""
         from offload_zero.optim.kernel import adam_step_
         return adam_step_(master, grad, m, v, step=self._step_count[fp], lr=hp.lr,
                           betas=hp.betas, eps=hp.eps, weight_decay=hp.weight_decay,
                           adamw=self.config.adamw, grad_scale=coef, out=out,
-                          check_overflow=check_overflow)
+                          check_overflow=check_overflow, sr_seed=_sr_seed(fp), sr_offset=offset)
 
     def _finish_update(self, fp: FlatParam, ok: bool) -> None:
         """After the last chunk: write the new compute-dtype shard back to an NVMe home (an
@@ -1246,17 +1274,24 @@ class OffloadEngine:
         Returns ``{"device"|"host"|"nvme": {"current_bytes", "peak_bytes", "by_kind": {...}},
         "live_units": {"current", "peak"}, "pools": {name: {"buffers", "buffer_bytes",
         "capacity_bytes", ...}}}``; ``"nvme"`` also has ``"read_bytes"`` and ``"written_bytes"``
-        (cumulative bytes moved through the swapper). ``"pools"`` lists the fixed buffers sized
+        (cumulative bytes moved through the swapper), ``"state_read_bytes"`` and
+        ``"state_written_bytes"`` (the optimizer state's part of them, counted as each transfer
+        starts); with the optimizer state on NVMe,
+        ``"host_cache"`` gives its split between host memory and files (see
+        :meth:`offload_zero.memory.tiers.NVMeStore.cache_report`). ``"pools"`` lists the fixed buffers sized
         at start-up (the device gather pool for unsharded units, parameter-shard read-ahead, the NVMe
         optimizer pipeline, the reduce-scatter scratch). Units: bytes.
         """
         rep = self._acct.report()
         rep["nvme"]["read_bytes"] = getattr(self.store, "read_bytes", 0)
         rep["nvme"]["written_bytes"] = getattr(self.store, "written_bytes", 0)
+        rep["nvme"]["state_read_bytes"] = getattr(self.store, "state_read_bytes", 0)
+        rep["nvme"]["state_written_bytes"] = getattr(self.store, "state_written_bytes", 0)
         rep["live_units"] = {"current": self.scheduler.live_units(), "peak": self.scheduler.live_peak}
         rep["pools"] = {name: pool.report() for name, pool in self.pools.items()}
         if isinstance(self.store, NVMeStore):
             rep["pools"]["optimizer_pipeline"] = self.store.pool_report()
+            rep["host_cache"] = self.store.cache_report()
         if self.grads.scratch is not None:
             nbytes = self.grads.scratch.numel() * self.grads.scratch.element_size()
             rep["pools"]["reduce_scratch"] = {"buffers": 1, "buffer_bytes": nbytes,
@@ -1551,6 +1586,12 @@ def _checkpoint_forward(module: nn.Module, offload_to_host: bool) -> None:
             return checkpoint(inner, *args, use_reentrant=False, **kwargs)
 
     module.forward = forward
+
+
+def _sr_seed(fp: FlatParam) -> int:
+    """The stochastic-rounding seed of ``fp``'s bf16 moments: a CRC-32 of its name, the same
+    in every run and on every rank."""
+    return zlib.crc32(fp.name.encode())
 
 
 def _flat_shard_fp32(fp: FlatParam, values: List[torch.Tensor]) -> torch.Tensor:

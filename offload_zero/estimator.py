@@ -25,7 +25,13 @@ With ``step_in_backward`` or ``step_in_forward`` and ``"nvme"``, the flat parame
 last in backward and needed first by the next forward (the root's part used before the blocks:
 input embeddings) may keep its master weights and moments in host memory (``tail_state_in_host``; by default when its shard is at most a quarter of all
 trainable shards): 12 bytes per element there, its fp32 parameter shard then being that
-host master (0 on NVMe), and 8 when its master is the CPU device's shard itself.
+host master (0 on NVMe), and 8 when its master is the CPU device's shard itself. With
+``host_cache_bytes`` (any mode) more flat parameters keep their state there by the same
+arithmetic, chosen by :func:`offload_zero.memory.host_cache.plan_host_cache`.
+With ``moment_dtype="bf16"`` the moments take 2 bytes each per element instead of 4 (8Ψ/N
+of optimizer state instead of 12Ψ/N; in NVMe files each moment of a shard is padded to 4096
+bytes, see [Note: state layout] in :mod:`offload_zero.memory.state_format`), and every buffer
+that holds states (pipeline, read-ahead) is sized in that format.
 Frozen parameters (``requires_grad=False``) cost only their compute-dtype copy.
 
 [Note: engine extras]
@@ -89,6 +95,7 @@ import torch
 import torch.nn as nn
 
 from offload_zero.config import check_int, check_switch, default_step_in_forward
+from offload_zero.memory.state_format import StateFormat, moment_dtype_of
 
 STAGES = (0, 1, 2, 3)
 OFFLOADS = ("none", "cpu", "nvme")
@@ -103,6 +110,7 @@ _ASPECT = 128          # hidden size per layer (GPT-3 175B: 12288 / 96)
 _ASSUMED_VOCAB = 32000  # Llama vocabulary
 
 Number = Union[int, Fraction]
+_FP32_STATE = StateFormat()  # fp32 master weights and moments
 
 
 @dataclasses.dataclass(frozen=True)
@@ -393,24 +401,47 @@ def default_offload_param(offload: str, stage: int) -> str:
     return "nvme" if (offload == "nvme" and stage == 3) else "none"
 
 
-def _tail_in_host(layout, stage, offload, n, k, padded, step_in_backward, setting,
-                  step_in_forward=False):
-    """Index in ``layout`` of the flat parameter whose optimizer state the engine keeps in host
-    memory (``tail_state_in_host``; see :func:`offload_zero.partition.units.host_tail_index`),
-    or None."""
-    if not (offload == "nvme" and ((step_in_backward and stage >= 2)
-                                   or (step_in_forward and stage == 3))):
-        return None
+def _cached_in_host(layout, stage, offload, n, k, padded, step_in_backward, setting,
+                    step_in_forward=False, host_cache_bytes=0, offload_param=None,
+                    accelerator=True, fmt=_FP32_STATE):
+    """Indices in ``layout`` of the flat parameters whose optimizer state the engine keeps in
+    host memory: the one ``tail_state_in_host`` keeps (see
+    :func:`offload_zero.partition.units.host_tail_index`) and those ``host_cache_bytes`` takes
+    (see [Note: host cache] in :mod:`offload_zero.memory.host_cache`); empty unless the
+    state is on NVMe."""
+    if offload != "nvme":
+        return frozenset()
+    from offload_zero.memory.host_cache import plan_host_cache
     from offload_zero.partition.units import host_tail_index
-    return host_tail_index([(spec.unit == -1, spec.trainable, _shard_numel(spec.numel, n, k, padded))
-                            for spec in layout], setting)
+    flat = [(None if spec.unit == -1 else spec.unit, spec.trainable,
+             _shard_numel(spec.numel, n, k, padded)) for spec in layout]
+    tail = None
+    if (step_in_backward and stage >= 2) or (step_in_forward and stage == 3):
+        tail = host_tail_index([(b is None, t, sh) for b, t, sh in flat], setting)
+    if offload_param is None:
+        offload_param = default_offload_param(offload, stage)
+    param_tier = _TIER_OF[offload_param] if stage == 3 else "device"
+    aliased = k == 4 and param_tier == "device" and not accelerator
+    per_element = fmt.bytes_per_element - (4 if aliased else 0)
+    return frozenset(plan_host_cache(flat, host_cache_bytes, per_element, tail=tail,
+                                     blocks_reversed=step_in_backward))
+
+
+def _state_bytes(fmt: StateFormat, numel, padded: bool, moments_only: bool = False):
+    """Bytes of a state of ``numel`` elements in format ``fmt`` (master and moments, or the
+    moments alone): the padded layout of [Note: state layout], or the plain arithmetic
+    (``bytes_per_element``) for an unpadded estimate."""
+    if padded:
+        return fmt.moment_bytes(numel) if moments_only else fmt.nbytes(numel)
+    return (fmt.bytes_per_element - (4 if moments_only else 0)) * numel
 
 
 def _model_states(layout, stage, offload, n, k, padded, offload_param=None,
-                  accelerator=True, tail=None) -> Dict[str, Dict[str, Number]]:
+                  accelerator=True, cached=frozenset(),
+                  fmt=_FP32_STATE) -> Dict[str, Dict[str, Number]]:
     """Per-rank model-state bytes by tier and kind; see [Note: model-state arithmetic].
-    ``tail``: index of the flat parameter whose state is kept in host memory (see
-    :func:`_tail_in_host`), or None."""
+    ``cached``: indices of the flat parameters whose state is kept in host memory (see
+    :func:`_cached_in_host`)."""
     out = _zeros()
     dev = out["device"]
     opt_tier = _TIER_OF[offload]
@@ -420,15 +451,17 @@ def _model_states(layout, stage, offload, n, k, padded, offload_param=None,
     for i, spec in enumerate(layout):
         shard = _shard_numel(spec.numel, n, k, padded)
         full = shard * n
-        if i == tail:
+        if i in cached:
             # its state in host memory: an fp32 shard that lived in the master's NVMe bytes
             # is that host master now; on a CPU device the master is the shard itself
             on_nvme = param_tier == "nvme" and k == 4
             out[param_tier]["parameters"] += 0 if on_nvme else k * (full if stage < 3 else shard)
+            if stage < 2:
+                dev["gradients"] += k * full     # full gradients held until the step
             out["host"]["gradients"] += 4 * shard
             aliased = k == 4 and param_tier == "device" and not accelerator
             out["host"]["master_weights"] += 0 if aliased else 4 * shard
-            out["host"]["moments"] += 8 * shard
+            out["host"]["moments"] += 2 * fmt.moment_itemsize * shard
             continue
         out[param_tier]["parameters"] += k * (full if stage < 3 else shard)
         if not spec.trainable:
@@ -444,7 +477,9 @@ def _model_states(layout, stage, offload, n, k, padded, offload_param=None,
         aliased = k == 4 and (offload == "none" or (offload == "nvme" and param_tier == "nvme")
                               or (offload == "cpu" and param_tier == "device" and not accelerator))
         out[opt_tier]["master_weights"] += 0 if aliased else 4 * opt
-        out[opt_tier]["moments"] += 8 * opt
+        # (in NVMe files with the padding of [Note: state layout])
+        out[opt_tier]["moments"] += (_state_bytes(fmt, opt, padded, moments_only=True)
+                                     if opt_tier == "nvme" else 2 * fmt.moment_itemsize * opt)
     return out
 
 
@@ -463,9 +498,10 @@ def _shards_adopt_grads(stage, offload, n, k, accelerator) -> bool:
 
 
 def _extras(layout, stage, offload, n, k, padded, prefetch, accelerator, offload_param=None,
-            step_in_backward=False, tail=None, step_in_forward=False):
+            step_in_backward=False, cached=frozenset(), step_in_forward=False,
+            fmt=_FP32_STATE):
     """Per-rank bytes of this engine's buffers at the step's peak; see [Note: engine extras].
-    ``tail``: as for :func:`_model_states`."""
+    ``cached``: as for :func:`_model_states`."""
     out = _zeros()
     if offload_param is None:
         offload_param = default_offload_param(offload, stage)
@@ -508,13 +544,13 @@ def _extras(layout, stage, offload, n, k, padded, prefetch, accelerator, offload
         out["device"]["buffers"] += max(shards) * k
     biggest = max(shards, default=0)
     if offload == "nvme":
-        # (a tail state kept in host memory never streams through the pipeline)
+        # (a state kept in host memory never streams through the pipeline)
         streamed = [_shard_numel(spec.numel, n, k, padded) for i, spec in enumerate(layout)
-                    if spec.trainable and i != tail]
+                    if spec.trainable and i not in cached]
         # with nothing to stream the engine sizes its buffers for 1024 elements
         from offload_zero.memory.tiers import NVMeStore
-        out["host"]["buffers"] += 3 * 3 * min(max(streamed, default=1024),
-                                              NVMeStore.CHUNK_NUMEL) * 4
+        out["host"]["buffers"] += 3 * _state_bytes(
+            fmt, min(max(streamed, default=1024), NVMeStore.CHUNK_NUMEL), padded)
     if stage == 3 and offload_param == "nvme" and all_shards:
         block_shard = max([sh for sh, u in zip(all_shards, units_of) if u != -1], default=0)
         root_shard = max([sh for sh, u in zip(all_shards, units_of) if u == -1], default=0)
@@ -528,8 +564,8 @@ def _extras(layout, stage, offload, n, k, padded, prefetch, accelerator, offload
             root = [i for i, u in enumerate(units_of) if u == -1]
             outsized = [i for i in root if all_shards[i] > block_shard]
             if all(layout[i].trainable for i in root):
-                # the tail kept in host memory is its own shard: no buffer
-                count = len([i for i in outsized if not (ring == 0 and i == tail)])
+                # a state kept in host memory is, in fp32, its own shard: no buffer
+                count = len([i for i in outsized if not (ring == 0 and i in cached)])
             else:
                 count = 1
             out["host"]["buffers"] += count * root_shard * k
@@ -537,11 +573,13 @@ def _extras(layout, stage, offload, n, k, padded, prefetch, accelerator, offload
         # read-ahead buffers of a block's whole state (master + moments, fp32): two, three
         # when fp32 parameter shards on NVMe are gathered from them in backward, and with
         # step_in_forward
-        trainable_blocks = [sh for sh, u, spec in zip(all_shards, units_of, layout)
-                            if u != -1 and spec.trainable]
+        # (a state kept in host memory is not read ahead)
+        trainable_blocks = [sh for i, (sh, u, spec) in enumerate(zip(all_shards, units_of, layout))
+                            if u != -1 and spec.trainable and i not in cached]
         count = 3 if (step_in_forward or (step_in_backward and stage == 3
                                           and offload_param == "nvme" and k == 4)) else 2
-        out["host"]["buffers"] += count * 3 * 4 * max(trainable_blocks, default=0)
+        out["host"]["buffers"] += count * _state_bytes(fmt, max(trainable_blocks, default=0),
+                                                       padded)
     if offload != "none" and offload_param == "none" and accelerator and shards:
         out["host"]["buffers"] += biggest * k
     return out
@@ -557,7 +595,8 @@ def estimate_memory(model_or_num_params, world_size: int = 1, gpus_per_node: int
                     prefetch: int = 1, unit_classes: Sequence[type] = (),
                     largest_unit_numel: Optional[int] = None, root_numel: Optional[int] = None,
                     accelerator: bool = True,
-                    step_in_forward: Optional[bool] = None) -> MemoryEstimate:
+                    step_in_forward: Optional[bool] = None,
+                    host_cache_bytes: int = 0, moment_dtype="fp32") -> MemoryEstimate:
     """Estimate training memory in bytes per device, per node (host) and on NVMe.
 
     Accounting from Rajbhandari et al., 2019 (ZeRO), sec. 5: KΨ parameters + KΨ gradients +
@@ -588,6 +627,12 @@ def estimate_memory(model_or_num_params, world_size: int = 1, gpus_per_node: int
             host memory when small, three read-ahead buffers. For a parameter count the root's
             split by gradient order (every mode) assumes its two embeddings of equal size (a
             final norm is too small to count).
+        host_cache_bytes: bytes of optimizer state kept in host memory instead of NVMe in the
+            ``"nvme"`` rows, an int >= 0 (the engine's option; see [Note: host cache] in
+            :mod:`offload_zero.memory.host_cache`). Default 0.
+        moment_dtype: ``"fp32"`` (default) or ``"bf16"``: Adam's moments, 8 or 4 bytes per
+            element of the state (the engine's option; see [Note: state layout] in
+            :mod:`offload_zero.memory.state_format`).
 
     Returns:
         :class:`MemoryEstimate` with the selected placement and the 12-row table (bytes).
@@ -610,6 +655,8 @@ def estimate_memory(model_or_num_params, world_size: int = 1, gpus_per_node: int
     dt = _resolve_dtype(dtype)
     itemsize = torch.empty(0, dtype=dt).element_size()
     step_in_forward = check_switch("step_in_forward", step_in_forward, "the engine's default")
+    host_cache_bytes = check_int("host_cache_bytes", host_cache_bytes, 0)
+    fmt = StateFormat(moment_dtype_of(moment_dtype))
     if step_in_forward and stage != 3:
         raise ValueError(f"step_in_forward=True needs stage 3 (as the engine's); got "
                          f"stage={stage}")
@@ -620,11 +667,12 @@ def estimate_memory(model_or_num_params, world_size: int = 1, gpus_per_node: int
         for o in OFFLOADS:
             sif = s == 3 and (default_step_in_forward(s, o, False) if step_in_forward is None
                               else step_in_forward)
-            tail = _tail_in_host(layout, s, o, world_size, itemsize, padded, False, None, sif)
+            cached = _cached_in_host(layout, s, o, world_size, itemsize, padded, False, None,
+                                     sif, host_cache_bytes, accelerator=accelerator, fmt=fmt)
             states = _model_states(layout, s, o, world_size, itemsize, padded,
-                                   accelerator=accelerator, tail=tail)
+                                   accelerator=accelerator, cached=cached, fmt=fmt)
             extras = _extras(layout, s, o, world_size, itemsize, padded, prefetch, accelerator,
-                             tail=tail, step_in_forward=sif)
+                             cached=cached, step_in_forward=sif, fmt=fmt)
             rows.append(Placement(s, o, _to_bytes(states), _to_bytes(extras), gpus_per_node,
                                   engine_supported=s > 0, step_in_forward=sif))
     selected = next(p for p in rows if p.stage == stage and p.offload == offload)
@@ -645,7 +693,8 @@ def placement_bytes(model: nn.Module, stage: int, offload_optimizer: str, offloa
                     unit_classes: Sequence[type] = (), accelerator: bool = True,
                     layout=None, step_in_backward: bool = False,
                     tail_state_in_host: Optional[bool] = None,
-                    step_in_forward: Optional[bool] = None) -> "Placement":
+                    step_in_forward: Optional[bool] = None,
+                    host_cache_bytes: int = 0, moment_dtype="fp32") -> "Placement":
     """Bytes per rank for one placement with the optimizer and parameter tiers set apart.
 
     ``offload_optimizer`` / ``offload_param``: "none", "cpu" or "nvme" (parameters off the
@@ -653,7 +702,10 @@ def placement_bytes(model: nn.Module, stage: int, offload_optimizer: str, offloa
     the model). ``step_in_backward``, ``tail_state_in_host``, ``step_in_forward``: the engine's
     options of those names (its NVMe read-ahead buffers; the state it keeps in host memory;
     ``step_in_forward=None``: the engine's default for this placement, see
-    :func:`offload_zero.config.default_step_in_forward`). Returns a :class:`Placement` whose
+    :func:`offload_zero.config.default_step_in_forward`); ``host_cache_bytes``: bytes of
+    optimizer state the engine keeps in host memory instead of NVMe (see [Note: host cache] in
+    :mod:`offload_zero.memory.host_cache`); ``moment_dtype``: ``"fp32"`` or ``"bf16"``, the
+    engine's option. Returns a :class:`Placement` whose
     ``offload`` reads ``"<optimizer>+<param>"``. Used by ``offload="auto"``
     (:mod:`offload_zero.placement`).
     """
@@ -663,10 +715,12 @@ def placement_bytes(model: nn.Module, stage: int, offload_optimizer: str, offloa
     k = torch.empty(0, dtype=dt).element_size()
     if layout is None:
         layout = model_layout(model, unit_classes)
-    tail = _tail_in_host(layout, stage, offload_optimizer, world_size, k, True, step_in_backward,
-                         tail_state_in_host, step_in_forward)
+    fmt = StateFormat(moment_dtype_of(moment_dtype))
+    cached = _cached_in_host(layout, stage, offload_optimizer, world_size, k, True,
+                             step_in_backward, tail_state_in_host, step_in_forward,
+                             host_cache_bytes, offload_param, accelerator, fmt=fmt)
     states = _model_states(layout, stage, offload_optimizer, world_size, k, True, offload_param,
-                           accelerator=accelerator, tail=tail)
+                           accelerator=accelerator, cached=cached, fmt=fmt)
     if step_in_backward and _shards_adopt_grads(stage, offload_optimizer, world_size, k,
                                                 accelerator):
         # one rank on a CPU device: the host shards are the gradients' own memory, each used up
@@ -682,8 +736,8 @@ def placement_bytes(model: nn.Module, stage: int, offload_optimizer: str, offloa
         states["host"]["gradients"] = 4 * (sum(set(size_classes(borrowed).values()))
                                            + max(taken, default=0))
     extras = _extras(layout, stage, offload_optimizer, world_size, k, True, prefetch, accelerator,
-                     offload_param, step_in_backward=step_in_backward, tail=tail,
-                     step_in_forward=step_in_forward)
+                     offload_param, step_in_backward=step_in_backward, cached=cached,
+                     step_in_forward=step_in_forward, fmt=fmt)
     return Placement(stage, f"{offload_optimizer}+{offload_param}", _to_bytes(states),
                      _to_bytes(extras), 1, engine_supported=stage > 0,
                      step_in_forward=step_in_forward)
@@ -757,6 +811,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--step-in-forward", action=argparse.BooleanOptionalAction, default=None,
                         help="count the engine's step_in_forward in the stage-3 rows (default: "
                              "as the engine, on with the optimizer state on NVMe)")
+    parser.add_argument("--moment-dtype", default="fp32", choices=("fp32", "bf16"),
+                        help="Adam's moments: fp32 (default, 12 bytes of optimizer state per "
+                             "parameter) or bf16 (8)")
+    parser.add_argument("--host-cache-bytes", type=int, default=0, metavar="B",
+                        help="bytes of the NVMe rows' optimizer state kept in host memory "
+                             "(the engine's host_cache_bytes; default 0)")
     parser.add_argument("--cpu-device", action="store_true",
                         help="the CPU plays the device (no accelerator): device and host are one "
                              "memory, so an fp32 master offloaded to the host is the shard itself "
@@ -772,7 +832,8 @@ def run(args: argparse.Namespace) -> MemoryEstimate:
                           world_size=args.gpus * args.nodes, gpus_per_node=args.gpus,
                           stage=args.stage, offload=args.offload, dtype=args.dtype,
                           prefetch=args.prefetch, accelerator=not args.cpu_device,
-                          step_in_forward=args.step_in_forward)
+                          step_in_forward=args.step_in_forward,
+                          host_cache_bytes=args.host_cache_bytes, moment_dtype=args.moment_dtype)
     print(json.dumps(est.to_dict(), indent=2) if args.json else format_table(est, args.unit))
     return est
 

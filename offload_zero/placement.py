@@ -39,7 +39,8 @@ class PlacementChoice:
 
     Fields: offload_optimizer, offload_param ("none"/"cpu"/"nvme"); need: {tier: bytes} of the
     chosen placement; budgets: {tier: bytes} it had to fit in; tried: one line per candidate;
-    step_in_forward: the engine's ``step_in_forward`` the bytes were counted with.
+    step_in_forward: the engine's ``step_in_forward`` the bytes were counted with;
+    host_cache_bytes: the engine's ``host_cache_bytes`` (as given, or what ``"auto"`` chose).
     """
 
     offload_optimizer: str
@@ -48,6 +49,7 @@ class PlacementChoice:
     budgets: dict
     tried: Tuple[str, ...]
     step_in_forward: bool = False
+    host_cache_bytes: int = 0
 
 
 def measure_budgets(device: torch.device, path: Optional[str], max_device_bytes: Optional[int],
@@ -77,13 +79,19 @@ def choose_placement(model: nn.Module, stage: int, world_size: int, dtype: torch
                      step_in_backward: bool = False,
                      tail_state_in_host: Optional[bool] = None,
                      step_in_forward: Optional[bool] = None,
-                     leaf_modules=()) -> PlacementChoice:
+                     leaf_modules=(), host_cache_bytes=0,
+                     moment_dtype: str = "fp32") -> PlacementChoice:
     """Pick the first of :data:`CANDIDATES` whose bytes fit the budgets (``step_in_backward``,
     ``step_in_forward``: count their NVMe read-ahead buffers too). ``step_in_forward=None``
     (the engine's default) tries each candidate as the engine would run it (see
     :func:`offload_zero.config.default_step_in_forward`), then, where that turned
     ``step_in_forward`` on and nothing fitted, the same candidates with the plain step, whose
     host memory is smaller; the choice says which (``PlacementChoice.step_in_forward``).
+    ``host_cache_bytes``: the engine's option (bytes of NVMe-placed optimizer state kept in
+    host memory; see [Note: host cache] in :mod:`offload_zero.memory.host_cache`), counted in
+    the candidates with the state on NVMe; ``"auto"``: a candidate with the state on NVMe that
+    fits gets half the host memory left beside it as its cache (the other half is a margin); ``moment_dtype``: ``"fp32"`` or ``"bf16"``, the
+    moments' dtype (12 or 8 bytes of state per parameter).
 
     Raises:
         ValueError: nothing fits; the message names, for the placement that needs the least
@@ -107,6 +115,11 @@ def choose_placement(model: nn.Module, stage: int, world_size: int, dtype: torch
     for opt, param, sif in options:
         if param != "none" and stage != 3:
             continue
+        if opt == "none" and moment_dtype == "bf16" and device.type != "cpu":
+            # (bf16 moments need the host kernel: see EngineConfig's moment_dtype)
+            tried.append(f"{opt}+{param}: skipped, moment_dtype='bf16' needs the optimizer "
+                         "state off the accelerator")
+            continue
         twin = (opt, param, True) in options and not sif  # (the plain step's second try)
         if "nvme" in (opt, param) and path is None:
             if not twin:
@@ -115,17 +128,30 @@ def choose_placement(model: nn.Module, stage: int, world_size: int, dtype: torch
         label = f"{opt}+{param}" + (" step_in_forward" if sif else " plain step" if twin else "")
         if layout is None:
             layout = model_layout(model, unit_classes, leaf_modules)
-        p = placement_bytes(model, stage, opt, param, world_size, dtype, prefetch, unit_classes,
-                            accelerator, layout=layout, step_in_backward=step_in_backward,
-                            tail_state_in_host=tail_state_in_host, step_in_forward=sif)
-        need = {t: p.tier_bytes(t) for t in ("device", "host", "nvme")}
+        def need_with(cache: int) -> dict:
+            p = placement_bytes(model, stage, opt, param, world_size, dtype, prefetch,
+                                unit_classes, accelerator, layout=layout,
+                                step_in_backward=step_in_backward,
+                                tail_state_in_host=tail_state_in_host, step_in_forward=sif,
+                                host_cache_bytes=cache, moment_dtype=moment_dtype)
+            return {t: p.tier_bytes(t) for t in ("device", "host", "nvme")}
+
+        cache = 0 if host_cache_bytes == "auto" else host_cache_bytes
+        need = need_with(cache)
         short = _shortfall(need, budgets)
+        if host_cache_bytes == "auto" and opt == "nvme" and not short:
+            cache = _auto_host_cache(need, budgets)
+            while cache and _shortfall(need_with(cache), budgets):
+                cache //= 2  # (a cache costs at most its bytes: this only guards the rule)
+            need = need_with(cache)
+            label += f" host cache {_fmt(cache)}"
         tried.append(f"{label}: needs " + ", ".join(f"{t} {_fmt(need[t])}" for t in need)
                      + (" -> fits" if not short else " -> short of " + ", ".join(
                          f"{t} by {_fmt(b)}" for t, b in short.items())))
         last = (opt, param, need, short)
         if not short:
-            choice = PlacementChoice(opt, param, need, budgets, tuple(tried), step_in_forward=sif)
+            choice = PlacementChoice(opt, param, need, budgets, tuple(tried), step_in_forward=sif,
+                                     host_cache_bytes=cache if opt == "nvme" else 0)
             log.info("offload='auto' chose offload_optimizer=%r offload_param=%r "
                      "step_in_forward=%r; budgets %s; %s", opt, param, sif,
                      {t: _fmt(b) for t, b in budgets.items() if t != "shared"}, "; ".join(tried))
@@ -139,6 +165,14 @@ def choose_placement(model: nn.Module, stage: int, world_size: int, dtype: torch
         + ", ".join(f"{t} by {_fmt(b)}" for t, b in last[3].items())
         + f". Budgets: " + ", ".join(f"{t} {_fmt(b)}" for t, b in budgets.items() if t != "shared")
         + f". Tried: {detail}. Use more ranks, a larger disk at path=, or a smaller model.")
+
+
+def _auto_host_cache(need: dict, budgets: dict) -> int:
+    """``host_cache_bytes="auto"``: half the host memory the budgets leave beside ``need``
+    (the placement without a cache), the other half kept as a margin for what the estimate
+    does not count (activations, the allocator, other processes). Bytes, >= 0."""
+    used = need["host"] + (need["device"] if budgets["shared"] else 0)
+    return max(0, budgets["host"] - used) // 2
 
 
 def _shortfall(need: dict, budgets: dict) -> dict:

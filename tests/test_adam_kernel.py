@@ -330,10 +330,13 @@ def _fmix32(x):
     return x ^ (x >> 16)
 
 
-def _sr_bits(seed: int, step: int, n: int) -> torch.Tensor:
-    """The kernel's 32 random bits per element (csrc/adam_scalar.h, [Note: bf16 moments])."""
+def _sr_bits(seed: int, step: int, n: int, offset: int = 0) -> torch.Tensor:
+    """The kernel's 32 random bits per element (csrc/adam_scalar.h, [Note: bf16 moments]),
+    elements counted from ``offset`` (``sr_offset``)."""
     key = _fmix32((_fmix32(seed) + step) & _M32)
-    return _fmix32((torch.arange(n, dtype=torch.int64) + key) & _M32)  # index < 2**32
+    i = torch.arange(n, dtype=torch.int64) + offset
+    hi = key ^ _mul32(i >> 32, 0x9E3779B9)
+    return _fmix32(((i & _M32) + hi) & _M32)
 
 
 def _to_bf16_sr(x: torch.Tensor, r16: torch.Tensor) -> torch.Tensor:
@@ -354,11 +357,11 @@ def test_sr_reference_rounds_to_a_neighbour_and_is_unbiased():
     assert abs(y.double().mean().item() - (1.0 + 2 ** -10)) < 2e-5
 
 
-def _bf16_reference_step(p, g, m_bf16, v_bf16, *, seed, step, **kw):
+def _bf16_reference_step(p, g, m_bf16, v_bf16, *, seed, step, offset=0, **kw):
     """torch ops in fp32 from the bf16 moments, then the kernel's stochastic rounding."""
     m, v = m_bf16.float(), v_bf16.float()
     _reference_step(p, g, m, v, step=step, **kw)
-    r = _sr_bits(seed, step, p.numel())
+    r = _sr_bits(seed, step, p.numel(), offset)
     return _to_bf16_sr(m, r & 0xFFFF), _to_bf16_sr(v, r >> 16)
 
 
@@ -394,6 +397,47 @@ def test_bf16_moments_match_torch_reference(isa, n, adamw, weight_decay, bias_co
         _assert_close_to(param, p_ref, f"{isa} n={n} step={step} param")
         _assert_within_one_bf16_ulp(m, m_ref, f"{isa} n={n} step={step} exp_avg")
         _assert_within_one_bf16_ulp(v, v_ref, f"{isa} n={n} step={step} exp_avg_sq")
+
+
+@pytest.mark.parametrize("n", [0, 1, 255, 256, 257, 1_000_003])
+@pytest.mark.parametrize("offset", [0, 2 ** 32 - 128])
+def test_bf16_moments_element_by_element(isa, n, offset, torch_single_thread):
+    """Sizes around the vector widths and a large prime, elements counted from ``sr_offset``
+    (one that crosses 2**32 inside the buffer: the counter's upper bits): every weight agrees
+    with torch's fp32 ops as for fp32 moments, every moment with the reference's stochastic
+    rounding of torch's fp32 moment (or one bf16 step off where torch's op differs by an ulp)."""
+    kw = dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, wd=0.1, adamw=True, bias_correction=True)
+    param = torch.randn(n, generator=torch.Generator().manual_seed(n))
+    m = torch.zeros(n, dtype=torch.bfloat16)
+    v = torch.zeros(n, dtype=torch.bfloat16)
+    for step, grad in enumerate(_grads(n, 3, seed=4), start=1):
+        p_ref = param.clone()
+        m_ref, v_ref = _bf16_reference_step(p_ref, grad, m, v, seed=99, step=step,
+                                            offset=offset, **kw)
+        assert not adam_step_(param, grad, m, v, step=step, lr=kw["lr"], betas=kw["betas"],
+                              eps=kw["eps"], weight_decay=kw["wd"], sr_seed=99,
+                              sr_offset=offset, state_dtype=torch.bfloat16)
+        _assert_close_to(param, p_ref, f"{isa} n={n} step={step} param")
+        _assert_within_one_bf16_ulp(m, m_ref, f"{isa} n={n} step={step} exp_avg")
+        _assert_within_one_bf16_ulp(v, v_ref, f"{isa} n={n} step={step} exp_avg_sq")
+
+
+@pytest.mark.parametrize("n", [4096, 100_003])
+def test_bf16_moments_in_pieces_equal_one_call(isa, n):
+    """Elements [lo, hi) updated by a call of their own with ``sr_offset=lo`` get the bits one
+    call on the whole buffer gives them (an update streamed in chunks equals a whole one)."""
+    gen = torch.Generator().manual_seed(5)
+    p = torch.randn(n, generator=gen)
+    g = torch.randn(n, generator=gen)
+    whole = [p.clone(), torch.zeros(n, dtype=torch.bfloat16), torch.zeros(n, dtype=torch.bfloat16)]
+    parts = [t.clone() for t in whole]
+    cuts = [0, 64, 1024, 3072, n]
+    for step in (1, 2):
+        adam_step_(*whole[:1], g, *whole[1:], step=step, lr=1e-2, sr_seed=3)
+        for lo, hi in zip(cuts, cuts[1:]):
+            adam_step_(parts[0][lo:hi], g[lo:hi], parts[1][lo:hi], parts[2][lo:hi], step=step,
+                       lr=1e-2, sr_seed=3, sr_offset=lo)
+    assert all(_bits_equal(a, b) for a, b in zip(whole, parts))
 
 
 def test_bf16_moments_deterministic_and_seeded(isa):
@@ -506,6 +550,8 @@ def test_bad_tensors_raise(index, bad, match):
     (dict(state_dtype=torch.bfloat16), "state_dtype=torch.bfloat16 but"),
     (dict(sr_seed=-1), "sr_seed=-1"),
     (dict(sr_seed=2**32), "sr_seed=4294967296"),
+    (dict(sr_offset=32), "sr_offset=32"),
+    (dict(sr_offset=-64), "sr_offset=-64"),
     (dict(out=torch.zeros(8, dtype=torch.int8)), "out dtype torch.int8"),
     (dict(out=torch.zeros(7)), "out has numel=7"),
 ])
@@ -533,6 +579,7 @@ def test_binding_rejects_bad_pointers_and_sizes():
                           (dict(beta2=1.0), "beta2=1"),
                           (dict(state_dtype="float16"), "state dtype 'float16'"),
                           (dict(sr_seed=-1), "sr_seed=-1"),
+                          (dict(sr_offset=100), "sr_offset=100"),
                           (dict(step=0), "step=0")]:
         with pytest.raises(ValueError, match=match):
             _C.adam_step(**{**base, **change})

@@ -133,3 +133,22 @@ def test_an_interrupted_estimate_says_nothing_of_swap_files(capsys, monkeypatch)
     assert cli.main(["estimate", "--params", "1e9"]) == 130
     err = capsys.readouterr().err
     assert "interrupted (Ctrl-C)" in err and "swap" not in err
+
+
+def test_moment_dtype_and_host_cache_flags(capsys):
+    """--moment-dtype bf16: 8 bytes of optimizer state per parameter in the NVMe rows instead
+    of 12 (the paper's unpadded arithmetic); --host-cache-bytes moves that many bytes of it
+    (whole flat parameters, at most) from NVMe to host memory."""
+    rows = {}
+    for flags in ([], ["--moment-dtype", "bf16"], ["--host-cache-bytes", str(3 * 10 ** 9)]):
+        assert cli.main(["estimate", "--params", "1e9", "--json", *flags]) == 0
+        data = json.loads(capsys.readouterr().out)
+        rows[tuple(flags)] = next(r for r in data["table"]
+                                  if r["stage"] == 3 and r["offload"] == "nvme")
+    fp32, bf16 = rows[()], rows[("--moment-dtype", "bf16")]
+    cached = rows[("--host-cache-bytes", str(3 * 10 ** 9))]
+    opt = lambda r: r["model_states"]["nvme"]["master_weights"] + r["model_states"]["nvme"]["moments"]  # noqa: E731
+    assert 2 * fp32["model_states"]["nvme"]["moments"] == 4 * bf16["model_states"]["nvme"]["moments"]
+    moved = opt(fp32) - opt(cached)
+    assert 0 < moved <= 3 * 10 ** 9
+    assert cached["host_bytes_per_rank"] > fp32["host_bytes_per_rank"]

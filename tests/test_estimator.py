@@ -274,14 +274,21 @@ class WiderLM(TinyLM):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_estimate_equals_engine_memory_report(stage, dtype, tmp_path):
+    """Per tier and kind, for every offload, and with the NVMe state partly in host memory
+    (host_cache_bytes: ~37% of it)."""
     torch.manual_seed(0)
-    for offload in OFFLOADS:
+    for offload, frac in [(o, 0.0) for o in OFFLOADS] + [("nvme", 0.37)]:
         model = WiderLM()
-        est = estimate_memory(model, stage=stage, offload=offload, dtype=dtype, accelerator=False)
-        path = tmp_path / offload
+        cache = int(frac * 12 * sum(s.numel for s in model_layout(model) if s.trainable))
+        est = estimate_memory(model, stage=stage, offload=offload, dtype=dtype, accelerator=False,
+                              host_cache_bytes=cache)
+        path = tmp_path / f"{offload}{frac}"
         path.mkdir()
         with OffloadEngine(model, stage=stage, offload=offload, dtype=dtype,
-                           path=str(path) if offload == "nvme" else None) as eng:
+                           path=str(path) if offload == "nvme" else None,
+                           host_cache_bytes=cache) as eng:
+            if cache:  # (the root's two parts, its head tied, and a block at least)
+                assert eng.memory_report()["host_cache"]["host_flat_params"] >= 3
             for x, y in batches(1):
                 eng.backward(lm_loss(eng(x), y))
                 eng.step()
@@ -290,7 +297,7 @@ def test_estimate_equals_engine_memory_report(stage, dtype, tmp_path):
             assert rep["live_units"]["peak"] <= est.prefetch + 2
         for tier in TIERS:
             measured = {k: rep[tier]["by_kind"][k]["peak_bytes"] for k in KINDS}
-            assert measured == est.by_kind(tier), (stage, offload, tier)
+            assert measured == est.by_kind(tier), (stage, offload, frac, tier)
 
 
 def test_format_table_is_readable():

@@ -6,13 +6,15 @@ tensors of shape (hi - lo,) that the caller updates in place; whatever the calle
 persisted by the store. Resident stores yield each shard whole; the NVMe store in chunks of at
 most ``chunk_numel`` elements, so its buffers do not grow with the largest unit.
 
+The moments are ``moment_dtype`` (float32 or bfloat16) in every store; the master is fp32.
 Every store also copies a flat parameter's whole state out (``read_all``: exports, checkpoints)
 and overwrites it (``write_all``: loading a checkpoint).
 
 - :class:`DeviceStore` (``offload="none"``): tensors on the accelerator.
 - :class:`HostStore` (``offload="cpu"``): 4096-aligned (pinned when CUDA is present) host tensors.
 - :class:`NVMeStore` (``offload="nvme"``): one file per flat parameter holding
-  ``[master | exp_avg | exp_avg_sq]`` (3 * shard_numel fp32, 4096-aligned), and a pipeline of
+  ``[master | exp_avg | exp_avg_sq]`` (fp32 master, moments in fp32 or bf16; see
+  [Note: state layout] in :mod:`offload_zero.memory.state_format`), and a pipeline of
   three host buffer sets over chunks: while the caller updates chunk k, the read of chunk k+1 is
   in flight and the write of chunk k-1 drains (ZeRO-Infinity's overlap of NVMe I/O with the
   update).
@@ -26,6 +28,7 @@ import torch
 
 from offload_zero.config import Tier
 from offload_zero.memory.accounting import StateKind, TierAccountant
+from offload_zero.memory.state_format import StateFormat
 from offload_zero.memory.swapper import SwapHandle
 
 StateTuple = Tuple[object, int, int, torch.Tensor, torch.Tensor, torch.Tensor]
@@ -36,8 +39,9 @@ class _TensorStore:
 
     tier: Tier
 
-    def __init__(self, accountant: TierAccountant, alloc):
+    def __init__(self, accountant: TierAccountant, alloc, moment_dtype=torch.float32):
         self._acct, self._alloc = accountant, alloc
+        self.fmt = StateFormat(moment_dtype)
         self._state: Dict[object, Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._held: Dict[object, Tuple[int, int]] = {}
 
@@ -50,14 +54,16 @@ class _TensorStore:
         master = alias if alias is not None else self._alloc(n, torch.float32)
         if alias is None:
             master.copy_(master_shard)
-        m, v = self._alloc(n, torch.float32), self._alloc(n, torch.float32)
+        dt = self.fmt.moment_dtype
+        m, v = self._alloc(n, dt), self._alloc(n, dt)
         m.zero_()
         v.zero_()
         self._state[fp] = (master, m, v)
         master_bytes = 0 if alias is not None else 4 * n
-        self._held[fp] = (master_bytes, 8 * n)
+        moment_bytes = 2 * self.fmt.moment_itemsize * n
+        self._held[fp] = (master_bytes, moment_bytes)
         self._acct.add(self.tier, StateKind.MASTER, master_bytes)
-        self._acct.add(self.tier, StateKind.MOMENTS, 8 * n)
+        self._acct.add(self.tier, StateKind.MOMENTS, moment_bytes)
 
     def iter_states(self, flat_params: List[object], defer_write_back: bool = False
                     ) -> Iterator[StateTuple]:
@@ -102,10 +108,12 @@ class _TensorStore:
 
     def write_all(self, fp, master: torch.Tensor, exp_avg: torch.Tensor,
                   exp_avg_sq: torch.Tensor) -> None:
-        """Overwrite ``fp``'s (master, exp_avg, exp_avg_sq) in place with the given fp32 tensors
-        of shape (shard_numel,), on any device (a checkpoint being loaded). Raises ValueError
-        naming ``fp`` for a wrong shape or dtype."""
-        _check_state_shapes(fp, self._state[fp][0].numel(), (master, exp_avg, exp_avg_sq))
+        """Overwrite ``fp``'s (master, exp_avg, exp_avg_sq) in place with the given tensors of
+        shape (shard_numel,) (fp32 master, moments in the store's ``moment_dtype``), on any
+        device (a checkpoint being loaded). Raises ValueError naming ``fp`` for a wrong shape
+        or dtype."""
+        _check_state_shapes(fp, self._state[fp][0].numel(), (master, exp_avg, exp_avg_sq),
+                            self.fmt.moment_dtype)
         for dst, src in zip(self._state[fp], (master, exp_avg, exp_avg_sq)):
             dst.copy_(src)
 
@@ -123,8 +131,10 @@ class DeviceStore(_TensorStore):
 
     tier = Tier.DEVICE
 
-    def __init__(self, accountant: TierAccountant, device: torch.device):
-        super().__init__(accountant, lambda n, dt: torch.empty(n, dtype=dt, device=device))
+    def __init__(self, accountant: TierAccountant, device: torch.device,
+                 moment_dtype=torch.float32):
+        super().__init__(accountant, lambda n, dt: torch.empty(n, dtype=dt, device=device),
+                         moment_dtype)
 
 
 class HostStore(_TensorStore):
@@ -132,8 +142,8 @@ class HostStore(_TensorStore):
 
     tier = Tier.HOST
 
-    def __init__(self, accountant: TierAccountant, host_alloc):
-        super().__init__(accountant, host_alloc)
+    def __init__(self, accountant: TierAccountant, host_alloc, moment_dtype=torch.float32):
+        super().__init__(accountant, host_alloc, moment_dtype)
 
 
 class NVMeStore:
@@ -144,16 +154,20 @@ class NVMeStore:
         accountant: byte accounting (NVMe: file bytes; host: pipeline buffers).
         host_alloc: ``f(numel, dtype)`` returning 4096-aligned host tensors.
         max_shard_numel: the largest shard_numel of any flat parameter (sizes the buffers).
-        chunk_numel: elements streamed per pipeline stage (multiple of 1024; default
-            ``CHUNK_NUMEL``): buffers hold ``3 * 3 * min(max_shard_numel, chunk_numel) * 4`` bytes.
+        chunk_numel: elements streamed per pipeline stage (multiple of 1024, of 2048 with bf16
+            moments; default ``CHUNK_NUMEL``): buffers hold three states of
+            ``min(max_shard_numel, chunk_numel)`` elements (12 bytes each with fp32 moments, 8
+            with bf16; see :class:`offload_zero.memory.state_format.StateFormat`).
         master_is_param: the fp32 parameter shards are read from the master region (file
             ``fp.name``, offset 0, ``4 * shard_numel`` bytes; see :class:`NVMeParamHome`); the
             master's NVMe bytes are then accounted as parameters.
+        moment_dtype: ``torch.float32`` (default) or ``torch.bfloat16``: the moments' dtype in
+            the files and in every host buffer (see [Note: state layout]).
 
     A flat parameter whose name was given to :meth:`keep_in_host` before :meth:`add` keeps its
-    state in host memory instead (a :class:`HostStore` inside this one: no file, no I/O):
-    with ``step_in_backward``, the one updated last in backward, whose I/O no compute is left
-    to hide.
+    state in host memory instead (a :class:`HostStore` inside this one: no file, no I/O): the
+    ones whose I/O has the least compute to hide behind, as ``host_cache_bytes`` allows (see
+    [Note: host cache] in :mod:`offload_zero.memory.host_cache`).
 
     Raises:
         offload_zero.memory.swapper.SwapIOError: an I/O failed; it names file and offset.
@@ -164,8 +178,11 @@ class NVMeStore:
     CHUNK_NUMEL = 1 << 22  # elements per chunk: 3 sets x 3 x 16 MiB of host buffers at most
 
     def __init__(self, swapper, accountant: TierAccountant, host_alloc, max_shard_numel: int,
-                 chunk_numel: Optional[int] = None, master_is_param: bool = False):
+                 chunk_numel: Optional[int] = None, master_is_param: bool = False,
+                 moment_dtype=torch.float32):
         self._master_is_param = master_is_param
+        self.fmt = StateFormat(moment_dtype)
+        self._ahead_cap = 0  # elements of a state each read-ahead buffer holds
         # whole-state read-ahead ring (step_in_backward; see enable_prefetch)
         self._ahead = None                            # a HostBufferPool, or None
         self._whole_reads: Dict[object, tuple] = {}   # fp -> (buffer, read handles)
@@ -177,23 +194,28 @@ class NVMeStore:
         chunk_numel = chunk_numel or self.CHUNK_NUMEL
         self._acct = accountant
         self.swapper = swapper
-        if chunk_numel % 1024:
-            raise ValueError(f"chunk_numel={chunk_numel} must be a multiple of 1024 elements")
+        multiple = self.fmt.chunk_multiple
+        if chunk_numel % multiple:
+            raise ValueError(f"chunk_numel={chunk_numel} must be a multiple of {multiple} "
+                             f"elements with {self.fmt.moment_dtype} moments")
         self._chunk = min(max_shard_numel, chunk_numel)
-        self._bufs = [host_alloc(3 * self._chunk, torch.float32) for _ in range(self._DEPTH)]
+        self._bufs = [host_alloc(self.fmt.buffer_numel(self._chunk), torch.float32)
+                      for _ in range(self._DEPTH)]
         self._buf_bytes = sum(b.numel() * 4 for b in self._bufs)
         self._acct.add(Tier.HOST, StateKind.BUFFERS, self._buf_bytes)
         self._pending_write = [None] * self._DEPTH
         self._numel: Dict[object, int] = {}
         self._keys: Dict[object, str] = {}
-        self._host = HostStore(accountant, host_alloc)   # state kept in host memory
+        self._host = HostStore(accountant, host_alloc, moment_dtype)  # state kept in host memory
         self._host_names: set = set()
+        self._moved = [0, 0]  # state bytes submitted: [read, written]
         self._closed = False
 
     def keep_in_host(self, name: str) -> None:
         """Keep the state of the flat parameter named ``name`` (added later) in host memory:
-        ``4 + 8`` bytes per element of its shard (``8`` when :meth:`add` gets an ``alias``),
-        accounted as host master weights and moments."""
+        ``4 + 8`` bytes per element of its shard with fp32 moments, ``4 + 4`` with bf16 (the 4
+        bytes of the master less when :meth:`add` gets an ``alias``), accounted as host master
+        weights and moments."""
         self._host_names.add(name)
 
     def in_host(self, fp) -> bool:
@@ -211,10 +233,10 @@ class NVMeStore:
             return
         n = master_shard.numel()
         key = fp.name
-        self.swapper.allocate(key, 3 * n * 4)
+        self.swapper.allocate(key, self.fmt.nbytes(n))
         self._numel[fp], self._keys[fp] = n, key
         self._acct.add(Tier.NVME, StateKind.MASTER, self._master_bytes(n))
-        self._acct.add(Tier.NVME, StateKind.MOMENTS, 8 * n)
+        self._acct.add(Tier.NVME, StateKind.MOMENTS, self.fmt.moment_bytes(n))
         c = self._chunk
         # the moments' regions are left as allocated: a new file (fallocate'd or sparse)
         # reads as zeros, so 8 bytes per element are never written
@@ -234,39 +256,48 @@ class NVMeStore:
         # once, as parameters (see NVMeParamHome's master_is_param)
         return 0 if self._master_is_param else 4 * n
 
-    def _views(self, slot: int, c: int):
-        b = self._bufs[slot]
-        k = self._chunk
-        return b[:c], b[k:k + c], b[2 * k:2 * k + c]
+    def _views(self, slot: int, c: int, padded: bool = False):
+        return self.fmt.views(self._bufs[slot], self._chunk, c, padded)
 
     def _io(self, fp, lo: int, hi: int, slot: int, write: bool, key=None, n=None, views=None):
         """Start the three transfers of elements [lo, hi) of (master, m, v) between the file
-        and buffer set ``slot`` (or the three ``views``); returns their handles."""
+        and buffer set ``slot`` (or the three ``views``, padded as transferred: see
+        [Note: state layout]); returns their handles."""
         key = key or self._keys[fp]
         n = n or self._numel[fp]
         op = self.swapper.swap_out if write else self.swapper.swap_in
-        views = views if views is not None else self._views(slot, hi - lo)
-        return [op(key, view, offset_bytes=4 * (part * n + lo)) for part, view in enumerate(views)]
+        views = views if views is not None else self._views(slot, hi - lo, padded=True)
+        self._moved[write] += sum(v.numel() * v.element_size() for v in views)
+        return [op(key, view, offset_bytes=base + view.element_size() * lo)
+                for base, view in zip(self.fmt.offsets(n), views)]
 
     # -- whole-state read-ahead (step_in_backward) ----------------------------------------------
-    def enable_prefetch(self, pool) -> None:
+    def enable_prefetch(self, pool, numel: Optional[int] = None) -> None:
         """Read whole states ahead into ``pool``, a
-        :class:`offload_zero.memory.pool.HostBufferPool` of fp32 buffers of ``3 * numel``
-        elements (master | exp_avg | exp_avg_sq of a shard of up to ``numel`` elements) owned
-        and closed by the caller. Two buffers suffice for updates in backward: unit k's state is
+        :class:`offload_zero.memory.pool.HostBufferPool` of fp32 buffers that each hold the
+        state of a shard of up to ``numel`` elements (master | exp_avg | exp_avg_sq: at least
+        ``fmt.buffer_numel(numel)`` elements; default: ``pool.numel // 3``, fp32 moments),
+        owned and closed by the caller. Two buffers suffice for updates in backward: unit k's state is
         read while unit k+1's is written; a third lets unit k-1's state be read while unit k
         runs (its parameters are then gathered from it, see :meth:`master_view`), or, for
         updates applied in the next forward, a block's read start before the write-back of
-        the block two before it has ended."""
-        self._ahead = pool
+        the block two before it has ended. Raises ValueError if the buffers are too small."""
+        numel = pool.numel // 3 if numel is None else numel
+        if self.fmt.buffer_numel(numel) > pool.numel:
+            raise ValueError(f"read-ahead buffers of {pool.numel} fp32 elements cannot hold a "
+                             f"state of {numel} elements ({self.fmt.buffer_numel(numel)} needed)")
+        self._ahead, self._ahead_cap = pool, numel
 
-    def _whole_views(self, buf: torch.Tensor, n: int):
-        k = buf.numel() // 3
-        return buf[:n], buf[k:k + n], buf[2 * k:2 * k + n]
+    def fits_ahead(self, numel: int) -> bool:
+        """Whether a state of ``numel`` elements fits a read-ahead buffer (False without)."""
+        return self._ahead is not None and numel <= self._ahead_cap
+
+    def _whole_views(self, buf: torch.Tensor, n: int, padded: bool = False):
+        return self.fmt.views(buf, self._ahead_cap, n, padded)
 
     def _start_whole_write(self, fp, buf: torch.Tensor) -> list:
         n = self._numel[fp]
-        return self._io(fp, 0, n, 0, write=True, views=self._whole_views(buf, n))
+        return self._io(fp, 0, n, 0, write=True, views=self._whole_views(buf, n, padded=True))
 
     def _retire_whole_write(self, index: int = 0) -> None:
         fp, buf, handles = self._whole_writes.pop(index)
@@ -313,7 +344,7 @@ class NVMeStore:
         queued its write-back (a read now would be stale), or when no buffer is free."""
         pool = self._ahead
         if (pool is None or fp in self._whole_reads or self.in_host(fp) or fp in self._updating
-                or 3 * self._numel.get(fp, 0) > pool.numel):
+                or not self.fits_ahead(self._numel.get(fp, 0))):
             return False
         if not wait and not self._writes_done(fp):
             return False
@@ -327,7 +358,7 @@ class NVMeStore:
         buf = pool.acquire()
         n = self._numel[fp]
         self._whole_reads[fp] = (buf, self._io(fp, 0, n, 0, write=False,
-                                               views=self._whole_views(buf, n)))
+                                               views=self._whole_views(buf, n, padded=True)))
         return True
 
     def prefetched(self, fp) -> bool:
@@ -496,7 +527,8 @@ class NVMeStore:
             return self._host.read_all(fp)
         self.drain()
         n = self._numel[fp]
-        out = tuple(torch.empty(n, dtype=torch.float32) for _ in range(3))
+        md = self.fmt.moment_dtype
+        out = tuple(torch.empty(n, dtype=dt) for dt in (torch.float32, md, md))
         for lo in range(0, n, self._chunk):
             hi = min(n, lo + self._chunk)
             for h in self._io(fp, lo, hi, 0, write=False):
@@ -511,15 +543,15 @@ class NVMeStore:
 
     def write_all(self, fp, master: torch.Tensor, exp_avg: torch.Tensor,
                   exp_avg_sq: torch.Tensor) -> None:
-        """Write ``fp``'s (master, exp_avg, exp_avg_sq), fp32 CPU tensors of shape
-        (shard_numel,), to its file chunk by chunk through the pipeline's first buffer set, and
+        """Write ``fp``'s (master, exp_avg, exp_avg_sq), CPU tensors of shape (shard_numel,)
+        (fp32 master, moments in ``moment_dtype``), to its file chunk by chunk through the pipeline's first buffer set, and
         wait for every write (a checkpoint being loaded). Read-ahead of any state is dropped
         first: it would be stale. Raises ValueError naming ``fp`` for a wrong shape or dtype,
         SwapIOError if a write failed (file and offset named)."""
         if self.in_host(fp):
             return self._host.write_all(fp, master, exp_avg, exp_avg_sq)
         n = self._numel[fp]
-        _check_state_shapes(fp, n, (master, exp_avg, exp_avg_sq))
+        _check_state_shapes(fp, n, (master, exp_avg, exp_avg_sq), self.fmt.moment_dtype)
         self.release_prefetched()
         self.drain()
         for lo in range(0, n, self._chunk):
@@ -535,6 +567,37 @@ class NVMeStore:
         per = self._bufs[0].numel() * 4 if self._bufs else 0
         return {"buffers": len(self._bufs), "buffer_bytes": per, "capacity_bytes": self._buf_bytes,
                 "in_use": 0, "peak_in_use": self._DEPTH if self._bufs else 0}
+
+    def cache_report(self) -> dict:
+        """The optimizer state's split between host memory and NVMe (see [Note: host cache]
+        in :mod:`offload_zero.memory.host_cache`): ``{"host_flat_params", "nvme_flat_params"}``
+        (counts) and ``{"host_state_bytes", "nvme_state_bytes"}``: bytes of master weights and
+        moments kept in host memory (:meth:`keep_in_host`), and bytes of the state files, which
+        each step reads and writes once (every flat parameter updated). Units: bytes."""
+        return {"host_flat_params": len(self._host._held),
+                "nvme_flat_params": len(self._numel),
+                "host_state_bytes": sum(mb + sb for mb, sb in self._host._held.values()),
+                "nvme_state_bytes": sum(self.state_file_bytes(fp) for fp in self._numel)}
+
+    def state_file_bytes(self, fp) -> int:
+        """Bytes of ``fp``'s state file (``[master | exp_avg | exp_avg_sq]``, padding included:
+        see [Note: state layout]), what one update reads and writes; 0 for a state kept in
+        host memory."""
+        n = self._numel.get(fp, 0)
+        return self.fmt.nbytes(n) if n else 0
+
+    @property
+    def state_read_bytes(self) -> int:
+        """Bytes of optimizer state (master weights, moments) this store has asked to read
+        from its files since construction (counted as each read starts; a parameter shard
+        read from a master's bytes by :class:`NVMeParamHome` is not counted here)."""
+        return self._moved[False]
+
+    @property
+    def state_written_bytes(self) -> int:
+        """Bytes of optimizer state this store has asked to write to its files since
+        construction (the initial state included; counted as each write starts)."""
+        return self._moved[True]
 
     @property
     def read_bytes(self) -> int:
@@ -559,18 +622,20 @@ class NVMeStore:
         finally:
             for fp, n in self._numel.items():
                 self._acct.sub(Tier.NVME, StateKind.MASTER, self._master_bytes(n))
-                self._acct.sub(Tier.NVME, StateKind.MOMENTS, 8 * n)
+                self._acct.sub(Tier.NVME, StateKind.MOMENTS, self.fmt.moment_bytes(n))
             self._numel.clear()
             self._host.close()
             self._acct.sub(Tier.HOST, StateKind.BUFFERS, self._buf_bytes)
             self._bufs = []
 
 
-def _check_state_shapes(fp, numel: int, tensors) -> None:
-    """Raise ValueError unless every tensor is fp32 of shape (numel,)."""
-    for what, t in zip(("master", "exp_avg", "exp_avg_sq"), tensors):
-        if t.dtype != torch.float32 or tuple(t.shape) != (numel,):
-            raise ValueError(f"{getattr(fp, 'name', fp)}: {what} must be float32 of shape "
+def _check_state_shapes(fp, numel: int, tensors, moment_dtype=torch.float32) -> None:
+    """Raise ValueError unless the master is fp32 and the moments ``moment_dtype``, all of
+    shape (numel,)."""
+    for what, t, dt in zip(("master", "exp_avg", "exp_avg_sq"), tensors,
+                           (torch.float32, moment_dtype, moment_dtype)):
+        if t.dtype != dt or tuple(t.shape) != (numel,):
+            raise ValueError(f"{getattr(fp, 'name', fp)}: {what} must be {dt} of shape "
                              f"({numel},), got {t.dtype} of shape {tuple(t.shape)}")
 
 

@@ -134,7 +134,7 @@ def adam_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
                weight_decay: float = 0.0, adamw: bool = True, bias_correction: bool = True,
                grad_scale: float = 1.0, out: Optional[torch.Tensor] = None,
                num_threads: Optional[int] = None, state_dtype: Optional[torch.dtype] = None,
-               sr_seed: int = 0, check_overflow: bool = True) -> bool:
+               sr_seed: int = 0, check_overflow: bool = True, sr_offset: int = 0) -> bool:
     """One Adam/AdamW step over flat CPU buffers, in place; returns True on overflow.
 
     Args:
@@ -171,6 +171,11 @@ def adam_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
             and instruction set.
         sr_seed: int in [0, 2**32), the stochastic-rounding seed (use a different one per
             tensor for independent rounding); ignored for float32 moments.
+        sr_offset: the element index the random bits count element 0 of these buffers as, an
+            int >= 0 and a multiple of 64 (default 0): a call on elements [lo, hi) of a larger
+            buffer with ``sr_offset=lo`` (its step, seed, all else equal) rounds them exactly
+            as one call on the whole buffer would, so an update streamed in chunks gives the
+            same bf16 moments as one made whole. Ignored for float32 moments.
         check_overflow: True (default): read every gradient before writing anything, so an
             inf/nan leaves all state unchanged (costs one more read of the gradients, 4 B per
             fp32 gradient, ~14% of the step's traffic). False: for a caller that already knows
@@ -202,6 +207,9 @@ def adam_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
         raise ValueError(f"state_dtype={state_dtype} but exp_avg/exp_avg_sq are {exp_avg.dtype}")
     if isinstance(sr_seed, bool) or not isinstance(sr_seed, int) or not 0 <= sr_seed < 2**32:
         raise ValueError(f"sr_seed={sr_seed!r} must be an int in [0, 2**32)")
+    if isinstance(sr_offset, bool) or not isinstance(sr_offset, int) or sr_offset < 0 \
+            or sr_offset % 64:
+        raise ValueError(f"sr_offset={sr_offset!r} must be an int >= 0, a multiple of 64")
     if out is not None:
         _check_tensor("out", out, numel, tuple(_OUT_DTYPES))
     _check_scalars(step, lr, betas, eps, weight_decay, grad_scale, num_threads)
@@ -213,4 +221,4 @@ def adam_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
         int(step), float(lr), float(betas[0]), float(betas[1]), float(eps),
         float(weight_decay), bool(adamw), bool(bias_correction), float(grad_scale),
         0 if num_threads is None else int(num_threads), _STATE_DTYPES[exp_avg.dtype],
-        int(sr_seed), bool(check_overflow))
+        int(sr_seed), bool(check_overflow), int(sr_offset))

@@ -1,0 +1,88 @@
+"""Which flat parameters keep their optimizer state in host memory when it is on NVMe.
+
+[Note: host cache]
+With the optimizer state on NVMe (``offload_optimizer="nvme"``) every step reads and writes
+each flat parameter's state file (fp32 master weights and two moments: 12 bytes per element of
+its shard each way). A flat parameter whose state stays in host memory instead moves none of
+those bytes: no file, no I/O, the same kernel on the same values (bit-identical weights).
+``host_cache_bytes`` is the host memory the engine may spend on that. One rule chooses the flat
+parameters, used by the engine (:class:`offload_zero.memory.tiers.NVMeStore.keep_in_host`) and
+by the estimator alike (:func:`plan_host_cache`):
+
+1. the flat parameter ``tail_state_in_host`` keeps (the input embeddings, updated last in
+   backward and needed first in forward), whatever the budget; its bytes count against it;
+2. then, in this order, each trainable flat parameter whose state fits in what is left of the
+   budget (one that does not fit is passed over, a smaller later one may still fit):
+   the root's parts (embeddings, then the parts used after the blocks: the LM head, the final
+   norm), whose I/O has the least compute to hide behind; then the blocks from both ends of
+   the update order alternately (the first updated, the last, the second, the second last,
+   ...), whose reads and write-backs start or end the step's stream and overlap least.
+
+A flat parameter's cost is ``bytes_per_element * shard_numel``: 12 (fp32 master, two fp32
+moments) or 8 (bf16 moments, ``moment_dtype="bf16"``), 4 less when its fp32 master is the
+parameter shard itself (fp32 on a CPU device).
+Everything not chosen stays on NVMe, so the bytes read and written per step are the state
+bytes of the NVMe-resident flat parameters, each way.
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Sequence, Set, Tuple
+
+# (block, trainable, shard_numel): block is the block's position in forward order, None for the
+# root unit; shard_numel in elements
+FlatInfo = Tuple[Optional[int], bool, int]
+
+
+def cache_order(flat: Sequence[FlatInfo], blocks_reversed: bool = False) -> List[int]:
+    """Indices into ``flat`` of the trainable flat parameters in the order the host cache takes
+    them (see [Note: host cache]): the root's parts last-constructed first (the embeddings,
+    then the LM head, then the rest), then the blocks alternately from the two ends of the
+    update order. ``blocks_reversed``: the blocks are updated last first (``step_in_backward``),
+    else first first; with both ends taken alternately this only decides which end leads."""
+    root = [i for i, (b, t, _) in enumerate(flat) if b is None and t]
+    blocks = sorted({b for b, t, _ in flat if b is not None and t}, reverse=blocks_reversed)
+    ends: List[int] = []
+    lo, hi = 0, len(blocks) - 1
+    while lo <= hi:
+        ends.append(blocks[lo])
+        if hi != lo:
+            ends.append(blocks[hi])
+        lo, hi = lo + 1, hi - 1
+    by_block = [i for b in ends for i, (fb, t, _) in enumerate(flat) if fb == b and t]
+    return list(reversed(root)) + by_block
+
+
+def plan_host_cache(flat: Sequence[FlatInfo], budget_bytes: int, bytes_per_element: int,
+                    tail: Optional[int] = None, blocks_reversed: bool = False) -> Set[int]:
+    """The indices into ``flat`` whose optimizer state stays in host memory (see
+    [Note: host cache]).
+
+    Args:
+        flat: ``(block, trainable, shard_numel)`` per flat parameter in construction order
+            (``block``: position of its block unit in forward order, None for the root).
+        budget_bytes: ``host_cache_bytes``, bytes >= 0.
+        bytes_per_element: host bytes of one element's state (12 with fp32 moments, 8 with
+            bf16; 4 less when the fp32 master is the parameter shard itself).
+        tail: the index ``tail_state_in_host`` keeps (taken whatever the budget), or None.
+        blocks_reversed: as for :func:`cache_order`.
+
+    Returns:
+        The chosen indices (empty with a budget of 0 and no tail).
+
+    Raises:
+        ValueError: ``budget_bytes`` or ``bytes_per_element`` is negative.
+    """
+    if budget_bytes < 0 or bytes_per_element < 0:
+        raise ValueError(f"budget_bytes={budget_bytes!r} and bytes_per_element="
+                         f"{bytes_per_element!r} must be >= 0")
+    chosen: Set[int] = set()
+    left = budget_bytes
+    if tail is not None:
+        chosen.add(tail)
+        left -= bytes_per_element * flat[tail][2]
+    for i in cache_order(flat, blocks_reversed):
+        cost = bytes_per_element * flat[i][2]
+        if i not in chosen and cost <= left:
+            chosen.add(i)
+            left -= cost
+    return chosen
