@@ -1200,10 +1200,11 @@ class OffloadEngine:
             out = None if out is None else out[lo:hi]
             # (bf16 moments: rounding keyed by the element's place in the flat parameter, the
             # same however the update is cut into chunks and at any world size)
+            base = self.rank * fp.shard_numel + lo  # (the chunk's place in the flat parameter)
             overflow = any([self._adam_cpu(fp, master[a:b], grad[a:b], m[a:b], v[a:b], hp,
                                            coef, None if out is None else out[a:b],
-                                           check_overflow, self.rank * fp.shard_numel + lo + a)
-                            for a, b, hp in runs])
+                                           check_overflow, key)
+                            for r0, r1, hp in runs for a, b, key in _sr_pieces(r0, r1, base)])
             if (not overflow and out is not None and fp.home is None
                     and out.data_ptr() != fp.sharded[lo:hi].data_ptr()):
                 # staging buffer -> accelerator shard, chunk by chunk: the buffer is free again
@@ -1490,6 +1491,22 @@ def _exit_on_sigterm() -> None:
 
 def _sigterm_exit(signum, frame):
     raise SystemExit(128 + signum)
+
+
+def _sr_pieces(a: int, b: int, base: int) -> List[tuple]:
+    """Elements ``[a, b)`` of a chunk whose element 0 is element ``base`` of its flat
+    parameter, as ``(lo, hi, sr_offset)`` calls of the kernel, whose stochastic rounding (bf16
+    moments) counts from a multiple of 64: an unaligned start (a parameter group's boundary)
+    gives a head of fewer than 64 elements keyed from the 64-element block holding it, and the
+    rest is keyed by its own place. Group boundaries and the chunks' (multiples of 64) sit at
+    fixed places in the flat parameter, so the rounding is the same however the update is
+    chunked and at any world size."""
+    g = base + a
+    cut = min(b, a + (-g) % 64)
+    pieces = [(a, cut, g - g % 64)] if cut > a else []
+    if cut < b:
+        pieces.append((cut, b, base + cut))
+    return pieces
 
 
 def _collective_error(exc: BaseException) -> bool:

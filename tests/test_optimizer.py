@@ -15,7 +15,7 @@ from offload_zero import OffloadEngine
 STEPS = 8
 LR = 1e-2
 CASES = [(s, o) for s in (1, 2, 3) for o in ("none", "cpu", "nvme")]
-CASES_WS2 = [(1, "cpu"), (2, "none"), (3, "nvme")]
+CASES_WS2 = CASES
 
 
 def _no_decay(name: str) -> bool:

@@ -1,6 +1,7 @@
 """In-place writes to a wrapped model's parameters between steps reach the master weights, or
 raise naming the parameter, at every stage, compute dtype, offload tier and world size."""
 import copy
+import os
 
 import pytest
 import torch
@@ -147,17 +148,32 @@ def _world2_case(rank, world, stage, dtype, offload, path):
         eng.close()
 
 
-@pytest.mark.parametrize("stage,dtype,offload", [(1, torch.bfloat16, "none"),
-                                                 (2, torch.float16, "cpu"),
-                                                 (2, torch.float32, "nvme"),
-                                                 (3, torch.bfloat16, "cpu"),
-                                                 (3, torch.float32, "nvme")])
-def test_write_at_world_size_2(stage, dtype, offload, tmp_path):
+WORLD2_CASES = [(s, d, o) for s in (1, 2, 3) for d in (torch.float32, torch.bfloat16, torch.float16)
+                for o in ("none", "cpu", "nvme")]
+
+
+def _world2_grid(rank, world, path):
+    out = []
+    for i, (stage, dtype, offload) in enumerate(WORLD2_CASES):
+        case_path = os.path.join(path, f"case{i}")
+        os.makedirs(case_path, exist_ok=True)
+        out.append(_world2_case(rank, world, stage, dtype, offload, case_path))
+    return out
+
+
+@pytest.fixture(scope="module")
+def world2_results(tmp_path_factory):
+    """Every (stage, dtype, offload) of :data:`WORLD2_CASES` in one launch of two ranks."""
+    return run_ranks(_world2_grid, 2, str(tmp_path_factory.mktemp("world2")), timeout_s=600)
+
+
+@pytest.mark.parametrize("case", range(len(WORLD2_CASES)),
+                         ids=[f"stage{s}-{str(d).split('.')[-1]}-{o}" for s, d, o in WORLD2_CASES])
+def test_write_at_world_size_2(world2_results, case):
     """Two gloo ranks writing the same value: each rank's shard of the master takes it, the
     gathered copies (stages 1 and 2) and the shards (stage 3) alike."""
-    results = run_ranks(_world2_case, 2, stage, dtype, offload, str(tmp_path))
-    for res in results:
-        assert res[0] == "ok" and res[1] and res[2] <= 3 * LR, res
+    for res in (world2_results[0][case], world2_results[1][case]):
+        assert res[0] == "ok" and res[1] and res[2] <= 3 * LR, (WORLD2_CASES[case], res)
 
 
 @pytest.mark.parametrize("stage,offload", [(1, "none"), (3, "nvme")])

@@ -239,12 +239,14 @@ class NVMeStore:
         self._acct.add(Tier.NVME, StateKind.MOMENTS, self.fmt.moment_bytes(n))
         c = self._chunk
         # the moments' regions are left as allocated: a new file (fallocate'd or sparse)
-        # reads as zeros, so 8 bytes per element are never written
+        # reads as zeros, so their bytes are never written
+        master_base = self.fmt.offsets(n)[0]
         for lo in range(0, n, c):
             hi = min(n, lo + c)
-            view = self._views(0, hi - lo)[0]
-            view.copy_(master_shard[lo:hi])
-            self.swapper.swap_out(key, view, offset_bytes=4 * lo).wait()
+            self._views(0, hi - lo)[0].copy_(master_shard[lo:hi])
+            view = self._views(0, hi - lo, padded=True)[0]  # (as _io transfers it)
+            self._moved[True] += view.numel() * view.element_size()
+            self.swapper.swap_out(key, view, offset_bytes=master_base + 4 * lo).wait()
 
     def aliases(self, fp) -> bool:
         """Whether ``fp``'s master weights are its parameter shard itself: only for state kept
