@@ -102,10 +102,13 @@ def test_an_interrupt_anywhere_in_a_step_reaches_the_caller_and_close_frees_ever
     kw = MODES[mode]
     total = _train(tmp_path / "count", kw, at=0).count
     assert total > POINTS
+    # (the count varies by a few percent from run to run, with the polls of I/O in flight: the
+    # points stay within 95% of it, so the last ones never fall past the end of a shorter run)
+    span = total * 95 // 100
     faulthandler.dump_traceback_later(300, exit=True)  # a hang fails the run instead of stalling it
     try:
         for i in range(POINTS):
-            at = 1 + (i * total) // POINTS + (7 * i) % max(1, total // POINTS)
+            at = 1 + (i * span) // POINTS + (7 * i) % max(1, span // POINTS)
             _interrupted(tmp_path / f"at{at}", kw, at, caplog)
     finally:
         faulthandler.cancel_dump_traceback_later()
