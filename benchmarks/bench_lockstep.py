@@ -10,7 +10,8 @@ on a small shared machine make step times noisy, it also times the check alone w
 in step (the median of 500 checks in a row) and prints the estimated cost: checks per step
 times that latency, over the step without checks.
 
-    python3 benchmarks/bench_lockstep.py [--rounds 3] [--steps 3]
+    python3 benchmarks/bench_lockstep.py [--rounds 3] [--steps 3] [--shapes ...] [--dtypes ...]
+        [--stages ...]
 """
 import argparse
 import datetime
@@ -23,6 +24,7 @@ import time
 SHAPES = {  # name: (hidden, layers, vocab, seq)
     "block-heavy": (256, 12, 4000, 128),
     "root-heavy": (256, 4, 32000, 128),
+    "bench-149M": (1024, 8, 32000, 256),  # bench_step.py's model (intermediate 2 x hidden)
 }
 
 
@@ -43,17 +45,19 @@ def _rank(rank, port, args, queue):
     dist.init_process_group("gloo", rank=rank, world_size=2,
                             timeout=datetime.timedelta(seconds=600))
     rows = []
-    for shape, (hidden, layers, vocab, seq) in SHAPES.items():
-        for dtype in (torch.float32, torch.bfloat16):
-            for stage in (2, 3):
+    for shape in args.shapes:
+        hidden, layers, vocab, seq = SHAPES[shape]
+        for dtype in [{"fp32": torch.float32, "bf16": torch.bfloat16}[d] for d in args.dtypes]:
+            for stage in args.stages:
                 times = {True: [], False: []}
                 checks = {True: (0, 0.0)}
                 for r in range(args.rounds):
                     for check in ((True, False) if r % 2 == 0 else (False, True)):
                         torch.manual_seed(0)
+                        heads = max(4, hidden // 64)
                         cfg = LlamaConfig(hidden_size=hidden, intermediate_size=2 * hidden,
-                                          num_hidden_layers=layers, num_attention_heads=4,
-                                          num_key_value_heads=4, vocab_size=vocab)
+                                          num_hidden_layers=layers, num_attention_heads=heads,
+                                          num_key_value_heads=heads, vocab_size=vocab)
                         model = LlamaForCausalLM(cfg)
                         ids = torch.randint(0, vocab, (2, seq),
                                             generator=torch.Generator().manual_seed(rank))
@@ -91,6 +95,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
+    parser.add_argument("--stages", nargs="+", type=int, default=[2, 3], choices=[1, 2, 3])
     args = parser.parse_args()
     ctx = mp.get_context("spawn")
     queue, port = ctx.Queue(), _free_port()
