@@ -37,6 +37,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 import torch
 
 from offload_zero import data as data_lib
+from offload_zero.memory.owner import pid_alive as _pid_alive
 
 log = logging.getLogger("offload_zero.train")
 
@@ -743,16 +744,6 @@ def _warn_of_stale_swap_folders(tempdir: str) -> None:
         log.warning("%d swap folder(s) left by killed runs hold %s; remove them with: rm -r %s",
                     len(stale), _fmt_bytes(sum(n for _, n in stale)),
                     " ".join(f for f, _ in stale))
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # EPERM: alive, another user's
-        return True
-    return True
 
 
 def check_args(args: argparse.Namespace) -> None:

@@ -46,7 +46,8 @@ def _start_ticks(pid: int) -> Optional[int]:
         return None
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process of id ``pid`` runs on this host (one of another user's counts)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -79,7 +80,7 @@ def _is_gone(owner: dict) -> bool:
     """Whether the process ``owner`` names (same host) no longer runs."""
     if owner.get("boot_id") != _boot_id():
         return True
-    if not _pid_alive(owner["pid"]):
+    if not pid_alive(owner["pid"]):
         return True
     start = owner.get("start")
     now = _start_ticks(owner["pid"])
