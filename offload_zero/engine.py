@@ -1320,23 +1320,9 @@ class OffloadEngine:
             return self._full_state_dict(rank0_only)
 
     def _full_state_dict(self, rank0_only: bool) -> Dict[str, torch.Tensor]:
+        from offload_zero.hf_export import iter_full_parameters
         self._exposure.take_outside_writes()
-        self._finish_updates()
-        out: Dict[str, torch.Tensor] = {}
-        for fp in self.flat_params:
-            if fp.requires_grad:
-                shard = self.store.read_master(fp).to(self.device)
-            elif fp.home is not None:
-                shard = fp.home.read(fp).float().to(self.device)
-            else:
-                shard = fp.sharded.float()
-            full = torch.empty(fp.padded_numel, dtype=torch.float32, device=self.device)
-            self.comm.all_gather_into(full, shard, what=fp.name)
-            full = full.cpu()
-            for e in fp.entries:
-                value = full[e.offset:e.offset + e.numel].view(e.shape).clone()
-                for name in e.names:
-                    out[name] = value
+        out: Dict[str, torch.Tensor] = dict(iter_full_parameters(self, buffers=False))
         # persistent buffers (and any extra state), as the model's own state_dict() has them
         with self._exposure.exporting():
             own = self.module.state_dict()

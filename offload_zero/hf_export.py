@@ -59,10 +59,11 @@ def _persistent_buffers(module):
     return buffers(module)
 
 
-def iter_full_parameters(engine, dtype: Optional[torch.dtype] = None
+def iter_full_parameters(engine, dtype: Optional[torch.dtype] = None, buffers: bool = True
                          ) -> Iterator[Tuple[str, torch.Tensor]]:
-    """Yield ``(name, tensor)`` for every parameter name, then every persistent buffer, one
-    flat parameter gathered at a time (see :meth:`OffloadEngine.iter_full_parameters`)."""
+    """Yield ``(name, tensor)`` for every parameter name, then (``buffers``) every persistent
+    buffer, one flat parameter gathered at a time (see
+    :meth:`OffloadEngine.iter_full_parameters`). Collective."""
     engine._finish_updates()
     for fp in engine.flat_params:
         if fp.requires_grad:
@@ -82,6 +83,8 @@ def iter_full_parameters(engine, dtype: Optional[torch.dtype] = None
                 yield name, value
             del value
         del full
+    if not buffers:
+        return
     for name, mod, attr in _persistent_buffers(engine.module):
         buf = mod._buffers[attr].detach().to("cpu", copy=True)
         yield name, buf.to(dtype) if dtype is not None and buf.is_floating_point() else buf
