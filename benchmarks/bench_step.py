@@ -20,14 +20,14 @@ Rows (a step = forward + backward + optimizer step, AdamW lr 1e-4, wd 0.01):
 - ``ours-cpu``: ``OffloadEngine(model, stage=3, offload="cpu")``.
 - ``ours-nvme``: ``OffloadEngine(model, stage=3, offload="nvme", path=--path)``: at stage 3
   this puts both the optimizer state and the parameter shards on NVMe, and the engine's
-  default there is ``step_in_forward`` (the step decides the update, each unit gets it just
+  default there is ``update_timing="next_forward"`` (the step decides the update, each unit gets it just
   before its next gather, the state's I/O overlaps the next forward).
 - ``ours-nvme-opt``: the same with ``offload_param="none"``: optimizer state on NVMe, parameter
   shards in RAM (the device is the CPU here).
-- ``ours-nvme+sib``, ``ours-nvme-opt+sib``: the two above with ``step_in_backward=True`` (each
+- ``ours-nvme+sib``, ``ours-nvme-opt+sib``: the two above with ``update_timing="backward"`` (each
   unit updated as soon as its gradient is final; the main job's default; no clipping, no
   accumulation). Same losses.
-- ``ours-nvme+plain``, ``ours-nvme-opt+plain``: the same with ``step_in_forward=False``: the
+- ``ours-nvme+plain``, ``ours-nvme-opt+plain``: the same with ``update_timing="step"``: the
   whole update in ``step()``, its state I/O between backward and the next forward. Same
   losses.
 - ``ours-nvme+cache``: ``ours-nvme`` with ``host_cache_bytes`` = ``--host-cache-frac`` (default
@@ -274,9 +274,9 @@ def worker(args) -> None:
         offload = base.split("-")[1]
         extra = {"offload_param": "none"} if base == "ours-nvme-opt" else {}
         if config.endswith("+sib"):
-            extra["step_in_backward"] = True
+            extra["update_timing"] = "backward"
         if config.endswith("+plain"):
-            extra["step_in_forward"] = False
+            extra["update_timing"] = "step"
         extra["moment_dtype"] = "bf16" if config.endswith("+bf16m") else args.moment_dtype
         if config.endswith("+cache"):
             per_param = 8 if extra["moment_dtype"] == "bf16" else 12

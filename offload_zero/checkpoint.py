@@ -714,7 +714,7 @@ def _saved_steps(f, segs: Dict[object, List[tuple]], path: str) -> Dict[object, 
                              f"parameter ({fp.name!r}) have different Adam step counts in the "
                              f"checkpoint ({told}; the saving engine skipped a step "
                              "for some only, as it does for a flat parameter without a "
-                             "gradient, or step_in_backward for one with an overflow); load it "
+                             "gradient, or update_timing='backward' for one with an overflow); load it "
                              "into an engine that groups them as the saving one did (the same "
                              "unit_classes)")
         steps[fp] = next(iter(found.values()), 0)

@@ -99,43 +99,50 @@ class EngineConfig:
         grad_dtype: dtype of the gradient shards kept in host memory when offloading: float32
             (ZeRO-Offload's choice, the default) or bfloat16 (half the host bytes; the C++ Adam
             reads bf16 gradients directly). Ignored without offload (shards stay in ``dtype``).
-        step_in_backward: update each flat parameter as soon as its gradient shard is final in
-            backward, instead of all of them in :meth:`OffloadEngine.step` (FSDP's "optimizer in
-            backward"). With the optimizer state on NVMe, a unit's state is read while the unit's
-            backward runs and written back while the units before it run, so the step's I/O
-            hides behind backward; a state too large for the read-ahead buffers (an LM head) is
-            streamed chunk by chunk while the next units run, and fp32 parameter shards on NVMe
-            are gathered for backward from the state read. The root unit's trainable
-            parameters (split by gradient order in every mode: the LM head's weight, the rest
-            of what runs after the blocks, the embeddings; see
+        update_timing: when the optimizer update runs (see :mod:`offload_zero.update.rules`,
+            where the rules below are written): ``"step"``, ``"backward"``, ``"next_forward"``
+            or ``"auto"`` (default). Same numbers in every timing.
+
+            ``"step"``: every update in :meth:`OffloadEngine.step` (the plain step).
+
+            ``"backward"``: update each flat parameter as soon as its gradient shard is final
+            in backward (FSDP's "optimizer in backward"). With the optimizer state on NVMe, a
+            unit's state is read while the unit's backward runs and written back while the
+            units before it run, so the step's I/O hides behind backward; a state too large for
+            the read-ahead buffers (an LM head) is streamed chunk by chunk while the next units
+            run, and fp32 parameter shards on NVMe are gathered for backward from the state
+            read. The root unit's trainable parameters (split by gradient order in every mode:
+            the LM head's weight, the rest of what runs after the blocks, the embeddings; see
             :func:`offload_zero.partition.units.split_by_gradient_order`) are updated as their
-            gradients are final: the LM head's first, the embeddings' last. Same numbers as the
-            plain step. Needs stage >= 2, no
-            ``max_grad_norm`` (the norm is known only after backward) and one ``backward`` per
-            ``step`` (no gradient accumulation). Default False.
-        step_in_forward: at stage 3, :meth:`OffloadEngine.step` decides the update (gradient
-            clipping, the inf/nan check, the loss scale, the learning rate) but applies it to
-            each unit lazily, just before the unit's parameters are next read (its gather or
-            prefetch in the next forward, or whatever reads them first); the state of the next
-            units is read ahead meanwhile, so with the optimizer state on NVMe the step's I/O
-            overlaps the next forward's compute instead of stalling between backward and
-            forward. Works with ``max_grad_norm`` and gradient accumulation (unlike
-            ``step_in_backward``); the updated parameter shards stay in their read buffers for
-            the gather. Of the root's parts (see ``step_in_backward``), the input embeddings are
-            updated as forward starts (their state in host memory by default, see
-            ``tail_state_in_host``), and those used after the blocks (the LM head's weight, the
-            final norm) stream their updates in chunks while the blocks run and are gathered
-            only when their modules run (or a computation first reads their weights). Same
-            numbers as the plain step. Costs host memory: the gradient shards of the units
-            not yet updated are held into the next forward, the read-ahead ring has three
-            buffers of a block's whole state, and the embeddings' state stays in host memory
-            by default. Needs stage 3 and ``step_in_backward=False``. ``None`` (default): on at
-            stage 3 with the optimizer state on NVMe (``offload_optimizer="nvme"``) unless
-            ``step_in_backward``, where the plain step's state I/O would stall between backward
-            and forward (:func:`default_step_in_forward`); off otherwise. False forces the plain
-            step.
-        tail_state_in_host: with ``step_in_backward`` or ``step_in_forward`` and the optimizer
-            state on NVMe, keep the state (fp32 master weights, moments) of the flat parameter
+            gradients are final: the LM head's first, the embeddings' last. Needs stage >= 2,
+            no ``max_grad_norm`` (the norm is known only after backward) and one ``backward``
+            per ``step`` (no gradient accumulation).
+
+            ``"next_forward"``: at stage 3, :meth:`OffloadEngine.step` decides the update
+            (gradient clipping, the inf/nan check, the loss scale, the learning rate) but
+            applies it to each unit lazily, just before the unit's parameters are next read
+            (its gather or prefetch in the next forward, or whatever reads them first); the
+            state of the next units is read ahead meanwhile, so with the optimizer state on
+            NVMe the step's I/O overlaps the next forward's compute instead of stalling between
+            backward and forward. Works with ``max_grad_norm`` and gradient accumulation
+            (unlike ``"backward"``); the updated parameter shards stay in their read buffers
+            for the gather. Of the root's parts, the input embeddings are updated as forward
+            starts (their state in host memory by default, see ``tail_state_in_host``), and
+            those used after the blocks (the LM head's weight, the final norm) stream their
+            updates in chunks while the blocks run and are gathered only when their modules
+            run (or a computation first reads their weights). Costs host memory: the gradient
+            shards of the units not yet updated are held into the next forward, the read-ahead
+            ring has three buffers of a block's whole state, and the embeddings' state stays in
+            host memory by default. Needs stage 3.
+
+            ``"auto"``: ``"next_forward"`` at stage 3 with the optimizer state on NVMe
+            (``offload_optimizer="nvme"``), where the plain step's state I/O would stall
+            between backward and forward; ``"step"`` otherwise
+            (:func:`offload_zero.update.rules.default_timing`). With ``offload="auto"`` it is
+            resolved with the placement. After construction the field holds the timing in
+            force (never ``"auto"``).
+        tail_state_in_host: with ``update_timing`` ``"backward"`` or ``"next_forward"`` and
+            the optimizer state on NVMe, keep the state (fp32 master weights, moments) of the flat parameter
             updated last in backward (the root's parameters used before the blocks: the input
             embeddings) in host memory instead of NVMe. Its gradient is final only when
             backward ends, and the next forward needs it first, so its reads and writes have no
@@ -176,7 +183,7 @@ class EngineConfig:
             backward and the gradients divided by it in the update (fused into the C++ Adam's
             pass); a step whose gradients hold an inf/nan on any rank is skipped whole and a
             dynamic scale halves (see :class:`offload_zero.optim.loss_scale.LossScaler`). With
-            ``step_in_backward`` only the flat parameters with an inf/nan are skipped (the
+            ``update_timing="backward"`` only the flat parameters with an inf/nan are skipped (the
             others were updated during backward). Default None.
         initial_loss_scale: the first dynamic scale, > 0. Default 2**16.
         loss_scale_window: steps without overflow before a dynamic scale doubles, >= 1.
@@ -185,7 +192,7 @@ class EngineConfig:
         gradient_accumulation_steps: N >= 1, as DeepSpeed's: ``backward`` divides the loss by
             N and only every N-th ``step`` call updates (the others return without updating
             or zeroing), so a loop calling backward and step on each micro-batch trains as N
-            accumulated micro-batches of their mean loss. Not with ``step_in_backward`` (its
+            accumulated micro-batches of their mean loss. Not with ``update_timing="backward"`` (its
             updates run in each backward). Default 1.
     """
 
@@ -214,8 +221,7 @@ class EngineConfig:
     max_device_bytes: Optional[int] = None
     max_host_bytes: Optional[int] = None
     grad_dtype: torch.dtype = torch.float32
-    step_in_backward: bool = False
-    step_in_forward: Optional[bool] = None
+    update_timing: str = "auto"
     tail_state_in_host: Optional[bool] = None
     host_cache_bytes: object = 0
     moment_dtype: str = "fp32"
@@ -295,31 +301,16 @@ class EngineConfig:
         if self.max_grad_norm is not None:
             _check_float(self, "max_grad_norm", low=0.0, low_inclusive=False)
         for name in ("adamw", "activation_checkpointing", "offload_activations",
-                     "step_in_backward", "step_in_forward", "tail_state_in_host"):
-            _check_bool(self, name, automatic=name in ("step_in_forward", "tail_state_in_host"))
-        if self.step_in_backward and self.stage < 2:
-            raise ValueError(f"step_in_backward=True needs stage 2 or 3 (gradients reduced unit "
-                             f"by unit in backward); got stage={self.stage}")
+                     "tail_state_in_host"):
+            _check_bool(self, name, automatic=name == "tail_state_in_host")
         object.__setattr__(self, "gradient_accumulation_steps", check_int(
             "gradient_accumulation_steps", self.gradient_accumulation_steps, 1))
-        if self.step_in_backward and self.gradient_accumulation_steps > 1:
-            raise ValueError(f"step_in_backward=True cannot accumulate gradients: "
-                             f"gradient_accumulation_steps={self.gradient_accumulation_steps} "
-                             "needs N backward calls per update, and step_in_backward updates "
-                             "in each one; set step_in_backward=False (step_in_forward works)")
-        if self.step_in_backward and self.max_grad_norm is not None:
-            raise ValueError(f"step_in_backward=True cannot clip: max_grad_norm={self.max_grad_norm!r} "
-                             "needs every gradient before the first update; set max_grad_norm=None "
-                             "or step_in_backward=False")
-        if self.step_in_forward is None and self.offload_optimizer is not None:
-            object.__setattr__(self, "step_in_forward", default_step_in_forward(
-                self.stage, self.offload_optimizer, self.step_in_backward))
-        if self.step_in_forward and self.stage != 3:
-            raise ValueError(f"step_in_forward=True needs stage 3 (units gathered before each "
-                             f"forward); got stage={self.stage}")
-        if self.step_in_forward and self.step_in_backward:
-            raise ValueError("step_in_forward=True and step_in_backward=True exclude each other "
-                             "(the update runs in backward, or in the next forward); choose one")
+        from offload_zero.update import rules
+        # (offload="auto": "auto" stays until the placement knows the optimizer tier)
+        object.__setattr__(self, "update_timing", rules.resolve(
+            self.update_timing, self.stage, self.offload_optimizer))
+        rules.check(self.update_timing, self.stage, self.gradient_accumulation_steps,
+                    self.max_grad_norm)
         from offload_zero.optim.loss_scale import finite_positive
         if self.loss_scale not in (None, "dynamic") and not finite_positive(self.loss_scale):
             raise ValueError(f"loss_scale={self.loss_scale!r} is not valid; use 'dynamic', a "
@@ -422,16 +413,6 @@ class EngineConfig:
 
 
 _TIERS = {"none": Tier.DEVICE, "cpu": Tier.HOST, "nvme": Tier.NVME}
-
-
-def default_step_in_forward(stage: int, offload_optimizer: str, step_in_backward: bool) -> bool:
-    """``step_in_forward=None``'s choice: on at stage 3 with the optimizer state on NVMe
-    (``offload_optimizer="nvme"``) unless the step runs in backward (``step_in_backward``).
-    There the plain step's NVMe reads and writes of the whole optimizer state (12 bytes per
-    parameter each way) have no compute to hide behind; deferred to the next forward they
-    overlap it. The numbers are the plain step's; the cost is host memory (see
-    :class:`EngineConfig`'s ``step_in_forward``)."""
-    return stage == 3 and offload_optimizer == "nvme" and not step_in_backward
 
 
 def _scalar(value):

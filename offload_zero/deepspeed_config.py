@@ -76,7 +76,7 @@ KEYS: Dict[str, Key] = {
     _OO + "nvme_path": Key(MAPPED, "path"),
     _OO + "pin_memory": _auto(_PINNED),
     _OO + "buffer_count": _auto(_TUNED),
-    _OO + "pipeline_read": _auto("NVMe reads are pipelined with the update (step_in_forward)"),
+    _OO + "pipeline_read": _auto("NVMe reads are pipelined with the update (update_timing next_forward)"),
     _OO + "pipeline_write": _auto("NVMe writes are pipelined with the update"),
     _OO + "fast_init": _auto(),
     _OO + "ratio": Key(REFUSED, "partial optimizer offload: use offload_optimizer='cpu' or "

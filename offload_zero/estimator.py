@@ -21,7 +21,7 @@ step whatever the offload. With fp32 compute the master weights are the paramete
 when both sit on the device (no offload, or ``"cpu"`` when the CPU itself is the device) or
 both in NVMe files (``"nvme"`` at stage 3: the parameter shard is read from the master's
 bytes), so they cost 0 bytes beyond the parameters.
-With ``step_in_backward`` or ``step_in_forward`` and ``"nvme"``, the flat parameter updated
+With ``update_timing`` ``"backward"`` or ``"next_forward"`` and ``"nvme"``, the flat parameter updated
 last in backward and needed first by the next forward (the root's part used before the blocks:
 input embeddings) may keep its master weights and moments in host memory (``tail_state_in_host``; by default when its shard is at most a quarter of all
 trainable shards): 12 bytes per element there, its fp32 parameter shard then being that
@@ -59,11 +59,11 @@ Besides model states this engine holds, at the peak of a step:
   parameters are trainable (each keeps its updated shard for the next forward), else one (the
   root's small flat parameters, such as the final norm's part of its split, go
   through the block-sized buffers);
-- with ``step_in_backward`` and ``"nvme"``: two read-ahead buffers of the largest trainable block
+- with ``update_timing="backward"`` and ``"nvme"``: two read-ahead buffers of the largest trainable block
   shard's whole state, ``2 * 12 * shard_numel`` bytes (three when fp32 parameter shards on NVMe
   are gathered from them); the outsized root's buffers then hold one shard fewer when its tail
   state is in host memory (see above);
-- with ``step_in_forward`` and ``"nvme"`` (stage 3): three read-ahead buffers of the largest
+- with ``update_timing="next_forward"`` and ``"nvme"`` (stage 3): three read-ahead buffers of the largest
   trainable block shard's whole state, ``3 * 12 * shard_numel`` bytes;
 - with an accelerator and any offload: one host staging buffer of ``largest shard_numel * K``;
 - with N > 1: one reduce-scatter scratch shard on the device, ``largest shard_numel * K``.
@@ -94,7 +94,7 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 import torch
 import torch.nn as nn
 
-from offload_zero.config import check_int, check_switch, default_step_in_forward
+from offload_zero.config import check_int
 from offload_zero.memory.state_format import StateFormat, moment_dtype_of
 
 STAGES = (0, 1, 2, 3)
@@ -140,7 +140,7 @@ class Placement:
             (see [Note: engine extras]).
         gpus_per_node: ranks per node, to turn per-rank host and NVMe bytes into per-node bytes.
         engine_supported: False for stage 0 (plain data parallelism; a reference row only).
-        step_in_forward: whether the row counts the engine's ``step_in_forward`` (the
+        update_timing: the engine's ``update_timing`` the row counts (``"next_forward"``: the
             embeddings' state in host memory when small, its read-ahead buffers).
     """
 
@@ -150,7 +150,7 @@ class Placement:
     extras: Dict[str, Dict[str, int]]
     gpus_per_node: int
     engine_supported: bool
-    step_in_forward: bool = False
+    update_timing: str = "step"
 
     def tier_bytes(self, tier: str, model_states: bool = True, extras: bool = True) -> int:
         """Bytes per rank on ``tier`` ("device", "host", "nvme"): model states and/or extras."""
@@ -196,7 +196,7 @@ class Placement:
         """JSON-ready summary; every value in bytes."""
         return {"stage": self.stage, "offload": self.offload,
                 "engine_supported": self.engine_supported,
-                "step_in_forward": self.step_in_forward,
+                "update_timing": self.update_timing,
                 "model_state_bytes_per_device": self.model_state_bytes_per_device,
                 "extra_bytes_per_device": self.tier_bytes("device", model_states=False),
                 "device_bytes": self.device_bytes,
@@ -401,8 +401,8 @@ def default_offload_param(offload: str, stage: int) -> str:
     return "nvme" if (offload == "nvme" and stage == 3) else "none"
 
 
-def _cached_in_host(layout, stage, offload, n, k, padded, step_in_backward, setting,
-                    step_in_forward=False, host_cache_bytes=0, offload_param=None,
+def _cached_in_host(layout, stage, offload, n, k, padded, in_backward, setting,
+                    in_forward=False, host_cache_bytes=0, offload_param=None,
                     accelerator=True, fmt=_FP32_STATE):
     """Indices in ``layout`` of the flat parameters whose optimizer state the engine keeps in
     host memory: the one ``tail_state_in_host`` keeps (see
@@ -416,7 +416,7 @@ def _cached_in_host(layout, stage, offload, n, k, padded, step_in_backward, sett
     flat = [(None if spec.unit == -1 else spec.unit, spec.trainable,
              _shard_numel(spec.numel, n, k, padded)) for spec in layout]
     tail = None
-    if (step_in_backward and stage >= 2) or (step_in_forward and stage == 3):
+    if (in_backward and stage >= 2) or (in_forward and stage == 3):
         tail = host_tail_index([(b is None, t, sh) for b, t, sh in flat], setting)
     if offload_param is None:
         offload_param = default_offload_param(offload, stage)
@@ -424,7 +424,7 @@ def _cached_in_host(layout, stage, offload, n, k, padded, step_in_backward, sett
     aliased = k == 4 and param_tier == "device" and not accelerator
     per_element = fmt.bytes_per_element - (4 if aliased else 0)
     return frozenset(plan_host_cache(flat, host_cache_bytes, per_element, tail=tail,
-                                     blocks_reversed=step_in_backward))
+                                     blocks_reversed=in_backward))
 
 
 def _state_bytes(fmt: StateFormat, numel, padded: bool, moments_only: bool = False):
@@ -498,7 +498,7 @@ def _shards_adopt_grads(stage, offload, n, k, accelerator) -> bool:
 
 
 def _extras(layout, stage, offload, n, k, padded, prefetch, accelerator, offload_param=None,
-            step_in_backward=False, cached=frozenset(), step_in_forward=False,
+            in_backward=False, cached=frozenset(), in_forward=False,
             fmt=_FP32_STATE):
     """Per-rank bytes of this engine's buffers at the step's peak; see [Note: engine extras].
     ``cached``: as for :func:`_model_states`."""
@@ -569,14 +569,14 @@ def _extras(layout, stage, offload, n, k, padded, prefetch, accelerator, offload
             else:
                 count = 1
             out["host"]["buffers"] += count * root_shard * k
-    if offload == "nvme" and ((step_in_backward and stage >= 2) or (step_in_forward and stage == 3)):
+    if offload == "nvme" and ((in_backward and stage >= 2) or (in_forward and stage == 3)):
         # read-ahead buffers of a block's whole state (master + moments, fp32): two, three
         # when fp32 parameter shards on NVMe are gathered from them in backward, and with
-        # step_in_forward
+        # update_timing="next_forward"
         # (a state kept in host memory is not read ahead)
         trainable_blocks = [sh for i, (sh, u, spec) in enumerate(zip(all_shards, units_of, layout))
                             if u != -1 and spec.trainable and i not in cached]
-        count = 3 if (step_in_forward or (step_in_backward and stage == 3
+        count = 3 if (in_forward or (in_backward and stage == 3
                                           and offload_param == "nvme" and k == 4)) else 2
         out["host"]["buffers"] += count * _state_bytes(fmt, max(trainable_blocks, default=0),
                                                        padded)
@@ -595,7 +595,7 @@ def estimate_memory(model_or_num_params, world_size: int = 1, gpus_per_node: int
                     prefetch: int = 1, unit_classes: Sequence[type] = (),
                     largest_unit_numel: Optional[int] = None, root_numel: Optional[int] = None,
                     accelerator: bool = True,
-                    step_in_forward: Optional[bool] = None,
+                    update_timing: str = "auto",
                     host_cache_bytes: int = 0, moment_dtype="fp32") -> MemoryEstimate:
     """Estimate training memory in bytes per device, per node (host) and on NVMe.
 
@@ -621,10 +621,12 @@ def estimate_memory(model_or_num_params, world_size: int = 1, gpus_per_node: int
             only for a parameter count (default: :func:`assumed_layout`).
         accelerator: whether the device is an accelerator (False: the CPU-only engine, which
             needs no host staging buffer).
-        step_in_forward: the engine's option of that name for the stage-3 rows; None (its
-            default) counts it where the engine turns it on, the optimizer state on NVMe (see
-            :func:`offload_zero.config.default_step_in_forward`): the embeddings' state in
-            host memory when small, three read-ahead buffers. For a parameter count the root's
+        update_timing: the engine's option of that name (:mod:`offload_zero.update.rules`):
+            ``"next_forward"`` counts the stage-3 rows with it (the embeddings' state in host
+            memory when small, three read-ahead buffers); ``"step"`` none; ``"auto"`` (its
+            default) counts it where the engine chooses it, the optimizer state on NVMe (see
+            :func:`offload_zero.update.rules.default_timing`). ``"backward"`` is counted by
+            :func:`placement_bytes`, not here (ValueError). For a parameter count the root's
             split by gradient order (every mode) assumes its two embeddings of equal size (a
             final norm is too small to count).
         host_cache_bytes: bytes of optimizer state kept in host memory instead of NVMe in the
@@ -639,7 +641,8 @@ def estimate_memory(model_or_num_params, world_size: int = 1, gpus_per_node: int
 
     Raises:
         ValueError: a bad stage, offload, world size, dtype, parameter count, folder or preset,
-            or step_in_forward (not a bool or None; True below stage 3), naming the value.
+            or update_timing (not one of the timings; ``"next_forward"`` below stage 3;
+            ``"backward"``), naming the value.
     """
     if isinstance(stage, bool) or stage not in STAGES:
         raise ValueError(f"stage={stage!r} is not valid; choose one of {STAGES}")
@@ -654,27 +657,32 @@ def estimate_memory(model_or_num_params, world_size: int = 1, gpus_per_node: int
                          f"gpus_per_node={gpus_per_node}")
     dt = _resolve_dtype(dtype)
     itemsize = torch.empty(0, dtype=dt).element_size()
-    step_in_forward = check_switch("step_in_forward", step_in_forward, "the engine's default")
+    from offload_zero.update import rules
+    rules.check_name(update_timing)
+    if update_timing == rules.BACKWARD:
+        raise ValueError("update_timing='backward' is not counted in the table; choose one of "
+                         "('step', 'next_forward', 'auto'), or count it for one placement with "
+                         "placement_bytes(update_timing='backward')")
     host_cache_bytes = check_int("host_cache_bytes", host_cache_bytes, 0)
     fmt = StateFormat(moment_dtype_of(moment_dtype))
-    if step_in_forward and stage != 3:
-        raise ValueError(f"step_in_forward=True needs stage 3 (as the engine's); got "
+    if update_timing == rules.NEXT_FORWARD and stage != 3:
+        raise ValueError(f"update_timing='next_forward' needs stage 3 (as the engine's); got "
                          f"stage={stage}")
     layout, padded, source = _layout_of(model_or_num_params, unit_classes, largest_unit_numel,
                                         root_numel)
     rows = []
     for s in STAGES:
         for o in OFFLOADS:
-            sif = s == 3 and (default_step_in_forward(s, o, False) if step_in_forward is None
-                              else step_in_forward)
+            sif = s == 3 and rules.resolve(update_timing, s, o) == rules.NEXT_FORWARD
             cached = _cached_in_host(layout, s, o, world_size, itemsize, padded, False, None,
                                      sif, host_cache_bytes, accelerator=accelerator, fmt=fmt)
             states = _model_states(layout, s, o, world_size, itemsize, padded,
                                    accelerator=accelerator, cached=cached, fmt=fmt)
             extras = _extras(layout, s, o, world_size, itemsize, padded, prefetch, accelerator,
-                             cached=cached, step_in_forward=sif, fmt=fmt)
+                             cached=cached, in_forward=sif, fmt=fmt)
             rows.append(Placement(s, o, _to_bytes(states), _to_bytes(extras), gpus_per_node,
-                                  engine_supported=s > 0, step_in_forward=sif))
+                                  engine_supported=s > 0,
+                                  update_timing=rules.NEXT_FORWARD if sif else rules.STEP))
     selected = next(p for p in rows if p.stage == stage and p.offload == offload)
     units = {}
     for spec in layout:
@@ -691,37 +699,38 @@ def estimate_memory(model_or_num_params, world_size: int = 1, gpus_per_node: int
 def placement_bytes(model: nn.Module, stage: int, offload_optimizer: str, offload_param: str,
                     world_size: int = 1, dtype=torch.bfloat16, prefetch: int = 1,
                     unit_classes: Sequence[type] = (), accelerator: bool = True,
-                    layout=None, step_in_backward: bool = False,
+                    layout=None, update_timing: str = "auto",
                     tail_state_in_host: Optional[bool] = None,
-                    step_in_forward: Optional[bool] = None,
                     host_cache_bytes: int = 0, moment_dtype="fp32") -> "Placement":
     """Bytes per rank for one placement with the optimizer and parameter tiers set apart.
 
     ``offload_optimizer`` / ``offload_param``: "none", "cpu" or "nvme" (parameters off the
     device only at stage 3). ``layout``: a precomputed :func:`model_layout` (saves a walk of
-    the model). ``step_in_backward``, ``tail_state_in_host``, ``step_in_forward``: the engine's
+    the model). ``update_timing``, ``tail_state_in_host``: the engine's
     options of those names (its NVMe read-ahead buffers; the state it keeps in host memory;
-    ``step_in_forward=None``: the engine's default for this placement, see
-    :func:`offload_zero.config.default_step_in_forward`); ``host_cache_bytes``: bytes of
+    ``update_timing="auto"``: the engine's default for this placement, see
+    :func:`offload_zero.update.rules.default_timing`); ``host_cache_bytes``: bytes of
     optimizer state the engine keeps in host memory instead of NVMe (see [Note: host cache] in
     :mod:`offload_zero.memory.host_cache`); ``moment_dtype``: ``"fp32"`` or ``"bf16"``, the
     engine's option. Returns a :class:`Placement` whose
     ``offload`` reads ``"<optimizer>+<param>"``. Used by ``offload="auto"``
     (:mod:`offload_zero.placement`).
     """
-    if step_in_forward is None:
-        step_in_forward = default_step_in_forward(stage, offload_optimizer, step_in_backward)
+    from offload_zero.update import rules
+    update_timing = rules.resolve(update_timing, stage, offload_optimizer)
+    in_backward = update_timing == rules.BACKWARD
+    in_forward = update_timing == rules.NEXT_FORWARD
     dt = _resolve_dtype(dtype)
     k = torch.empty(0, dtype=dt).element_size()
     if layout is None:
         layout = model_layout(model, unit_classes)
     fmt = StateFormat(moment_dtype_of(moment_dtype))
     cached = _cached_in_host(layout, stage, offload_optimizer, world_size, k, True,
-                             step_in_backward, tail_state_in_host, step_in_forward,
+                             in_backward, tail_state_in_host, in_forward,
                              host_cache_bytes, offload_param, accelerator, fmt=fmt)
     states = _model_states(layout, stage, offload_optimizer, world_size, k, True, offload_param,
                            accelerator=accelerator, cached=cached, fmt=fmt)
-    if step_in_backward and _shards_adopt_grads(stage, offload_optimizer, world_size, k,
+    if in_backward and _shards_adopt_grads(stage, offload_optimizer, world_size, k,
                                                 accelerator):
         # one rank on a CPU device: the host shards are the gradients' own memory, each used up
         # by its update in backward and reused by the next gradient of its size (see [Note:
@@ -736,11 +745,11 @@ def placement_bytes(model: nn.Module, stage: int, offload_optimizer: str, offloa
         states["host"]["gradients"] = 4 * (sum(set(size_classes(borrowed).values()))
                                            + max(taken, default=0))
     extras = _extras(layout, stage, offload_optimizer, world_size, k, True, prefetch, accelerator,
-                     offload_param, step_in_backward=step_in_backward, cached=cached,
-                     step_in_forward=step_in_forward, fmt=fmt)
+                     offload_param, in_backward=in_backward, cached=cached,
+                     in_forward=in_forward, fmt=fmt)
     return Placement(stage, f"{offload_optimizer}+{offload_param}", _to_bytes(states),
                      _to_bytes(extras), 1, engine_supported=stage > 0,
-                     step_in_forward=step_in_forward)
+                     update_timing=update_timing)
 
 
 def _layout_of(obj, unit_classes, largest_unit_numel, root_numel):
@@ -808,9 +817,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--unit", default="GB", choices=tuple(_UNITS),
                         help="unit of the table, one decimal (default GB = 1e9 bytes)")
     parser.add_argument("--json", action="store_true", help="print JSON (bytes) instead of a table")
-    parser.add_argument("--step-in-forward", action=argparse.BooleanOptionalAction, default=None,
-                        help="count the engine's step_in_forward in the stage-3 rows (default: "
-                             "as the engine, on with the optimizer state on NVMe)")
+    parser.add_argument("--update-timing", default="auto", choices=("step", "next_forward", "auto"),
+                        help="count the engine's update timing in the stage-3 rows (default: "
+                             "auto, as the engine: next_forward with the optimizer state on NVMe)")
     parser.add_argument("--moment-dtype", default="fp32", choices=("fp32", "bf16"),
                         help="Adam's moments: fp32 (default, 12 bytes of optimizer state per "
                              "parameter) or bf16 (8)")
@@ -832,7 +841,7 @@ def run(args: argparse.Namespace) -> MemoryEstimate:
                           world_size=args.gpus * args.nodes, gpus_per_node=args.gpus,
                           stage=args.stage, offload=args.offload, dtype=args.dtype,
                           prefetch=args.prefetch, accelerator=not args.cpu_device,
-                          step_in_forward=args.step_in_forward,
+                          update_timing=args.update_timing,
                           host_cache_bytes=args.host_cache_bytes, moment_dtype=args.moment_dtype)
     print(json.dumps(est.to_dict(), indent=2) if args.json else format_table(est, args.unit))
     return est
@@ -874,10 +883,10 @@ def format_table(est: MemoryEstimate, unit: str = "GB") -> str:
               "node's ranks",
               "extra:  this engine's gather pool (stage 3), gradient in flight (stages 2-3) and buffers",
               "stage 0 is plain data parallelism, shown for reference; the engine runs 1-3"]
-    sif = [f"{p.stage} {p.offload}" for p in est.table if p.step_in_forward]
+    sif = [f"{p.stage} {p.offload}" for p in est.table if p.update_timing == "next_forward"]
     if sif:
-        nvme = any(p.step_in_forward and p.offload == "nvme" for p in est.table)
-        lines.append(f"with step_in_forward ({', '.join(sif)}): updates applied in the next "
+        nvme = any(p.update_timing == "next_forward" and p.offload == "nvme" for p in est.table)
+        lines.append(f"with update_timing next_forward ({', '.join(sif)}): updates applied in the next "
                      "forward" + ("; with NVMe the embeddings' optimizer state in host memory "
                                   "when small and three read-ahead buffers of a block's state"
                                   if nvme else ""))

@@ -39,7 +39,8 @@ class PlacementChoice:
 
     Fields: offload_optimizer, offload_param ("none"/"cpu"/"nvme"); need: {tier: bytes} of the
     chosen placement; budgets: {tier: bytes} it had to fit in; tried: one line per candidate;
-    step_in_forward: the engine's ``step_in_forward`` the bytes were counted with;
+    update_timing: the engine's ``update_timing`` the bytes were counted with (never
+    ``"auto"``);
     host_cache_bytes: the engine's ``host_cache_bytes`` (as given, or what ``"auto"`` chose).
     """
 
@@ -48,7 +49,7 @@ class PlacementChoice:
     need: dict
     budgets: dict
     tried: Tuple[str, ...]
-    step_in_forward: bool = False
+    update_timing: str = "step"
     host_cache_bytes: int = 0
 
 
@@ -76,17 +77,16 @@ def choose_placement(model: nn.Module, stage: int, world_size: int, dtype: torch
                      prefetch: int, unit_classes, device: torch.device, path: Optional[str],
                      max_device_bytes: Optional[int] = None,
                      max_host_bytes: Optional[int] = None,
-                     step_in_backward: bool = False,
+                     update_timing: str = "auto",
                      tail_state_in_host: Optional[bool] = None,
-                     step_in_forward: Optional[bool] = None,
                      leaf_modules=(), host_cache_bytes=0,
                      moment_dtype: str = "fp32") -> PlacementChoice:
-    """Pick the first of :data:`CANDIDATES` whose bytes fit the budgets (``step_in_backward``,
-    ``step_in_forward``: count their NVMe read-ahead buffers too). ``step_in_forward=None``
-    (the engine's default) tries each candidate as the engine would run it (see
-    :func:`offload_zero.config.default_step_in_forward`), then, where that turned
-    ``step_in_forward`` on and nothing fitted, the same candidates with the plain step, whose
-    host memory is smaller; the choice says which (``PlacementChoice.step_in_forward``).
+    """Pick the first of :data:`CANDIDATES` whose bytes fit the budgets (``update_timing``
+    ``"backward"`` or ``"next_forward"``: count their NVMe read-ahead buffers too).
+    ``update_timing="auto"`` (the engine's default) tries each candidate as the engine would run
+    it (see :func:`offload_zero.update.rules.default_timing`), then, where that chose
+    ``"next_forward"`` and nothing fitted, the same candidates with the plain step, whose
+    host memory is smaller; the choice says which (``PlacementChoice.update_timing``).
     ``host_cache_bytes``: the engine's option (bytes of NVMe-placed optimizer state kept in
     host memory; see [Note: host cache] in :mod:`offload_zero.memory.host_cache`), counted in
     the candidates with the state on NVMe; ``"auto"``: a candidate with the state on NVMe that
@@ -98,21 +98,21 @@ def choose_placement(model: nn.Module, stage: int, world_size: int, dtype: torch
             device memory, each tier that is short and by how many bytes. Raised before the
             engine allocates anything.
     """
-    from offload_zero.config import default_step_in_forward
+    from offload_zero.update import rules
     from offload_zero.estimator import model_layout, placement_bytes
     budgets = measure_budgets(device, path, max_device_bytes, max_host_bytes)
     layout = None  # the model's flat parameters, once counted
     accelerator = device.type != "cpu"
     tried: List[str] = []
     last = None
-    options = []  # (optimizer tier, parameter tier, step_in_forward), in the order tried
+    options = []  # (optimizer tier, parameter tier, update timing), in the order tried
     for opt, param in CANDIDATES:
-        sif = (default_step_in_forward(stage, opt, step_in_backward)
-               if step_in_forward is None else step_in_forward)
-        options.append((opt, param, sif))
-    if step_in_forward is None:  # then the plain step where the default was step_in_forward
-        options += [(opt, param, False) for opt, param, sif in list(options) if sif]
-    for opt, param, sif in options:
+        options.append((opt, param, rules.resolve(update_timing, stage, opt)))
+    if update_timing == rules.AUTO:  # then the plain step where the default was next_forward
+        options += [(opt, param, rules.STEP) for opt, param, timing in list(options)
+                    if timing == rules.NEXT_FORWARD]
+    for opt, param, timing in options:
+        sif = timing == rules.NEXT_FORWARD
         if param != "none" and stage != 3:
             continue
         if opt == "none" and moment_dtype == "bf16" and device.type != "cpu":
@@ -120,19 +120,18 @@ def choose_placement(model: nn.Module, stage: int, world_size: int, dtype: torch
             tried.append(f"{opt}+{param}: skipped, moment_dtype='bf16' needs the optimizer "
                          "state off the accelerator")
             continue
-        twin = (opt, param, True) in options and not sif  # (the plain step's second try)
+        twin = (opt, param, rules.NEXT_FORWARD) in options and not sif  # (the plain step's 2nd try)
         if "nvme" in (opt, param) and path is None:
             if not twin:
                 tried.append(f"{opt}+{param}: skipped, needs path= for NVMe files")
             continue
-        label = f"{opt}+{param}" + (" step_in_forward" if sif else " plain step" if twin else "")
+        label = f"{opt}+{param}" + (" next_forward" if sif else " plain step" if twin else "")
         if layout is None:
             layout = model_layout(model, unit_classes, leaf_modules)
         def need_with(cache: int) -> dict:
             p = placement_bytes(model, stage, opt, param, world_size, dtype, prefetch,
                                 unit_classes, accelerator, layout=layout,
-                                step_in_backward=step_in_backward,
-                                tail_state_in_host=tail_state_in_host, step_in_forward=sif,
+                                update_timing=timing, tail_state_in_host=tail_state_in_host,
                                 host_cache_bytes=cache, moment_dtype=moment_dtype)
             return {t: p.tier_bytes(t) for t in ("device", "host", "nvme")}
 
@@ -150,10 +149,10 @@ def choose_placement(model: nn.Module, stage: int, world_size: int, dtype: torch
                          f"{t} by {_fmt(b)}" for t, b in short.items())))
         last = (opt, param, need, short)
         if not short:
-            choice = PlacementChoice(opt, param, need, budgets, tuple(tried), step_in_forward=sif,
+            choice = PlacementChoice(opt, param, need, budgets, tuple(tried), update_timing=timing,
                                      host_cache_bytes=cache if opt == "nvme" else 0)
             log.info("offload='auto' chose offload_optimizer=%r offload_param=%r "
-                     "step_in_forward=%r; budgets %s; %s", opt, param, sif,
+                     "update_timing=%r; budgets %s; %s", opt, param, timing,
                      {t: _fmt(b) for t, b in budgets.items() if t != "shared"}, "; ".join(tried))
             return choice
     detail = "; ".join(tried)

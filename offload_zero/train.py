@@ -183,8 +183,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="micro-batches per optimizer step (gradient accumulation, as "
                             "DeepSpeed's: backward and step on each, the update on every N-th); "
                             "--steps, --warmup and the progress count optimizer steps, each of "
-                            "N x --batch-size sequences per rank; needs --no-step-in-backward "
-                            "(the default then) (default: %(default)s)")
+                            "N x --batch-size sequences per rank; not with --update-timing "
+                            "backward (auto avoids it) (default: %(default)s)")
     optim.add_argument("--weight-decay", type=float, default=d["weight_decay"], metavar="WD",
                        help="AdamW weight decay (default: %(default)s)")
 
@@ -208,7 +208,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     out.add_argument("--resume", metavar="DIR", default=None,
                      help="continue the run saved by --checkpoint DIR: same model, --data, "
                           "--seed, --batch-size, --seq-len, --stage, --dtype and world size (and "
-                          "its --[no-]step-in-backward unless given); it trains from the saved "
+                          "its --update-timing unless given); it trains from the saved "
                           "step up to --steps, on the batches it had not seen")
     out.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     out.add_argument("--memory-plot", metavar="FILE.png", default=None,
@@ -220,50 +220,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "fills its \"auto\" values")
     engine.add_argument("--activation-checkpointing", action="store_true",
                         help="recompute each layer's forward in backward (less activation memory)")
-    engine.add_argument("--step-in-backward", action=argparse.BooleanOptionalAction, default=None,
-                        help="update each unit as soon as its gradient is final in backward, "
-                             "hiding NVMe optimizer I/O behind backward (this loop runs one "
-                             "backward per step and does not clip; default: on at stages 2-3, "
-                             "off with --dtype fp16, whose overflowed steps are then skipped "
-                             "whole, and with --step-in-forward)")
-    engine.add_argument("--step-in-forward", action=argparse.BooleanOptionalAction, default=None,
-                        help="apply each unit's update just before its next gather, hiding the "
-                             "NVMe optimizer I/O behind the next forward (same numbers as the "
-                             "plain step; stage 3; default: on with --offload nvme at stage 3 "
-                             "when --step-in-backward is off, as with --dtype fp16)")
+    engine.add_argument("--update-timing", default="auto",
+                        choices=("step", "backward", "next_forward", "auto"),
+                        help="when updates run: step (all in step()), backward (each unit as "
+                             "soon as its gradient is final, hiding NVMe optimizer I/O behind "
+                             "backward; stages 2-3, no --grad-accum), next_forward (each unit "
+                             "just before its next gather, hiding it behind the next forward; "
+                             "stage 3), auto (default: backward at stages 2-3, except with "
+                             "--dtype fp16, whose overflowed steps are then skipped whole, "
+                             "--grad-accum above 1 or clipping; otherwise the engine's auto, "
+                             "next_forward with --offload nvme at stage 3). Same numbers in all")
 
 
-def _step_in_backward(args) -> bool:
-    """``--step-in-backward``: on by default at stages 2-3 except with ``--dtype fp16`` (an
-    overflow there would skip only the units whose gradients overflowed, not the whole step),
-    ``--step-in-forward`` or ``--grad-accum`` above 1 (it updates in each backward);
-    asked for at stage 1 or with ``--grad-accum`` above 1 is an error (gradients are reduced
-    only in step() there, or must accumulate)."""
-    if args.step_in_backward and args.stage < 2:
-        raise ValueError(f"--step-in-backward needs --stage 2 or 3, got --stage {args.stage}")
-    accum = getattr(args, "grad_accum", 1)
-    if args.step_in_backward and accum > 1:
-        raise ValueError(f"--step-in-backward updates in each backward, so it cannot "
-                         f"accumulate --grad-accum {accum} micro-batches; give "
-                         "--no-step-in-backward (or --grad-accum 1)")
-    if args.step_in_backward is None:  # (an explicit --step-in-forward turns it off)
-        return (args.stage >= 2 and args.dtype != "fp16" and not args.step_in_forward
-                and accum == 1 and not getattr(args, "ds_kwargs", {}).get("max_grad_norm"))
-    return args.step_in_backward
-
-
-def _step_in_forward(args, step_in_backward: bool) -> Optional[bool]:
-    """``--step-in-forward``: None by default, the engine's choice
-    (:func:`offload_zero.config.default_step_in_forward`: on with the optimizer state on NVMe
-    at stage 3 when the step does not run in backward, i.e. fp16 or ``--no-step-in-backward``;
-    with ``--offload auto`` once the engine has placed the state); asked for with
-    ``--step-in-backward`` or below stage 3 it is an error."""
-    if args.step_in_forward and args.stage != 3:
-        raise ValueError(f"--step-in-forward needs --stage 3, got --stage {args.stage}")
-    if args.step_in_forward and step_in_backward:
-        raise ValueError("--step-in-forward and --step-in-backward exclude each other (give "
-                         "--no-step-in-backward with --step-in-forward)")
-    return args.step_in_forward
+def _update_timing(args) -> str:
+    """``--update-timing``, as the engine gets it (see
+    :func:`offload_zero.update.rules.cli_timing`; ValueError naming the flags)."""
+    from offload_zero.update import rules
+    return rules.cli_timing(args.update_timing, args.stage, args.dtype == "fp16",
+                            getattr(args, "grad_accum", 1),
+                            bool(getattr(args, "ds_kwargs", {}).get("max_grad_norm")))
 
 
 def lr_at(step: int, steps: int, peak_lr: float, warmup: int) -> float:
@@ -453,8 +428,8 @@ def format_summary(s: Dict[str, Any]) -> str:
         f"  model        {s['model']}, {s['params'] / 1e6:.2f}M params, tokenizer {s['tokenizer']}",
         f"  engine       offload {s['offload']}, stage {s['stage']}, dtype {s['dtype']}, "
         f"world size {s['world_size']}"
-        + (", step in backward" if s.get("step_in_backward") else "")
-        + (", step in forward" if s.get("step_in_forward") else "")
+        + (", step in backward" if s.get("update_timing") == "backward" else "")
+        + (", step in forward" if s.get("update_timing") == "next_forward" else "")
         + (f", {s['grad_accum']} micro-batches a step" if s.get("grad_accum", 1) > 1 else ""),
     ] + ([f"  deepspeed    {s['deepspeed']}"] if s.get("deepspeed") else []) + [
         f"  loss         first {s['first_loss']:.4f} -> last {s['last_loss']:.4f} "
@@ -632,8 +607,8 @@ def _reduce_across_ranks(losses: List[float], report: Dict[str, Any], peak_rss: 
     return (loss_sum / world_size).tolist(), merged, int(peaks[3])
 
 
-def nvme_bytes_needed(args: argparse.Namespace, model: torch.nn.Module, step_in_backward: bool,
-                      step_in_forward: Optional[bool]) -> int:
+def nvme_bytes_needed(args: argparse.Namespace, model: torch.nn.Module,
+                      update_timing: str) -> int:
     """Bytes the swap files of ``--offload nvme`` take on ``--path``'s file system: one rank's
     (:func:`offload_zero.estimator.placement_bytes` on the engine's layout, at the world size
     of ``WORLD_SIZE``) times the ranks of this node (``LOCAL_WORLD_SIZE``), which share it."""
@@ -643,8 +618,7 @@ def nvme_bytes_needed(args: argparse.Namespace, model: torch.nn.Module, step_in_
     placement = placement_bytes(model, args.stage, "nvme",
                                 default_offload_param("nvme", args.stage), world_size,
                                 _DTYPES[args.dtype], accelerator=torch.cuda.is_available(),
-                                step_in_backward=step_in_backward,
-                                step_in_forward=step_in_forward)
+                                update_timing=update_timing)
     return placement.nvme_bytes_per_rank * local_ranks
 
 
@@ -862,7 +836,7 @@ def read_resume_state(args: argparse.Namespace) -> Dict[str, Any]:
     """The run state that ``--checkpoint`` saved in ``--resume DIR``'s ``checkpoint.json``
     (its ``client_state``): ``step``, ``steps``, ``lr``, ``warmup``, ``seed``, ``batch_size``,
     ``seq_len``, ``grad_accum`` (absent before that flag), ``stage``, ``dtype``,
-    ``step_in_backward`` and ``data`` (a fingerprint of the
+    ``update_timing`` (``step_in_backward`` before that flag) and ``data`` (a fingerprint of the
     corpus). Reads no tensor. Raises ``ValueError`` naming the folder if it holds no complete
     checkpoint, or one that ``offload-zero train --checkpoint`` did not write."""
     from offload_zero.checkpoint import read_metadata
@@ -906,7 +880,7 @@ def resumed_step(args: argparse.Namespace, saved: Optional[Dict[str, Any]] = Non
     or ``--dtype``
     differ from this one's, or if it already did ``--steps`` steps or more. Another ``--steps``,
     ``--lr`` or ``--warmup`` is allowed (to train longer, say); with ``warn`` a warning says that
-    the learning-rate schedule changes. So is another ``--[no-]step-in-backward``: the same
+    the learning-rate schedule changes. So is another ``--update-timing``: the same
     numbers either way, and the checkpoint loads into either layout (see
     :func:`offload_zero.checkpoint.load_checkpoint`)."""
     saved = read_resume_state(args) if saved is None else saved
@@ -1152,11 +1126,14 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     settings = apply_deepspeed_config(args) if getattr(args, "deepspeed", None) else None
     check_args(args)  # fail now, not after the whole run
     saved = read_resume_state(args) if args.resume else None
-    if (saved is not None and args.step_in_backward is None and not args.step_in_forward
-            and "step_in_backward" in saved):
-        args.step_in_backward = saved["step_in_backward"]  # (as the saved run: fp16's default)
-    step_in_backward = _step_in_backward(args)
-    step_in_forward = _step_in_forward(args, step_in_backward)
+    update_timing = _update_timing(args)
+    if saved is not None and args.update_timing == "auto":  # as the saved run (fp16's default)
+        if "update_timing" in saved:
+            update_timing = saved["update_timing"]
+        elif "step_in_backward" in saved:  # (a run saved before --update-timing)
+            update_timing = "backward" if saved["step_in_backward"] else "auto"
+        from offload_zero.update import rules
+        rules.cli_timing(update_timing, args.stage, False, args.grad_accum)
     start_step = resumed_step(args, saved) if saved is not None else 0
     files = data_lib.find_text_files(args.data) if args.data else data_lib.stdlib_files()
     data_id = data_fingerprint(files)
@@ -1165,14 +1142,14 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
                          "--data files, or their sizes, differ); give the same --data to "
                          "continue it")
     run_state = {**_run_identity(args), "steps": args.steps, "lr": args.lr, "warmup": args.warmup,
-                 "stage": args.stage, "dtype": args.dtype, "step_in_backward": step_in_backward,
+                 "stage": args.stage, "dtype": args.dtype, "update_timing": update_timing,
                  "data": data_id}
     model, tokenizer, description = build_model(args, empty=True)
     params = sum(p.numel() for p in model.parameters())
     warmup = args.warmup if args.warmup is not None else min(100, args.steps // 10)
     nvme_need = None
     if args.offload == "nvme":
-        nvme_need = nvme_bytes_needed(args, model, step_in_backward, step_in_forward)
+        nvme_need = nvme_bytes_needed(args, model, update_timing)
         check_disk_space(args.path, nvme_need)
 
     with _disk_full_as_value_error(args.path, nvme_need), \
@@ -1180,7 +1157,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
             model, offload=args.offload, path=path, stage=args.stage, lr=args.lr,
             weight_decay=args.weight_decay, dtype=_DTYPES[args.dtype],
             activation_checkpointing=args.activation_checkpointing,
-            step_in_backward=step_in_backward, step_in_forward=step_in_forward,
+            update_timing=update_timing,
             gradient_accumulation_steps=args.grad_accum,
             **getattr(args, "ds_kwargs", {}), **model_source(args)) as engine:
         rank, world_size = engine.rank, engine.world_size
@@ -1229,8 +1206,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
                             batch_size=args.batch_size, grad_accum=args.grad_accum,
                             world_size=world_size, rank=rank,
                             lr=args.lr, warmup=warmup, seed=args.seed, setup_s=setup_s,
-                            step_in_backward=step_in_backward,
-                            step_in_forward=engine.config.step_in_forward, skipped_steps=skipped,
+                            update_timing=engine.config.update_timing, skipped_steps=skipped,
                             loss_scale=loss_scale, peak_rss_bytes=peak_rss, saved=saved,
                             deepspeed=(f"{args.deepspeed}: {settings.describe()}"
                                        if settings else None)))

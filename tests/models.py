@@ -127,7 +127,7 @@ def unique_storage_bytes(tensors) -> int:
 
 def big_root_lm(n_blocks=3, vocab_scale=1):
     """A :class:`TinyLM` with tiny blocks (hidden width 3), so its root (embeddings, LM head)
-    is far larger than a block: the root's optimizer state does not fit the step_in_backward
+    is far larger than a block: the root's optimizer state does not fit the update_timing="backward"
     read-ahead buffers and streams in chunks. ``vocab_scale`` widens the embeddings and the LM
     head (labels from :func:`batches` stay below ``VOCAB``)."""
     model = TinyLM(n_blocks=n_blocks)

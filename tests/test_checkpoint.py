@@ -99,10 +99,10 @@ RESUME_CASES = (
     + [("cpu", 3, F32, {"offload_param": "cpu"}),  # parameter shards in host memory
        ("cpu", 3, BF16, {"offload_param": "cpu"}),
        ("nvme", 3, BF16, {}),
-       ("nvme", 3, F32, {"step_in_backward": True}),
-       # the embeddings' state in host memory (the default with step_in_backward here) or not
-       ("nvme", 3, F32, {"step_in_backward": True, "tail_state_in_host": False}),
-       ("nvme", 2, BF16, {"step_in_backward": True, "tail_state_in_host": True})])
+       ("nvme", 3, F32, {"update_timing": "backward"}),
+       # the embeddings' state in host memory (the default with update_timing="backward" here) or not
+       ("nvme", 3, F32, {"update_timing": "backward", "tail_state_in_host": False}),
+       ("nvme", 2, BF16, {"update_timing": "backward", "tail_state_in_host": True})])
 
 
 @pytest.mark.parametrize("offload,stage,dtype,extra", RESUME_CASES,
@@ -152,7 +152,7 @@ def test_resume_with_the_tail_state_moved_between_host_and_nvme(tmp_path):
     """The embeddings' state saved from host memory (tail_state_in_host) loads into an engine
     that keeps it on NVMe, and back: the same weights as the uninterrupted run."""
     data = batches(4)
-    kw = dict(stage=3, dtype=F32, lr=1e-2, weight_decay=0.1, step_in_backward=True)
+    kw = dict(stage=3, dtype=F32, lr=1e-2, weight_decay=0.1, update_timing="backward")
     for saved, loaded in ((True, False), (False, True)):
         run = tmp_path / f"run-{saved}"
         with _engine(_model(0), "nvme", run / "swap_a", tail_state_in_host=saved, **kw) as a:
@@ -383,9 +383,9 @@ def test_same_numel_other_shape_is_refused(tmp_path):
             b.load_checkpoint(tmp_path / "ckpt")
 
 
-@pytest.mark.parametrize("step_in_backward", [False, True])
-def test_save_or_load_between_backward_and_step_raises(step_in_backward, tmp_path):
-    with OffloadEngine(_model(0), offload="cpu", stage=3, step_in_backward=step_in_backward) as a:
+@pytest.mark.parametrize("timing", ["auto", "backward"])
+def test_save_or_load_between_backward_and_step_raises(timing, tmp_path):
+    with OffloadEngine(_model(0), offload="cpu", stage=3, update_timing=timing) as a:
         (x, y), = batches(1)
         a.save_checkpoint(tmp_path / "ckpt")
         a.backward(lm_loss(a(x), y))
@@ -666,7 +666,7 @@ def test_a_one_rank_checkpoint_loads_on_three_ranks_and_back(tmp_path):
     then loaded on 1 rank again: every saved element is the same bit for bit each time."""
     # (the plain step: its root is one flat parameter, as on the other ranks' stage 2)
     with _engine(_model(0), "nvme", tmp_path / "swap", stage=3, lr=1e-2, weight_decay=0.1,
-                 step_in_forward=False) as a:
+                 update_timing="step") as a:
         _train(a, batches(3))
         a.save_checkpoint(tmp_path / "one")
     losses = run_ranks(_reshard_job, 3, str(tmp_path / "one"), str(tmp_path / "three"))
@@ -833,13 +833,13 @@ def test_files_of_two_saves_are_not_loaded_together(tmp_path):
         b.load_checkpoint(tmp_path / "two")
 
 
-PLAIN = {"step_in_forward": False}
+PLAIN = {"update_timing": "step"}
 LINEARS = {"unit_classes": (nn.Linear,)}  # each Linear a unit, the LayerNorms in the root
 ROOT_ONLY = {"unit_classes": (nn.GRU,)}   # no unit found: one root flat parameter
 REGROUPINGS = [(PLAIN, dict(PLAIN, **LINEARS)),
-               ({"step_in_forward": True}, dict(PLAIN, **ROOT_ONLY)),
-               ({"step_in_backward": True}, dict(PLAIN, **LINEARS)),
-               (dict(PLAIN, **ROOT_ONLY), {"step_in_backward": True, "offload": "cpu"})]
+               ({"update_timing": "next_forward"}, dict(PLAIN, **ROOT_ONLY)),
+               ({"update_timing": "backward"}, dict(PLAIN, **LINEARS)),
+               (dict(PLAIN, **ROOT_ONLY), {"update_timing": "backward", "offload": "cpu"})]
 
 
 @pytest.mark.parametrize("save_kw,load_kw", REGROUPINGS,
@@ -874,11 +874,11 @@ def test_a_checkpoint_loads_into_an_engine_that_groups_the_root_otherwise(save_k
 
 
 def test_parameters_whose_step_counts_differ_cannot_share_a_flat_parameter(tmp_path):
-    """With step_in_backward an overflow skips only the flat parameters that hold it, so the
+    """With update_timing="backward" an overflow skips only the flat parameters that hold it, so the
     LM head's and the embeddings' step counts may differ; an engine that puts them in one flat
     parameter (no units: the root holds every parameter) cannot take both: the load is refused
     by name, and the engine is as it was."""
-    with OffloadEngine(_model(0), stage=3, offload="cpu", step_in_backward=True) as a:
+    with OffloadEngine(_model(0), stage=3, offload="cpu", update_timing="backward") as a:
         _train(a, batches(2))
         head = flat_param_of(a, "head.weight")
         a._step_count[head] -= 1  # as if its update had been skipped once

@@ -64,18 +64,18 @@ def test_nvme_matches_cpu_bit_for_bit_world_size_2(ws2_results):
         assert all((cpu[k] == nvme[k]).all() for k in cpu)
 
 
-def _step_in_backward_rank(rank, world_size):
+def _update_timing_rank(rank, world_size):
     """Stage 3, offload="nvme" (fp32 parameter shards and optimizer state on NVMe) with the
-    plain step, step_in_backward and step_in_forward, a root larger than the blocks so the LM
+    plain step, update_timing "backward" and "next_forward", a root larger than the blocks so the LM
     head's state streams in chunks: the weights of each run on this rank."""
     from offload_zero import OffloadEngine
     from offload_zero.memory.tiers import NVMeStore
     NVMeStore.CHUNK_NUMEL = 1024
     out = {}
-    for mode in ("plain", "step_in_backward", "step_in_forward"):
+    for mode in ("plain", "backward", "next_forward"):
         torch.manual_seed(0)
         model = big_root_lm(3, vocab_scale=4)
-        kw = {} if mode == "plain" else {mode: True}
+        kw = {} if mode == "plain" else {"update_timing": mode}
         with tempfile.TemporaryDirectory() as d, OffloadEngine(
                 model, stage=3, offload="nvme", path=d, lr=1e-2, weight_decay=0.1, **kw) as eng:
             for x, y in batches(4, seed=1, batch=2 * world_size):
@@ -86,13 +86,13 @@ def _step_in_backward_rank(rank, world_size):
     return out
 
 
-def test_step_in_backward_and_in_forward_world_size_2_bit_for_bit():
+def test_update_in_backward_and_in_forward_world_size_2_bit_for_bit():
     """Updates inside backward on two ranks (reduce-scatter per flat parameter, the LM head's
     state streamed in chunks, blocks gathered from the state read ahead), or applied before
     each unit's gather in the next forward, give the weights of the plain step exactly, on
     every rank."""
-    for result in run_ranks(_step_in_backward_rank, 2):
-        for mode in ("step_in_backward", "step_in_forward"):
+    for result in run_ranks(_update_timing_rank, 2):
+        for mode in ("backward", "next_forward"):
             assert all((result["plain"][k] == result[mode][k]).all() for k in result["plain"])
 
 
@@ -377,7 +377,7 @@ def _one_rank_nan_rank(rank, world_size, stage, offload, sib):
     states = []
     with tempfile.TemporaryDirectory() as d, OffloadEngine(
             model, stage=stage, offload=offload, path=d if offload == "nvme" else None,
-            lr=1e-2, step_in_backward=sib) as eng:
+            lr=1e-2, update_timing="backward" if sib else "auto") as eng:
         for i, (x, y) in enumerate(batches(3, seed=1, batch=2 * world_size)):
             bad["on"] = i == 1 and rank == 0  # the nan lies in rank 0's gradient only
             lo = rank * 2

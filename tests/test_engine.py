@@ -205,7 +205,7 @@ def test_one_rank_with_device_shards_gathers_nothing(stage):
 def test_nvme_swap_files(dtype, tmp_path):
     model = big_root_lm(4, vocab_scale=4)  # (embeddings and LM head each larger than a block)
     eng = OffloadEngine(model, offload="nvme", path=str(tmp_path), dtype=dtype,
-                        step_in_forward=False)  # (the plain step's I/O, counted below)
+                        update_timing="step")  # (the plain step's I/O, counted below)
     folder = tmp_path / "rank0"
     for x, y in batches(2):
         eng.backward(lm_loss(eng(x), y))
@@ -244,8 +244,8 @@ def test_nvme_swap_files(dtype, tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.parametrize("mode", [{"step_in_forward": False}, {"step_in_forward": True},
-                                  {"step_in_backward": True}])
+@pytest.mark.parametrize("mode", [{"update_timing": "step"}, {"update_timing": "next_forward"},
+                                  {"update_timing": "backward"}])
 @pytest.mark.parametrize("steps", [0, 2])
 def test_swap_files_removed_on_garbage_collection_and_on_error(mode, steps, tmp_path):
     # every step mode's hooks and callbacks: none may keep the engine alive (its finalizer
@@ -299,7 +299,7 @@ def test_swap_files_removed_when_a_script_using_the_api_gets_sigterm(own_handler
 
 @pytest.mark.parametrize("offload", OFFLOADS)
 def test_memory_report_matches_numel_arithmetic(offload, tmp_path):
-    with _engine(TinyLM(), offload, tmp_path, step_in_forward=False) as eng:
+    with _engine(TinyLM(), offload, tmp_path, update_timing="step") as eng:
         s = sum(fp.shard_numel for fp in eng.trainable)
         rep = eng.memory_report()
         kinds = {t: {k: v["current_bytes"] for k, v in rep[t]["by_kind"].items()} for t in ("device", "host", "nvme")}
@@ -390,7 +390,7 @@ def test_frozen_parameters_stay_sharded_and_unchanged(tmp_path):
         b.up.weight.requires_grad_(False)
     model.emb.weight.requires_grad_(False)
     frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
-    eng, ref = _train_both(model, {"step_in_forward": False}, tmp_path, "nvme")
+    eng, ref = _train_both(model, {"update_timing": "step"}, tmp_path, "nvme")
     with eng:
         sd = eng.full_state_dict()
         for n, v in frozen.items():
@@ -486,7 +486,7 @@ def test_bad_input_raises_value_error(kwargs, match):
 
 
 @pytest.mark.parametrize("name", ["adamw", "activation_checkpointing", "offload_activations",
-                                  "step_in_backward", "step_in_forward", "tail_state_in_host"])
+                                  "tail_state_in_host"])
 def test_on_off_options_take_bools_and_refuse_anything_else(name):
     """A switch is True or False (numpy's bools too, from a config array or a sweep), or None
     where that means automatic: a string such as 'no' used to be taken as true (adamw,
@@ -609,14 +609,14 @@ def test_closed_engine_refuses_work():
 
 
 def test_a_closed_engine_with_updates_pending_refuses_every_call_that_works(tmp_path):
-    """Closed right after a step_in_forward step (its updates pending): each call that would
+    """Closed right after a update_timing="next_forward" step (its updates pending): each call that would
     do work says the engine is closed (apply_pending_updates raised a KeyError; set_lr
     passed silently)."""
     eng = OffloadEngine(TinyLM(), offload="nvme", path=str(tmp_path))
     x, y = batches(1)[0]
     eng.backward(lm_loss(eng(x), y))
     eng.step()
-    assert eng._lazy
+    assert "pending" in eng.update_states().values()
     eng.close()
     calls = [lambda: eng(x), eng.step, eng.zero_grad, eng.apply_pending_updates,
              eng.full_state_dict, lambda: eng.set_lr(1e-3),
@@ -900,20 +900,21 @@ def test_gradient_clipping_matches_torch_clip_grad_norm(tmp_path):
         assert all(torch.equal(before[k], after[k]) for k in before)
 
 
-@pytest.mark.parametrize("step_in_forward", [False, True])
+@pytest.mark.parametrize("next_forward", [False, True])
 @pytest.mark.parametrize("fault", ["eio", "short"])
-def test_nvme_write_fault_names_file_and_offset_and_close_cleans_up(fault, step_in_forward,
+def test_nvme_write_fault_names_file_and_offset_and_close_cleans_up(fault, next_forward,
                                                                     tmp_path, monkeypatch):
-    """The plain step writes the state back in step(); step_in_forward in the next forward,
+    """The plain step writes the state back in step(); update_timing="next_forward" in the next forward,
     where the fault then raises."""
     import errno
 
     from offload_zero.memory.swapper import SwapIOError
     eng = OffloadEngine(TinyLM(), offload="nvme", path=str(tmp_path), aio_backend="threads",
-                        aio_block_size=4096, aio_queue_depth=2, step_in_forward=step_in_forward)
+                        aio_block_size=4096, aio_queue_depth=2,
+                        update_timing="next_forward" if next_forward else "step")
     x, y = batches(1)[0]
     eng.backward(lm_loss(eng(x), y))
-    if step_in_forward:
+    if next_forward:
         eng.step()
     real = os.pwritev
     calls = {"n": 0}
@@ -928,7 +929,7 @@ def test_nvme_write_fault_names_file_and_offset_and_close_cleans_up(fault, step_
 
     monkeypatch.setattr(os, "pwritev", faulty)
     with pytest.raises(SwapIOError) as info:
-        eng(x) if step_in_forward else eng.step()
+        eng(x) if next_forward else eng.step()
     msg = str(info.value)
     assert str(tmp_path / "rank0") in msg and ".swp" in msg and "offset" in msg
     monkeypatch.setattr(os, "pwritev", real)
@@ -938,7 +939,7 @@ def test_nvme_write_fault_names_file_and_offset_and_close_cleans_up(fault, step_
 
 def test_a_fault_in_a_deferred_write_back_names_its_file_and_close_cleans_up(tmp_path,
                                                                               monkeypatch):
-    """step_in_forward holds the last blocks' write-backs until the forward's last update: an
+    """update_timing="next_forward" holds the last blocks' write-backs until the forward's last update: an
     EIO in one of them raises where it is waited for (backward's read-ahead, or at the latest
     step()), naming that block's file and the offset, and close() still removes every file.
     (Every transfer is done by the time it is polled: which reads start when, and so which
@@ -948,13 +949,13 @@ def test_a_fault_in_a_deferred_write_back_names_its_file_and_close_cleans_up(tmp
     from offload_zero.memory.swapper import SwapHandle, SwapIOError
     monkeypatch.setattr(SwapHandle, "done", lambda h: h._done.wait() or True)
     eng = OffloadEngine(TinyLM(), offload="nvme", path=str(tmp_path), aio_backend="threads",
-                        step_in_forward=True)
+                        update_timing="next_forward")
     x, y = batches(1)[0]
     for _ in range(2):
         eng.backward(lm_loss(eng(x), y))
         eng.step()
     held = []
-    held_by_engine = eng._may_defer_write_back
+    held_by_engine = eng._updates.may_defer_write_back
 
     def may_defer(fp):
         if held_by_engine(fp):
@@ -962,7 +963,7 @@ def test_a_fault_in_a_deferred_write_back_names_its_file_and_close_cleans_up(tmp
             return True
         return False
 
-    monkeypatch.setattr(eng, "_may_defer_write_back", may_defer)
+    monkeypatch.setattr(eng._updates, "may_defer_write_back", may_defer)
     real = os.pwritev
 
     def faulty(fd, buffers, offset, *args):
@@ -992,7 +993,7 @@ def test_nvme_optimizer_pipeline_in_chunks(tmp_path, monkeypatch):
     for offload in ("cpu", "nvme"):
         torch.manual_seed(13)
         with _engine(big_root_lm(6, vocab_scale=2), offload, tmp_path, lr=1e-2,
-                     step_in_forward=False) as eng:
+                     update_timing="step") as eng:
             if offload == "nvme":
                 assert max(fp.shard_numel for fp in eng.trainable) >= 3 * 1024
                 assert eng.memory_report()["host"]["by_kind"]["buffers"]["current_bytes"] >= 9 * 1024 * 4
@@ -1016,7 +1017,7 @@ def test_nvme_optimizer_pipeline_in_chunks(tmp_path, monkeypatch):
 def test_finite_check_before_a_chunked_update(dtype):
     """The check that guards a chunked update: exact for inf and nan wherever they sit, and
     finite values whose sum overflows are still finite (checked element by element)."""
-    from offload_zero.engine import _all_finite
+    from offload_zero.update.adam import all_finite as _all_finite
     t = torch.randn(10_000, dtype=dtype)
     assert _all_finite(t)
     for bad in (float("nan"), float("inf"), float("-inf")):
@@ -1038,7 +1039,7 @@ def test_parameter_pool_is_block_sized_with_a_separate_root_pool(dtype, tmp_path
     are done before the next forward reads), its final norm goes through the blocks' pool."""
     k, ring = (4, 0) if dtype == torch.float32 else (2, 2)
     with OffloadEngine(big_root_lm(4, vocab_scale=4), offload="nvme", path=str(tmp_path),
-                       dtype=dtype, step_in_forward=False) as eng:
+                       dtype=dtype, update_timing="step") as eng:
         blocks = [fp for u in eng.blocks for fp in u.flat_params]
         roots = eng.root.flat_params
         assert len(roots) == 3
@@ -1169,20 +1170,20 @@ def test_gathered_units_live_in_the_fixed_gather_pool(offload_param, tmp_path):
         assert moved, seen
 
 
-@pytest.mark.parametrize("step_in_backward", [False, True])
+@pytest.mark.parametrize("timing", ["auto", "backward"])
 @pytest.mark.parametrize("offload_param", ["cpu", "nvme"])
 def test_without_storage_rebinding_gathers_allocate_and_train_the_same(
-        offload_param, step_in_backward, tmp_path, monkeypatch, caplog):
+        offload_param, timing, tmp_path, monkeypatch, caplog):
     """A torch without storage rebinding (torch 2.11 has none) runs stage 3 without the
     gather pool: each gather allocates its unit, the log says so, the report has no pool, and
     the weights after 4 steps are bit for bit those of the run with the pool."""
     torch.manual_seed(0)
     model = TinyLM(n_blocks=4)
-    kw = {"stage": 3, "offload_param": offload_param, "step_in_backward": step_in_backward}
+    kw = {"stage": 3, "offload_param": offload_param, "update_timing": timing}
     finals = []
     for rebind in (True, False):
-        import offload_zero.engine as engine_mod
-        monkeypatch.setattr(engine_mod, "storage_rebinding_supported", lambda r=rebind: r)
+        import offload_zero.build as build_mod
+        monkeypatch.setattr(build_mod, "storage_rebinding_supported", lambda r=rebind: r)
         run = tmp_path / str(rebind)
         run.mkdir()
         with caplog.at_level("INFO", logger="offload_zero"):
@@ -1309,7 +1310,7 @@ def test_blocks_with_frozen_weights_are_freed_during_backward(tmp_path):
         assert len(live) == 3 * 8 and max(live) <= 3, live  # two blocks + root
 
 
-# -- step_in_backward -----------------------------------------------------------------------------
+# -- update_timing="backward" --------------------------------------------------------------------------
 def _run(model, steps, **kw):
     eng = OffloadEngine(model, lr=1e-2, weight_decay=0.1, **kw)
     reads_after_backward = []
@@ -1323,24 +1324,25 @@ def _run(model, steps, **kw):
 def _twins(model, tmp_path, sib_a=False, sib_b=True, **kw):
     """Engines ``(a, b)`` on ``model`` and a deep copy of it, each with a swap folder of its
     own under ``tmp_path``, lr 1e-2 and weight decay 0.1 unless ``kw`` says otherwise: ``a``
-    with ``step_in_backward=sib_a`` (the reference), ``b`` with ``sib_b``; one without
-    ``step_in_backward`` takes the plain step (``step_in_forward=False``) unless ``kw`` says."""
+    with ``update_timing="backward"`` if ``sib_a`` (the reference), ``b`` if ``sib_b``; one
+    without it takes the plain step (``update_timing="step"``) unless ``kw`` says."""
     kw = {"lr": 1e-2, "weight_decay": 0.1, **kw}
     twin = copy.deepcopy(model)
     nvme = "nvme" in (kw.get("offload"), kw.get("offload_optimizer"), kw.get("offload_param"))
     for name in "ab":
         (tmp_path / name).mkdir()
     a, b = ((str(tmp_path / name) if nvme else None) for name in "ab")
-    plain = {"step_in_forward": False}
-    return (OffloadEngine(model, path=a, step_in_backward=sib_a, **({} if sib_a else plain), **kw),
-            OffloadEngine(twin, path=b, step_in_backward=sib_b, **({} if sib_b else plain), **kw))
+    plain = {"update_timing": "step"}
+    timing = {"update_timing": "backward"}
+    return (OffloadEngine(model, path=a, **(timing if sib_a else plain), **kw),
+            OffloadEngine(twin, path=b, **(timing if sib_b else plain), **kw))
 
 
 @pytest.mark.parametrize("offload,offload_param,stage,dtype", [
     ("none", None, 2, torch.float32), ("cpu", None, 3, torch.float32),
     ("cpu", "cpu", 3, torch.bfloat16), ("nvme", "none", 2, torch.float32),
     ("nvme", "nvme", 3, torch.float32), ("nvme", "nvme", 3, torch.bfloat16)])
-def test_step_in_backward_gives_the_same_weights_as_the_step(offload, offload_param, stage, dtype,
+def test_update_in_backward_gives_the_same_weights_as_the_step(offload, offload_param, stage, dtype,
                                                              tmp_path):
     """Updating each flat parameter as soon as its gradient is final, inside backward, gives
     bit-for-bit the weights of the update in step(); with NVMe the blocks' optimizer state is
@@ -1354,7 +1356,7 @@ def test_step_in_backward_gives_the_same_weights_as_the_step(offload, offload_pa
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
     a, _ = _run(model, 4, path=str(tmp_path / "a"), **kw)
-    b, reads = _run(twin, 4, path=str(tmp_path / "b"), step_in_backward=True, **kw)
+    b, reads = _run(twin, 4, path=str(tmp_path / "b"), update_timing="backward", **kw)
     with a, b:
         sa, sb = a.full_state_dict(), b.full_state_dict()
         assert all(torch.equal(sa[k], sb[k]) for k in sa)
@@ -1370,7 +1372,7 @@ def test_step_in_backward_gives_the_same_weights_as_the_step(offload, offload_pa
             assert ring["buffer_bytes"] == 12 * max(fp.shard_numel for fp in blocks)
 
 
-def test_step_in_backward_leaves_no_write_in_flight_after_step(tmp_path):
+def test_update_in_backward_leaves_no_write_in_flight_after_step(tmp_path):
     """A model whose every unit's state fits the read-ahead buffers is updated entirely in
     backward; step() still waits for every write-back, since the next forward reads fp32
     parameter shards from those very bytes."""
@@ -1383,7 +1385,7 @@ def test_step_in_backward_leaves_no_write_in_flight_after_step(tmp_path):
     (tmp_path / "b").mkdir()
     a, _ = _run(model, 3, offload="nvme", path=str(tmp_path / "a"))
     b = OffloadEngine(twin, lr=1e-2, weight_decay=0.1, offload="nvme", path=str(tmp_path / "b"),
-                      step_in_backward=True)
+                      update_timing="backward")
     with a, b:
         root = [fp for fp in b.root.flat_params if fp.requires_grad]
         blocks = [fp for u in b.blocks for fp in u.flat_params if fp.requires_grad]
@@ -1398,9 +1400,9 @@ def test_step_in_backward_leaves_no_write_in_flight_after_step(tmp_path):
 
 
 @pytest.mark.parametrize("stage", [2, 3])
-def test_step_in_backward_streams_outsized_root_states_during_backward(stage, tmp_path,
+def test_update_in_backward_streams_outsized_root_states_during_backward(stage, tmp_path,
                                                                        monkeypatch):
-    """With step_in_backward the root's trainable parameters are three flat parameters: the
+    """With update_timing="backward" the root's trainable parameters are three flat parameters: the
     final norm and the LM head, whose gradients backward finishes first (their views are made
     when they run, not at the start of forward), and the embeddings. A state larger than the
     read-ahead buffers is updated chunk by chunk from the hooks that follow its gradient: the
@@ -1424,7 +1426,7 @@ def test_step_in_backward_streams_outsized_root_states_during_backward(stage, tm
         on_grad = b.scheduler._on_grad
 
         def spy(fp):
-            done = head in b._early and all(d[0] is not head for d in b._deferred)
+            done = b.update_states().get(head.name) in ("applied", "overflowed", "unused")
             events.append((fp.name, done))
             on_grad(fp)
         b.scheduler._on_grad = spy
@@ -1439,13 +1441,13 @@ def test_step_in_backward_streams_outsized_root_states_during_backward(stage, tm
             assert order == ["root.trainable.1", "root.trainable"] + [
                 f"unit{k}.trainable" for k in (3, 2, 1, 0)] + ["root.trainable.2"], order
             assert dict(events)["unit0.trainable"], events  # the LM head's update is done
-            assert not b._deferred
+            assert "streaming" not in b.update_states().values()
         assert a.skipped_steps == b.skipped_steps == 1
         sa, sb = a.full_state_dict(), b.full_state_dict()
         assert all(torch.equal(sa[k], sb[k]) for k in sa)
 
 
-def test_step_in_backward_state_read_between_backward_and_step(tmp_path, monkeypatch):
+def test_update_in_backward_state_read_between_backward_and_step(tmp_path, monkeypatch):
     """An update still streaming when backward returns (the embeddings', whose gradient comes
     last) is finished before anything reads the weights: full_state_dict() and an evaluation
     forward between backward and step see every update of that backward, and training goes on
@@ -1461,7 +1463,7 @@ def test_step_in_backward_state_read_between_backward_and_step(tmp_path, monkeyp
             a.backward(lm_loss(a(x), y))
             a.step()
             b.backward(lm_loss(b(x), y))
-            assert b._deferred  # the embeddings' update is still under way
+            assert "streaming" in b.update_states().values()  # the embeddings' update is still under way
             peek = b.full_state_dict()
             with torch.no_grad():
                 b.eval()
@@ -1478,7 +1480,7 @@ def test_step_in_backward_state_read_between_backward_and_step(tmp_path, monkeyp
         assert all(torch.equal(after[k], sb[k]) for k in after)
 
 
-def test_step_in_backward_interleaved_updates_through_one_staging_buffer(tmp_path, monkeypatch):
+def test_update_in_backward_interleaved_updates_through_one_staging_buffer(tmp_path, monkeypatch):
     """With shards on an accelerator and the optimizer state off it, every update writes its
     new compute-dtype values into one host staging buffer before they are copied to the device.
     An LM head's update streamed chunk by chunk is interleaved with the blocks' updates, so each
@@ -1486,17 +1488,18 @@ def test_step_in_backward_interleaved_updates_through_one_staging_buffer(tmp_pat
     routing the updates through one shared buffer, as on CUDA; same weights as the plain step."""
     from offload_zero.memory.tiers import NVMeStore
     monkeypatch.setattr(NVMeStore, "CHUNK_NUMEL", 1024)
-    original = OffloadEngine._update_target
+    from offload_zero.update.adam import ShardAdam
+    original = ShardAdam.update_target
 
     def through_staging(self, fp):
         target = original(self, fp)
         if target is not None and fp.home is None and target.data_ptr() == fp.sharded.data_ptr():
             if getattr(self, "_test_staging", None) is None:
-                self._test_staging = torch.empty(max(f.shard_numel for f in self.trainable),
+                self._test_staging = torch.empty(max(f.shard_numel for f in self.step_count),
                                                  dtype=fp.sharded.dtype)
             return self._test_staging[:fp.shard_numel]
         return target
-    monkeypatch.setattr(OffloadEngine, "_update_target", through_staging)
+    monkeypatch.setattr(ShardAdam, "update_target", through_staging)
     torch.manual_seed(8)
     model = big_root_lm(3, vocab_scale=4)
     a, b = _twins(model, tmp_path, offload="nvme", offload_param="none", stage=3)
@@ -1505,7 +1508,7 @@ def test_step_in_backward_interleaved_updates_through_one_staging_buffer(tmp_pat
             for eng in (a, b):
                 eng.backward(lm_loss(eng(x), y))
                 eng.step()
-        assert b._test_staging is not None
+        assert b._updates.adam._test_staging is not None
         sa, sb = a.full_state_dict(), b.full_state_dict()
         assert all(torch.equal(sa[k], sb[k]) for k in sa)
         x, y = batches(1, seed=1)[0]
@@ -1514,7 +1517,7 @@ def test_step_in_backward_interleaved_updates_through_one_staging_buffer(tmp_pat
             assert torch.equal(a(x), b(x))
 
 
-def test_step_in_backward_streamed_update_keeps_the_lr_of_its_backward(tmp_path, monkeypatch):
+def test_update_in_backward_streamed_update_keeps_the_lr_of_its_backward(tmp_path, monkeypatch):
     """An update still streaming when backward returns uses the learning rate of that backward
     to its last chunk, like every other update made in backward: set_lr() between backward and
     step changes the next backward's, as set_lr() after a plain step does."""
@@ -1528,7 +1531,7 @@ def test_step_in_backward_streamed_update_keeps_the_lr_of_its_backward(tmp_path,
             a.step()
             a.set_lr(1e-2 / (i + 2))
             b.backward(lm_loss(b(x), y))
-            assert b._deferred  # the embeddings' update is still under way
+            assert "streaming" in b.update_states().values()  # the embeddings' update is still under way
             b.set_lr(1e-2 / (i + 2))
             b.step()
         sa, sb = a.full_state_dict(), b.full_state_dict()
@@ -1536,7 +1539,7 @@ def test_step_in_backward_streamed_update_keeps_the_lr_of_its_backward(tmp_path,
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_step_in_backward_forward_between_backward_and_step_with_kept_root_shards(dtype,
+def test_update_in_backward_forward_between_backward_and_step_with_kept_root_shards(dtype,
                                                                                   tmp_path):
     """The root's updated shards stay in buffers of their own for the next forward; a forward
     between backward and step reads them while their write-back may still be in flight. The
@@ -1561,7 +1564,7 @@ def test_step_in_backward_forward_between_backward_and_step_with_kept_root_shard
 
 
 def test_ctrl_c_in_backward_starts_no_step(tmp_path):
-    """Ctrl-C inside backward with step_in_backward: the engine frees the units and starts no
+    """Ctrl-C inside backward with update_timing="backward": the engine frees the units and starts no
     more I/O (it used to run the whole step while the interrupt unwound, reading and writing
     the NVMe state). The step stays open: backward refuses to accumulate until zero_grad()
     ends it; then training goes on and the engine closes cleanly."""
@@ -1573,7 +1576,7 @@ def test_ctrl_c_in_backward_starts_no_step(tmp_path):
     block.forward = lambda x: BackwardFault.apply(inner(x), fault["kind"])
     (x, y), = batches(1)
     with OffloadEngine(model, offload="nvme", path=str(tmp_path), lr=1e-2,
-                       step_in_backward=True) as eng:
+                       update_timing="backward") as eng:
         eng.backward(lm_loss(eng(x), y))
         eng.step()
         fault["kind"] = "interrupt"
@@ -1583,7 +1586,7 @@ def test_ctrl_c_in_backward_starts_no_step(tmp_path):
             eng.backward(loss)
         fault["kind"] = None
         assert eng.scheduler.live_units() == 0 and eng._backward_pending
-        assert eng.skipped_steps == 0 and eng._early  # updates made, the step not ended
+        assert eng.skipped_steps == 0 and "applied" in eng.update_states().values()  # updates made, the step not ended
         with pytest.raises(RuntimeError, match="cannot accumulate"):
             eng.backward(lm_loss(eng(x), y))
         eng.zero_grad()  # ends the step
@@ -1597,7 +1600,7 @@ def test_an_error_in_backward_then_zero_grad_skips_the_batch(offload, sib, tmp_p
     """An error raised inside backward frees the units as the end of backward would (later
     forwards still free each unit after it runs) and the next backward works. Plain step:
     zero_grad() drops the failed batch's partial gradients, so training continues exactly as
-    if that batch had never been seen. step_in_backward: the step ends with the error."""
+    if that batch had never been seen. update_timing="backward": the step ends with the error."""
     torch.manual_seed(11)
     a, b = _twins(TinyLM(n_blocks=4), tmp_path, sib_a=sib, sib_b=sib, offload=offload, stage=3)
     fail = {"on": False}
@@ -1680,9 +1683,9 @@ def test_step_after_an_error_in_backward_serves_no_stale_parameter_read(dtype, t
             assert torch.equal(b(data[2][0]), c(data[2][0]))
 
 
-def test_step_in_backward_with_a_frozen_root_parameter_and_bf16_shards_on_nvme(tmp_path):
+def test_update_in_backward_with_a_frozen_root_parameter_and_bf16_shards_on_nvme(tmp_path):
     """A root with frozen parameters has one buffer for its outsized shards on NVMe; with
-    step_in_backward its outsized trainable flat parameters (the LM head, the embeddings) are
+    update_timing="backward" its outsized trainable flat parameters (the LM head, the embeddings) are
     updated one after the other in the same backward (here with frozen blocks between them),
     so the second waits for the first one's write-back to free that buffer (the final norm's
     small part goes through the blocks' buffers). Same weights as the plain step."""
@@ -1703,7 +1706,7 @@ def test_step_in_backward_with_a_frozen_root_parameter_and_bf16_shards_on_nvme(t
         assert all(torch.equal(sa[k], sb[k]) for k in sa)
 
 
-def test_step_in_backward_gathers_fp32_nvme_parameters_from_the_state_read(tmp_path):
+def test_update_in_backward_gathers_fp32_nvme_parameters_from_the_state_read(tmp_path):
     """fp32 parameter shards on NVMe are their master's bytes: in backward each block is
     gathered from the whole state read ahead for its update, so a step reads one parameter
     shard per block less than the plain step (the blocks' reads in backward); in forward the
@@ -1753,7 +1756,7 @@ def test_step_in_backward_gathers_fp32_nvme_parameters_from_the_state_read(tmp_p
         assert torch.equal(shard, b.store.read_master(fp))
 
 
-def test_step_in_backward_reads_the_first_states_of_backward_during_forward(tmp_path):
+def test_update_in_backward_reads_the_first_states_of_backward_during_forward(tmp_path):
     """With the optimizer state on NVMe and parameter shards in memory, a training forward
     starts reading the whole state of the blocks backward updates first (the last in forward
     order, as many as the read-ahead ring holds) before its first block runs, so backward
@@ -1791,7 +1794,7 @@ def test_step_in_backward_reads_the_first_states_of_backward_during_forward(tmp_
         assert all(torch.equal(sa[k], sb[k]) for k in sa)
 
 
-def test_step_in_backward_forward_read_ahead_keeps_the_parameter_reads_first(tmp_path):
+def test_update_in_backward_forward_read_ahead_keeps_the_parameter_reads_first(tmp_path):
     """When forward reads fp32 parameter shards from NVMe, a last block's whole-state read
     starts with the lead its parameter read would have had (``prefetch`` units), after the
     parameter reads of the blocks before it, and that block is gathered from it: the reads of
@@ -1800,7 +1803,7 @@ def test_step_in_backward_forward_read_ahead_keeps_the_parameter_reads_first(tmp
     torch.manual_seed(7)
     model = TinyLM(n_blocks=4)
     with OffloadEngine(model, offload="nvme", path=str(tmp_path), stage=3, lr=1e-2,
-                       step_in_backward=True) as eng:
+                       update_timing="backward") as eng:
         for x, y in batches(2):
             eng.backward(lm_loss(eng(x), y))
             eng.step()
@@ -1825,7 +1828,7 @@ def test_step_in_backward_forward_read_ahead_keeps_the_parameter_reads_first(tmp
 
 @pytest.mark.parametrize("offload_param,dtype", [("none", torch.float32), ("nvme", torch.float32),
                                                   ("nvme", torch.bfloat16)])
-def test_step_in_backward_keeps_the_tail_state_in_host_memory(offload_param, dtype, tmp_path):
+def test_update_in_backward_keeps_the_tail_state_in_host_memory(offload_param, dtype, tmp_path):
     """tail_state_in_host: the flat parameter updated last in backward (the embeddings) keeps
     its master weights and moments in host memory: no swap file of it, 12 bytes per element
     of its shard fewer read and written per step (its fp32 parameter shard, read from the
@@ -1839,12 +1842,12 @@ def test_step_in_backward_keeps_the_tail_state_in_host_memory(offload_param, dty
               weight_decay=0.1)
     a, b = _twins(model, tmp_path, sib_a=False, sib_b=True, tail_state_in_host=True, **kw)
     (tmp_path / "c").mkdir()
-    c = OffloadEngine(twin, path=str(tmp_path / "c"), step_in_backward=True,
+    c = OffloadEngine(twin, path=str(tmp_path / "c"), update_timing="backward",
                       tail_state_in_host=False, **kw)
     with a, b, c:
         tail = b.root.flat_params[-1]
         assert tail.requires_grad and b.store.in_host(tail) and not c.store.in_host(c.root.flat_params[-1])
-        assert not a.store.in_host(a.root.flat_params[-1])  # (needs step_in_backward)
+        assert not a.store.in_host(a.root.flat_params[-1])  # (needs update_timing="backward")
         # (the state's file; a bf16 parameter shard on NVMe keeps its own .param file)
         assert f"{tail.name}.swp" not in [os.path.basename(f) for f in b.swapper.files]
         assert f"{tail.name}.swp" in [os.path.basename(f) for f in c.swapper.files]
@@ -1881,7 +1884,7 @@ def test_step_in_backward_keeps_the_tail_state_in_host_memory(offload_param, dty
 def test_tail_state_in_host_by_default_only_when_it_is_a_small_part(tmp_path):
     """tail_state_in_host=None keeps the embeddings' state in host memory only when it is at
     most a quarter of the model's state; True forces it; where it cannot act (no
-    step_in_backward, or the state not on NVMe) True warns and nothing changes; a non-bool is
+    update_timing="backward", or the state not on NVMe) True warns and nothing changes; a non-bool is
     refused by name."""
     torch.manual_seed(9)
     small = TinyLM(n_blocks=3)   # embeddings ~1/6 of the parameters
@@ -1889,14 +1892,14 @@ def test_tail_state_in_host_by_default_only_when_it_is_a_small_part(tmp_path):
     for model, default in ((small, True), (big, False)):
         for setting, expected in ((None, default), (True, True), (False, False)):
             with OffloadEngine(copy.deepcopy(model), offload="nvme", path=str(tmp_path),
-                               step_in_backward=True, tail_state_in_host=setting) as eng:
+                               update_timing="backward", tail_state_in_host=setting) as eng:
                 assert eng.store.in_host(eng.root.flat_params[-1]) is expected, (model, setting)
     # tied embeddings: the tail is the embedding and LM head; the pipeline is sized by the rest
     from offload_zero.memory.tiers import NVMeStore
     tied = big_root_lm(3)
     tied.head.weight = tied.emb.weight
     with OffloadEngine(tied, offload="nvme", path=str(tmp_path),
-                       step_in_backward=True, tail_state_in_host=True) as eng:
+                       update_timing="backward", tail_state_in_host=True) as eng:
         tail = eng.root.flat_params[-1]
         assert eng.store.in_host(tail) and tail.shard_numel > max(
             fp.shard_numel for fp in eng.trainable if fp is not tail)
@@ -1905,9 +1908,9 @@ def test_tail_state_in_host_by_default_only_when_it_is_a_small_part(tmp_path):
             streamed, NVMeStore.CHUNK_NUMEL)
     with pytest.warns(UserWarning, match="tail_state_in_host=True has no effect"):
         OffloadEngine(copy.deepcopy(small), offload="nvme", path=str(tmp_path),
-                      step_in_forward=False, tail_state_in_host=True).close()
+                      update_timing="step", tail_state_in_host=True).close()
     with pytest.warns(UserWarning, match="it is on 'cpu'"):
-        OffloadEngine(copy.deepcopy(small), offload="cpu", step_in_backward=True,
+        OffloadEngine(copy.deepcopy(small), offload="cpu", update_timing="backward",
                       tail_state_in_host=True).close()
     with pytest.raises(ValueError, match="tail_state_in_host='yes' is not valid"):
         OffloadEngine(copy.deepcopy(small), tail_state_in_host="yes")
@@ -1927,7 +1930,7 @@ def _slow_writes_of(monkeypatch, prefix, seconds=0.3):
     monkeypatch.setattr(aio_threads.ThreadsBackend, "_run", staticmethod(slow))
 
 
-def test_step_in_backward_forward_before_step_reads_the_state_backward_wrote(tmp_path,
+def test_update_in_backward_forward_before_step_reads_the_state_backward_wrote(tmp_path,
                                                                              monkeypatch):
     """A training forward between backward and step sees that backward's updates: its
     read-ahead of a block's state (fp32 parameter shards gathered from it) waits for, or is not
@@ -1955,10 +1958,10 @@ def test_step_in_backward_forward_before_step_reads_the_state_backward_wrote(tmp
         assert all(torch.equal(sa[k], sb[k]) for k in sa)
 
 
-def test_step_in_backward_skips_a_non_finite_step_and_refuses_accumulation(tmp_path):
+def test_update_in_backward_skips_a_non_finite_step_and_refuses_accumulation(tmp_path):
     torch.manual_seed(0)
     model = TinyLM(n_blocks=3)
-    with OffloadEngine(model, offload="nvme", path=str(tmp_path), step_in_backward=True) as eng:
+    with OffloadEngine(model, offload="nvme", path=str(tmp_path), update_timing="backward") as eng:
         x, y = batches(1)[0]
         eng.backward(lm_loss(eng(x), y))
         eng.step()
@@ -1975,15 +1978,15 @@ def test_step_in_backward_skips_a_non_finite_step_and_refuses_accumulation(tmp_p
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    ({"step_in_backward": True, "max_grad_norm": 1.0}, "max_grad_norm=1.0"),
-    ({"step_in_backward": True, "stage": 1}, "stage=1"),
-    ({"step_in_backward": "yes"}, "step_in_backward='yes'")])
-def test_step_in_backward_bad_settings_raise(kwargs, match):
+    ({"update_timing": "backward", "max_grad_norm": 1.0}, "max_grad_norm=1.0"),
+    ({"update_timing": "backward", "stage": 1}, "stage=1"),
+    ({"update_timing": "yes"}, "update_timing='yes' is not valid; choose one of")])
+def test_update_in_backward_bad_settings_raise(kwargs, match):
     with pytest.raises(ValueError, match=match):
         OffloadEngine(TinyLM(), **kwargs)
 
 
-# -- step_in_forward ------------------------------------------------------------------------------
+# -- update_timing="next_forward" ---------------------------------------------------------------------------
 SIF_CASES = [("cpu", "none", F32, {}), ("nvme", "nvme", F32, {}), ("nvme", "none", F32, {}),
              ("nvme", "cpu", F32, {}), ("nvme", "nvme", torch.bfloat16, {}),
              ("nvme", "nvme", F32, {"max_grad_norm": 0.05}),
@@ -1991,7 +1994,7 @@ SIF_CASES = [("cpu", "none", F32, {}), ("nvme", "nvme", F32, {}), ("nvme", "none
 
 
 def _run_sif_pair(model_fn, engine_kw, tmp_path, steps=4, micro=2, between=None):
-    """The same training with the plain step and with step_in_forward: per run, the losses, an
+    """The same training with the plain step and with update_timing="next_forward": per run, the losses, an
     evaluation forward's logits after the last step (before anything else reads the weights)
     and the final weights."""
     out = []
@@ -2003,7 +2006,8 @@ def _run_sif_pair(model_fn, engine_kw, tmp_path, steps=4, micro=2, between=None)
         kw = dict(engine_kw, path=str(path) if "nvme" in (engine_kw.get("offload"),
                                                            engine_kw.get("offload_param")) else None)
         losses = []
-        with OffloadEngine(model, stage=3, lr=1e-2, weight_decay=0.1, step_in_forward=sif,
+        with OffloadEngine(model, stage=3, lr=1e-2, weight_decay=0.1,
+                           update_timing="next_forward" if sif else "step",
                            **kw) as eng:
             data = batches(steps * micro, seed=3)
             for i in range(steps):
@@ -2023,7 +2027,7 @@ def _run_sif_pair(model_fn, engine_kw, tmp_path, steps=4, micro=2, between=None)
 @pytest.mark.parametrize("offload,offload_param,dtype,extra", SIF_CASES,
                          ids=[f"{o}-{p}-{str(d)[6:]}-{'-'.join(e) or 'plain'}"
                               for o, p, d, e in SIF_CASES])
-def test_step_in_forward_gives_the_weights_of_the_step(offload, offload_param, dtype, extra,
+def test_update_in_next_forward_gives_the_weights_of_the_step(offload, offload_param, dtype, extra,
                                                        tmp_path, monkeypatch):
     """Updates decided by step() and applied before each unit's next gather: the losses, the
     logits of an evaluation forward right after the last step and the final weights are those
@@ -2039,7 +2043,7 @@ def test_step_in_forward_gives_the_weights_of_the_step(offload, offload_param, d
     assert all(torch.equal(w0[k], w1[k]) for k in w0)
 
 
-def test_step_in_forward_moves_the_state_io_into_the_next_forward(tmp_path):
+def test_update_in_next_forward_moves_the_state_io_into_the_next_forward(tmp_path):
     """With the optimizer state on NVMe, step() writes no state: the next forward applies the
     updates, reading the blocks' whole states ahead into the read-ahead buffers (the first
     blocks' already during backward), and writes 12 bytes per element of every state back,
@@ -2047,7 +2051,7 @@ def test_step_in_forward_moves_the_state_io_into_the_next_forward(tmp_path):
     their update first)."""
     torch.manual_seed(0)
     with OffloadEngine(TinyLM(n_blocks=4), offload="nvme", offload_param="none",
-                       path=str(tmp_path), step_in_forward=True) as eng:
+                       path=str(tmp_path), update_timing="next_forward") as eng:
         in_host = [fp for fp in eng.trainable if eng.store.in_host(fp)]
         assert [e.refs[0][2] for fp in in_host for e in fp.entries] == ["emb.weight"]
         x, y = batches(1)[0]
@@ -2065,7 +2069,7 @@ def test_step_in_forward_moves_the_state_io_into_the_next_forward(tmp_path):
         assert ring["buffers"] == 3 and ring["peak_in_use"] == 3
 
 
-def test_step_in_forward_streams_the_lm_head_update_while_the_blocks_run(tmp_path,
+def test_update_in_next_forward_streams_the_lm_head_update_while_the_blocks_run(tmp_path,
                                                                          monkeypatch):
     """The root's parameters used after the blocks are flat parameters of their own (the LM
     head's weight, the final norm's): the next forward gathers the embeddings' part at its
@@ -2076,14 +2080,14 @@ def test_step_in_forward_streams_the_lm_head_update_while_the_blocks_run(tmp_pat
     model = big_root_lm(4, vocab_scale=6)
     events = []
     with OffloadEngine(model, offload="nvme", path=str(tmp_path), stage=3, lr=1e-2,
-                       step_in_forward=True) as eng:
+                       update_timing="next_forward") as eng:
         norm, head, emb = [fp for fp in eng.root.flat_params if fp.requires_grad]
         assert {e.names[0] for e in norm.entries} == {"norm.weight", "norm.bias"}
         assert [e.names[0] for e in head.entries] == ["head.weight"]
         assert [e.names[0] for e in emb.entries] == ["emb.weight"]
         chunks = math.ceil(head.shard_numel / 1024)
         assert chunks > 4  # more chunks than blocks: some are left for the head's own gather
-        update = eng._update
+        update = eng._updates.adam.update
 
         def logged(fp, lo, *args, **kw):
             events.append((fp.name, lo))
@@ -2098,7 +2102,7 @@ def test_step_in_forward_streams_the_lm_head_update_while_the_blocks_run(tmp_pat
         x, y = batches(1)[0]
         eng.backward(lm_loss(eng(x), y))
         eng.step()
-        monkeypatch.setattr(eng, "_update", logged)
+        monkeypatch.setattr(eng._updates.adam, "update", logged)
         events.clear()
         eng(x)
         at = {e[0]: i for i, e in enumerate(events) if e[0].startswith(("block", "head"))}
@@ -2114,7 +2118,7 @@ def test_step_in_forward_streams_the_lm_head_update_while_the_blocks_run(tmp_pat
         assert events[at["head"]][1:] == ("sharded", "unsharded")
 
 
-def test_step_in_forward_an_error_while_the_lm_head_streams_then_evaluation(tmp_path,
+def test_update_in_next_forward_an_error_while_the_lm_head_streams_then_evaluation(tmp_path,
                                                                              monkeypatch):
     """A training forward that fails in a block, after the LM head's update began streaming,
     then an evaluation forward (the loop skips the batch and evaluates): the evaluation sees
@@ -2154,7 +2158,7 @@ class _ReadsHeadEarly(TinyLM):
         return self.head(self.norm(h))
 
 
-def test_step_in_forward_a_forward_reading_the_lm_head_early_gets_it(tmp_path, monkeypatch):
+def test_update_in_next_forward_a_forward_reading_the_lm_head_early_gets_it(tmp_path, monkeypatch):
     """The LM head's flat parameter is gathered when its first module runs; a forward that
     reads its weights earlier (their shape, a computation) gathers it then, ending its streaming
     update first: the numbers are the plain step's."""
@@ -2166,7 +2170,7 @@ def test_step_in_forward_a_forward_reading_the_lm_head_early_gets_it(tmp_path, m
     assert l0 == l1 and torch.equal(g0, g1) and all(torch.equal(w0[k], w1[k]) for k in w0)
 
 
-def test_step_in_forward_reads_the_first_blocks_state_during_backward(tmp_path, monkeypatch):
+def test_update_in_next_forward_reads_the_first_blocks_state_during_backward(tmp_path, monkeypatch):
     """The next forward updates the first blocks first: their whole states are read into the
     read-ahead ring while backward runs (their fp32 parameter shards on NVMe are gathered for
     backward from that read, one read less each), so the forward reads only the other blocks'
@@ -2178,10 +2182,10 @@ def test_step_in_forward_reads_the_first_blocks_state_during_backward(tmp_path, 
     monkeypatch.setattr(SwapHandle, "done", lambda h: h._done.wait() or True)
     torch.manual_seed(0)
     with OffloadEngine(TinyLM(n_blocks=6), offload="nvme", path=str(tmp_path),
-                       step_in_forward=True) as eng:
+                       update_timing="next_forward") as eng:
         x, y = batches(1)[0]
         phases, deferred = [], []
-        held_by_engine = eng._may_defer_write_back
+        held_by_engine = eng._updates.may_defer_write_back
 
         def may_defer(fp):
             if held_by_engine(fp):
@@ -2189,7 +2193,7 @@ def test_step_in_forward_reads_the_first_blocks_state_during_backward(tmp_path, 
                 return True
             return False
 
-        eng._may_defer_write_back = may_defer
+        eng._updates.may_defer_write_back = may_defer
         for _ in range(3):
             deferred.append([])
             r0 = eng.store.read_bytes
@@ -2220,7 +2224,7 @@ def test_step_in_forward_reads_the_first_blocks_state_during_backward(tmp_path, 
                                           12 * first + 4 * (rest - held), 0)
 
 
-def test_step_in_forward_writes_the_last_blocks_back_after_the_forwards_last_update(
+def test_update_in_next_forward_writes_the_last_blocks_back_after_the_forwards_last_update(
         tmp_path, monkeypatch):
     """The write-backs of the last blocks' updates (as many as the read-ahead ring can hold
     without a later read waiting on them) start only once the forward's last pending update is
@@ -2237,13 +2241,13 @@ def test_step_in_forward_writes_the_last_blocks_back_after_the_forwards_last_upd
     for name in "ab":
         (tmp_path / name).mkdir()
     kw = dict(offload="nvme", lr=1e-2, weight_decay=0.1)
-    with OffloadEngine(model, path=str(tmp_path / "a"), step_in_forward=False, **kw) as a, \
-            OffloadEngine(twin, path=str(tmp_path / "b"), step_in_forward=True, **kw) as b:
+    with OffloadEngine(model, path=str(tmp_path / "a"), update_timing="step", **kw) as a, \
+            OffloadEngine(twin, path=str(tmp_path / "b"), update_timing="next_forward", **kw) as b:
         events = []
-        swap_out, applied = b.swapper.swap_out, b._applied
+        swap_out, applied = b.swapper.swap_out, b._updates._applied
         b.swapper.swap_out = lambda key, t, offset_bytes=0: (
             events.append(("write", key)), swap_out(key, t, offset_bytes=offset_bytes))[1]
-        b._applied = lambda fp: (events.append(("applied", fp.name)), applied(fp))[1]
+        b._updates._applied = lambda fp: (events.append(("applied", fp.name)), applied(fp))[1]
         for i, (x, y) in enumerate(batches(4)):
             events.clear()
             for eng in (a, b):
@@ -2275,7 +2279,7 @@ def test_step_in_forward_writes_the_last_blocks_back_after_the_forwards_last_upd
                                                              b.store.read_all(fb)))
 
 
-def test_step_in_forward_spreads_the_lm_heads_stream_over_the_blocks(tmp_path, monkeypatch):
+def test_update_in_next_forward_spreads_the_lm_heads_stream_over_the_blocks(tmp_path, monkeypatch):
     """The LM head's pending update streams in chunks while the blocks run: by the gather of
     the k-th of n blocks, ceil(k/n) of its chunks are done (not all in the first blocks, which
     then wait on the disk while the last ones leave it idle), and it ends only when the head is
@@ -2290,14 +2294,15 @@ def test_step_in_forward_spreads_the_lm_heads_stream_over_the_blocks(tmp_path, m
     for name in "ab":
         (tmp_path / name).mkdir()
     kw = dict(offload="nvme", lr=1e-2)
-    with OffloadEngine(model, path=str(tmp_path / "a"), step_in_forward=False, **kw) as a, \
-            OffloadEngine(twin, path=str(tmp_path / "b"), step_in_forward=True, **kw) as b:
+    with OffloadEngine(model, path=str(tmp_path / "a"), update_timing="step", **kw) as a, \
+            OffloadEngine(twin, path=str(tmp_path / "b"), update_timing="next_forward", **kw) as b:
         seen = []
-        pace = b._pace_streams
-        b._pace_streams = lambda unit: (pace(unit), unit in b.scheduler.order
-                                        and b.scheduler.training_forward and seen.append(
-                                            (b.scheduler.order.index(unit), *b._pace,
-                                             bool(b._deferred))))
+        pace = b._updates.pace_streams
+        b._updates.pace_streams = lambda unit: (pace(unit), unit in b.scheduler.order
+                                                and b.scheduler.training_forward and seen.append(
+                                                    (b.scheduler.order.index(unit),
+                                                     *b._updates._pace,
+                                                     "streaming" in b.update_states().values())))
         for i, (x, y) in enumerate(batches(3)):
             seen.clear()
             for eng in (a, b):
@@ -2315,16 +2320,15 @@ def test_step_in_forward_spreads_the_lm_heads_stream_over_the_blocks(tmp_path, m
         assert all(torch.equal(sa[k], sb[k]) for k in sa)
 
 
-@pytest.mark.parametrize("mode", ["plain", "step_in_forward", "step_in_backward"])
+@pytest.mark.parametrize("mode", ["plain", "next_forward", "backward"])
 def test_zero_grad_right_after_step_is_a_no_op(mode, tmp_path):
     """The torch habit ``step(); zero_grad()``: nothing was accumulated since the step, so
-    nothing changes. step_in_forward's updates stay pending for the next forward (zero_grad
+    nothing changes. update_timing="next_forward"'s updates stay pending for the next forward (zero_grad
     used to apply them all there, its I/O then back between backward and forward), and no
-    mode counts a step more (step_in_backward's zero_grad used to end a step again: one good
+    mode counts a step more (update_timing="backward"'s zero_grad used to end a step again: one good
     step more in a dynamic loss scale's window). The weights are those of the loop without
     zero_grad."""
-    kw = {"plain": {"step_in_forward": False}, "step_in_forward": {"step_in_forward": True},
-          "step_in_backward": {"step_in_backward": True}}[mode]
+    kw = {"update_timing": "step" if mode == "plain" else mode}
     runs = []
     for habit in (False, True):
         torch.manual_seed(3)
@@ -2337,10 +2341,10 @@ def test_zero_grad_right_after_step_is_a_no_op(mode, tmp_path):
                 eng.step()
                 if habit:
                     written = eng.memory_report()["nvme"]["written_bytes"]
-                    pending = dict(eng._lazy)
+                    pending = eng.update_states()
                     eng.zero_grad()
                     assert eng.memory_report()["nvme"]["written_bytes"] == written
-                    assert eng._lazy == pending and (mode != "step_in_forward" or pending)
+                    assert eng.update_states() == pending and (mode != "next_forward" or pending)
             runs.append((eng.full_state_dict(), eng.loss_scaler.scale, eng.skipped_steps))
     (plain_sd, scale, skipped), (habit_sd, habit_scale, habit_skipped) = runs
     assert (habit_scale, habit_skipped) == (scale, skipped)
@@ -2361,8 +2365,8 @@ def test_a_root_part_without_gradients_is_skipped_in_every_mode(tmp_path):
     """The LM head and the final norm (the root's parts after the blocks) get no gradient.
     The root is split by gradient order in every mode, so each mode skips those parts as
     torch.optim does, and all give the same weights bit for bit: offload="nvme" at stage 3
-    (step_in_forward by default), offload="cpu" with the plain step, with step_in_forward and
-    with step_in_backward. (With the root one flat parameter, the plain step updated them with
+    (update_timing="next_forward" by default), offload="cpu" with the plain step, with update_timing="next_forward" and
+    with update_timing="backward". (With the root one flat parameter, the plain step updated them with
     zeros: weight decay and decaying moments.)"""
     torch.manual_seed(4)
     model = _HiddenStateLoss(n_blocks=3)
@@ -2370,8 +2374,8 @@ def test_a_root_part_without_gradients_is_skipped_in_every_mode(tmp_path):
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
     runs = {}
     for name, kw in (("nvme", {"offload": "nvme", "path": str(tmp_path)}),
-                     ("cpu+sif", {"offload": "cpu", "step_in_forward": True}),
-                     ("cpu+sib", {"offload": "cpu", "step_in_backward": True}),
+                     ("cpu+sif", {"offload": "cpu", "update_timing": "next_forward"}),
+                     ("cpu+sib", {"offload": "cpu", "update_timing": "backward"}),
                      ("cpu", {"offload": "cpu"})):
         with OffloadEngine(copy.deepcopy(model), lr=1e-2, weight_decay=0.1, **kw) as eng:
             for x, _ in batches(3):
@@ -2389,7 +2393,7 @@ def test_a_root_part_without_gradients_is_skipped_in_every_mode(tmp_path):
     assert max_param_diff(runs["cpu"], ref) <= 1e-5
 
 
-def test_step_in_forward_applies_updates_of_units_forward_skipped(tmp_path):
+def test_update_in_next_forward_applies_updates_of_units_forward_skipped(tmp_path):
     """A forward that skips a block leaves its update pending: it is applied before anything
     else reads that block (the next backward, the next step, a gather), and the weights stay
     those of the plain step."""
@@ -2402,7 +2406,7 @@ def test_step_in_forward_applies_updates_of_units_forward_skipped(tmp_path):
     assert l0 == l1 and all(torch.equal(w0[k], w1[k]) for k in w0)
 
 
-def test_step_in_forward_state_reads_apply_pending_updates(tmp_path):
+def test_update_in_next_forward_state_reads_apply_pending_updates(tmp_path):
     """Right after step() (no forward yet), full_state_dict(), a checkpoint and zero_grad() see
     the updated weights and state, as after the plain step; the learning rate of an update is
     the one step() ran with, whatever set_lr() says before the forward that applies it."""
@@ -2412,7 +2416,7 @@ def test_step_in_forward_state_reads_apply_pending_updates(tmp_path):
         torch.manual_seed(0)
         (tmp_path / f"s{sif}").mkdir()
         with OffloadEngine(TinyLM(n_blocks=3), offload="nvme", path=str(tmp_path / f"s{sif}"),
-                           lr=1e-2, step_in_forward=sif) as eng:
+                           lr=1e-2, update_timing="next_forward" if sif else "step") as eng:
             for i, (x, y) in enumerate(batches(3)):
                 eng.backward(lm_loss(eng(x), y))
                 eng.step()
@@ -2450,7 +2454,7 @@ def _per_parameter(folder) -> dict:
     return out
 
 
-def test_step_in_forward_skips_what_the_step_skips(tmp_path):
+def test_update_in_next_forward_skips_what_the_step_skips(tmp_path):
     """An inf gradient in one flat parameter skips that update only (counted once in
     skipped_steps), decided in step() as in the plain step; the other updates apply later."""
     def poison_head_on_step_1(i, model, eng):
@@ -2466,7 +2470,7 @@ def test_step_in_forward_skips_what_the_step_skips(tmp_path):
 
 
 @pytest.mark.parametrize("dtype", [F32, torch.bfloat16])
-def test_step_in_forward_keeps_no_updated_shard_that_no_gather_takes(dtype, tmp_path):
+def test_update_in_next_forward_keeps_no_updated_shard_that_no_gather_takes(dtype, tmp_path):
     """Parameter shards on NVMe: an update applied outside a gather (full_state_dict() or a
     checkpoint right after step(), blocks a forward skipped) keeps no buffer of the shard
     pool for a gather that is not coming. With 8 blocks and a pool sized for the units in
@@ -2475,7 +2479,7 @@ def test_step_in_forward_keeps_no_updated_shard_that_no_gather_takes(dtype, tmp_
         model.skip = {1, 2, 4, 5, 6} if i % 2 else set()
         if i == 2:
             eng.full_state_dict()  # right after a step: every update outside a gather
-            eng.save_checkpoint(tmp_path / f"ckpt{eng.config.step_in_forward}")
+            eng.save_checkpoint(tmp_path / f"ckpt{eng.config.update_timing == 'next_forward'}")
 
     kw = dict(offload="nvme", offload_param="nvme", dtype=dtype)
     (l0, g0, w0, _), (l1, g1, w1, _) = _run_sif_pair(lambda: TinyLM(n_blocks=8), kw, tmp_path,
@@ -2483,12 +2487,12 @@ def test_step_in_forward_keeps_no_updated_shard_that_no_gather_takes(dtype, tmp_
     assert l0 == l1 and torch.equal(g0, g1) and all(torch.equal(w0[k], w1[k]) for k in w0)
     (tmp_path / "load").mkdir()
     with OffloadEngine(TinyLM(n_blocks=8), offload="nvme", path=str(tmp_path / "load"),
-                       dtype=dtype, step_in_forward=True) as eng:
+                       dtype=dtype, update_timing="next_forward") as eng:
         eng.load_checkpoint(tmp_path / "ckptFalse")
         eng.load_checkpoint(tmp_path / "ckptTrue")
 
 
-def test_step_in_forward_an_error_applying_updates_loses_none(tmp_path, monkeypatch):
+def test_update_in_next_forward_an_error_applying_updates_loses_none(tmp_path, monkeypatch):
     """An error while pending updates are applied (here: no buffer for one block's new
     shard) leaves that update and the ones after it pending, with their gradients and step
     counts as they were: the call raises, and the next one applies them all, giving the
@@ -2498,12 +2502,12 @@ def test_step_in_forward_an_error_applying_updates_loses_none(tmp_path, monkeypa
         torch.manual_seed(0)
         (tmp_path / f"s{sif}").mkdir()
         with OffloadEngine(TinyLM(n_blocks=4), offload="nvme", path=str(tmp_path / f"s{sif}"),
-                           step_in_forward=sif) as eng:
+                           update_timing="next_forward" if sif else "step") as eng:
             x, y = batches(1)[0]
             eng.backward(lm_loss(eng(x), y))
             eng.step()
             if sif:
-                target, calls = eng._update_target, []
+                target, calls = eng._updates.adam.update_target, []
 
                 def failing(fp):
                     calls.append(fp.name)
@@ -2511,11 +2515,11 @@ def test_step_in_forward_an_error_applying_updates_loses_none(tmp_path, monkeypa
                         raise RuntimeError("host buffer pool 'param_shards' is empty")
                     return target(fp)
 
-                monkeypatch.setattr(eng, "_update_target", failing)
+                monkeypatch.setattr(eng._updates.adam, "update_target", failing)
                 with pytest.raises(RuntimeError, match="is empty"):
                     eng.full_state_dict()
-                assert [fp.name for fp in eng._lazy] == ["unit2.trainable", "unit3.trainable"]
-            # (by parameter: step_in_forward splits the root's in two flat parameters)
+                assert list(eng.update_states()) == ["unit2.trainable", "unit3.trainable"]
+            # (by parameter: update_timing="next_forward" splits the root's in two flat parameters)
             results.append((eng.full_state_dict(), {e.names[0]: eng._step_count[fp]
                                                     for fp in eng.trainable for e in fp.entries}))
     (w0, n0), (w1, n1) = results
@@ -2523,10 +2527,9 @@ def test_step_in_forward_an_error_applying_updates_loses_none(tmp_path, monkeypa
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    ({"step_in_forward": True, "stage": 2}, "step_in_forward=True needs stage 3"),
-    ({"step_in_forward": True, "step_in_backward": True}, "exclude each other"),
-    ({"step_in_forward": 1}, "step_in_forward=1 is not valid")])
-def test_step_in_forward_bad_settings_raise(kwargs, match):
+    ({"update_timing": "next_forward", "stage": 2}, "update_timing='next_forward' needs stage 3"),
+    ({"update_timing": 1}, "update_timing=1 is not valid")])
+def test_update_in_next_forward_bad_settings_raise(kwargs, match):
     with pytest.raises(ValueError, match=match):
         OffloadEngine(TinyLM(), **kwargs)
 
@@ -2535,21 +2538,21 @@ def test_step_in_forward_bad_settings_raise(kwargs, match):
     ({"offload": "nvme"}, True),
     ({"offload": "nvme", "offload_param": "none"}, True),
     ({"offload_optimizer": "nvme", "offload_param": "cpu"}, True),
-    ({"offload": "nvme", "step_in_forward": False}, False),
-    ({"offload": "nvme", "step_in_backward": True}, False),
+    ({"offload": "nvme", "update_timing": "step"}, False),
+    ({"offload": "nvme", "update_timing": "backward"}, False),
     ({"offload": "nvme", "stage": 2}, False),
     ({"offload": "cpu"}, False),
     ({"offload_optimizer": "cpu", "offload_param": "nvme"}, False)])
-def test_step_in_forward_is_the_default_with_the_optimizer_state_on_nvme_at_stage_3(
+def test_update_in_next_forward_is_the_default_with_the_optimizer_state_on_nvme_at_stage_3(
         kwargs, on, tmp_path):
-    """step_in_forward=None (the default) turns it on where the plain step's NVMe state I/O
+    """update_timing="auto" (the default) turns next_forward on where the plain step's NVMe state I/O
     would stall between backward and forward: three read-ahead buffers, the update applied in
     the next forward."""
     nvme = "nvme" in (kwargs.get("offload"), kwargs.get("offload_optimizer"),
                       kwargs.get("offload_param"))
     with OffloadEngine(TinyLM(), path=str(tmp_path) if nvme else None, **kwargs) as eng:
-        assert eng.config.step_in_forward is on
-        split = on or kwargs.get("step_in_backward", False)
+        assert (eng.config.update_timing == "next_forward") is on
+        split = on or kwargs.get("update_timing") == "backward"
         ring = eng.memory_report()["pools"].get("optimizer_prefetch")
         assert (ring is not None) is (split and eng.config.offload_optimizer == "nvme")
         assert not on or ring["buffers"] == 3
@@ -2557,17 +2560,17 @@ def test_step_in_forward_is_the_default_with_the_optimizer_state_on_nvme_at_stag
         eng.backward(lm_loss(eng(x), y))
         written = eng.memory_report()["nvme"]["written_bytes"]
         eng.step()
-        # the plain step writes the NVMe optimizer state back in step(); step_in_forward in
-        # the next forward (step_in_backward in backward, its writes counted as they end)
-        if not eng.config.step_in_backward:
+        # the plain step writes the NVMe optimizer state back in step(); update_timing="next_forward" in
+        # the next forward (update_timing="backward" in backward, its writes counted as they end)
+        if eng.config.update_timing != "backward":
             plain = eng.config.offload_optimizer == "nvme" and not on
             assert (eng.memory_report()["nvme"]["written_bytes"] > written) is plain
             eng(x)
             assert (eng.memory_report()["nvme"]["written_bytes"] > written) is (plain or on)
 
 
-def test_auto_turns_step_in_forward_on_when_it_places_the_state_on_nvme(tmp_path):
-    """offload="auto" decides step_in_forward with the placement, and budgets its buffers."""
+def test_auto_turns_next_forward_on_when_it_places_the_state_on_nvme(tmp_path):
+    """offload="auto" decides update_timing="next_forward" with the placement, and budgets its buffers."""
     needs = _needs()
     for budget, on in (((10 ** 12, 10 ** 12), False),
                        ((needs[("cpu", "none")]["device"] - 1,
@@ -2575,7 +2578,7 @@ def test_auto_turns_step_in_forward_on_when_it_places_the_state_on_nvme(tmp_path
         with OffloadEngine(_deep(), offload="auto", path=str(tmp_path), max_device_bytes=budget[0],
                            max_host_bytes=budget[1]) as eng:
             assert (eng.config.offload_optimizer == "nvme") is on
-            assert eng.config.step_in_forward is on
+            assert (eng.config.update_timing == "next_forward") is on
             (x, y), = batches(1)
             for _ in range(2):
                 eng.backward(lm_loss(eng(x), y))
@@ -2585,20 +2588,21 @@ def test_auto_turns_step_in_forward_on_when_it_places_the_state_on_nvme(tmp_path
 
 
 def test_auto_takes_the_plain_step_when_only_it_fits(tmp_path):
-    """step_in_forward's buffers cost host memory: where no placement fits with it, auto
+    """update_timing="next_forward"'s buffers cost host memory: where no placement fits with it, auto
     tries the NVMe placements again with the plain step before it gives up."""
     from offload_zero.estimator import placement_bytes
     needs = _needs()
 
     def host(sif):
         return placement_bytes(_deep(), 3, "nvme", "nvme", dtype=torch.float32, accelerator=False,
-                               step_in_forward=sif).tier_bytes("host")
+                               update_timing="next_forward" if sif else "step"
+                               ).tier_bytes("host")
     max_dev, max_host = needs[("cpu", "none")]["device"] - 1, host(True) - 1
     assert host(False) <= max_host
     with OffloadEngine(_deep(), offload="auto", path=str(tmp_path), max_device_bytes=max_dev,
                        max_host_bytes=max_host) as eng:
-        assert eng.config.offload_optimizer == "nvme" and eng.config.step_in_forward is False
-        assert any("nvme+nvme step_in_forward" in t and "short of host" in t
+        assert eng.config.offload_optimizer == "nvme" and eng.config.update_timing == "step"
+        assert any("nvme+nvme next_forward" in t and "short of host" in t
                    for t in eng.placement.tried)
         assert "plain step" in eng.placement.tried[-1] and "fits" in eng.placement.tried[-1]
         (x, y), = batches(1)

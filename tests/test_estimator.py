@@ -61,7 +61,7 @@ def test_model_state_formula(stage, n):
 def test_offload_moves_optimizer_state_and_gradient_shards(stage):
     psi, n = 8_000_000, 4
     est = estimate_memory(psi, world_size=n, gpus_per_node=2, stage=stage, accelerator=False,
-                          step_in_forward=False)
+                          update_timing="step")
     none, cpu, nvme = (est.placement(stage, o) for o in OFFLOADS)
     shard = psi // n
     # cpu: 12Ψ/N of fp32 state and 4Ψ/N of fp32 gradient shards leave the device for the host
@@ -97,16 +97,16 @@ def test_offload_moves_optimizer_state_and_gradient_shards(stage):
     assert none.nvme_bytes == cpu.nvme_bytes == 0
 
 
-def test_stage_3_nvme_counts_step_in_forward_as_the_engine_does_by_default():
+def test_stage_3_nvme_counts_next_forward_as_the_engine_does_by_default():
     # 10 blocks of 1000 elements and a root of 1000 (two embeddings of 500), bf16, N = 2
     kw = dict(world_size=2, largest_unit_numel=1000, root_numel=1000, stage=3, offload="nvme")
-    auto, plain = estimate_memory(11_000, **kw), estimate_memory(11_000, **kw, step_in_forward=False)
-    on = estimate_memory(11_000, **kw, step_in_forward=True)
+    auto, plain = estimate_memory(11_000, **kw), estimate_memory(11_000, **kw, update_timing="step")
+    on = estimate_memory(11_000, **kw, update_timing="next_forward")
     assert auto.selected.to_dict() == on.selected.to_dict()
-    assert [p.step_in_forward for p in auto.table] == [p.stage == 3 and p.offload == "nvme"
-                                                       for p in auto.table]
-    assert "with step_in_forward (3 nvme)" in format_table(auto)
-    assert "step_in_forward" not in format_table(plain)
+    assert [p.update_timing == "next_forward" for p in auto.table] == [
+        p.stage == 3 and p.offload == "nvme" for p in auto.table]
+    assert "with update_timing next_forward (3 nvme)" in format_table(auto)
+    assert "next_forward" not in format_table(plain)
     a, p = auto.selected, plain.selected
     # the input embeddings' state (shard 250: under a quarter of the state) moves to host memory
     for kind, per in (("master_weights", 4), ("moments", 8)):
@@ -118,17 +118,17 @@ def test_stage_3_nvme_counts_step_in_forward_as_the_engine_does_by_default():
     # other rows: as before
     for stage, offload in [(3, "cpu"), (3, "none"), (2, "nvme"), (1, "nvme")]:
         assert auto.placement(stage, offload).to_dict() == plain.placement(stage, offload).to_dict()
-        assert on.placement(stage, offload).step_in_forward is (stage == 3)
-    with pytest.raises(ValueError, match="step_in_forward='yes'"):
-        estimate_memory(11_000, **kw, step_in_forward="yes")
-    with pytest.raises(ValueError, match="step_in_forward=True needs stage 3"):
-        estimate_memory(11_000, **dict(kw, stage=2), step_in_forward=True)
+        assert (on.placement(stage, offload).update_timing == "next_forward") is (stage == 3)
+    with pytest.raises(ValueError, match="update_timing='yes'"):
+        estimate_memory(11_000, **kw, update_timing="yes")
+    with pytest.raises(ValueError, match="update_timing='next_forward' needs stage 3"):
+        estimate_memory(11_000, **dict(kw, stage=2), update_timing="next_forward")
     # the footnote says what applies to which rows
-    assert "with step_in_forward (3 nvme): updates applied in the next forward; with NVMe" in \
+    assert "with update_timing next_forward (3 nvme): updates applied in the next forward; with NVMe" in \
         format_table(auto)
-    text = format_table(estimate_memory(11_000, **dict(kw, offload="cpu"), step_in_forward=True))
-    assert "with step_in_forward (3 none, 3 cpu, 3 nvme): updates applied in the next " \
-        "forward; with NVMe" in text
+    text = format_table(estimate_memory(11_000, **dict(kw, offload="cpu"), update_timing="next_forward"))
+    assert ("with update_timing next_forward (3 none, 3 cpu, 3 nvme): updates applied in the "
+            "next forward; with NVMe") in text
 
 
 def test_fp32_master_aliases_parameter_shard():
@@ -244,16 +244,16 @@ def test_numpy_numbers_and_bools_are_taken_as_python_ones():
     import numpy as np
     kw = dict(world_size=2, gpus_per_node=2, prefetch=1, largest_unit_numel=10_000,
               root_numel=5_000)
-    ref = estimate_memory(1_000_000, stage=3, offload="nvme", step_in_forward=False, **kw)
+    ref = estimate_memory(1_000_000, stage=3, offload="nvme", update_timing="step", **kw)
     est = estimate_memory(np.int64(1_000_000), stage=np.int64(3), offload="nvme",
-                          step_in_forward=np.bool_(False),
+                          update_timing="step",
                           **{k: np.int64(v) for k, v in kw.items()})
     assert est.to_dict() == ref.to_dict()
     json.dumps(est.to_dict())
     with pytest.raises(ValueError, match=r"world_size=np.int64\(0\) is not valid"):
         estimate_memory(1000, world_size=np.int64(0))
-    with pytest.raises(ValueError, match=r"step_in_forward='no' is not valid; use None"):
-        estimate_memory(1000, step_in_forward="no")
+    with pytest.raises(ValueError, match=r"update_timing='no' is not valid; choose one of"):
+        estimate_memory(1000, update_timing="no")
 
 
 def test_folder_without_config_raises(tmp_path):
@@ -311,26 +311,26 @@ def test_format_table_is_readable():
         format_table(estimate_memory(1000), unit="TB")
 
 
-@pytest.mark.parametrize("mode", ["step_in_backward", "step_in_forward"])
+@pytest.mark.parametrize("mode", ["backward", "next_forward"])
 @pytest.mark.parametrize("offload_param", ["none", "nvme"])
 def test_placement_bytes_count_the_read_ahead(offload_param, mode, tmp_path):
-    """With step_in_backward or step_in_forward the engine adds read-ahead buffers of a
-    block's whole state (two; three when step_in_backward gathers fp32 parameter shards on
+    """With update_timing "backward" or "next_forward" the engine adds read-ahead buffers of a
+    block's whole state (two; three when update_timing="backward" gathers fp32 parameter shards on
     NVMe from them); the bytes placement_bytes gives (what offload="auto" budgets) equal
     memory_report's peaks."""
     from offload_zero.estimator import placement_bytes
     torch.manual_seed(0)
     model = WiderLM()
     plain = placement_bytes(model, 3, "nvme", offload_param, dtype=torch.float32, accelerator=False,
-                            step_in_forward=False)
+                            update_timing="step")
     est = placement_bytes(model, 3, "nvme", offload_param, dtype=torch.float32, accelerator=False,
-                          **{mode: True})
+                          update_timing=mode)
     with OffloadEngine(model, stage=3, offload="nvme", offload_param=offload_param,
-                       path=str(tmp_path), **{mode: True}) as eng:
+                       path=str(tmp_path), update_timing=mode) as eng:
         for x, y in batches(2):
             eng.backward(lm_loss(eng(x), y))
             eng.step()
-        eng(batches(1)[0][0])  # (step_in_forward: the last step's updates run here)
+        eng(batches(1)[0][0])  # (update_timing="next_forward": the last step's updates run here)
         rep = eng.memory_report()
         # (both keep the embeddings' state in host memory here: counted the same)
         assert [fp.name for fp in eng.trainable if eng.store.in_host(fp)] == [
@@ -344,18 +344,18 @@ def test_placement_bytes_count_the_read_ahead(offload_param, mode, tmp_path):
 
 
 @pytest.mark.parametrize("offload_param", ["none", "nvme"])
-def test_step_in_backward_on_one_cpu_rank_holds_one_gradient_of_each_size(offload_param,
+def test_update_in_backward_on_one_cpu_rank_holds_one_gradient_of_each_size(offload_param,
                                                                            tmp_path):
-    """With step_in_backward each gradient is used up by its update in backward, and its
+    """With update_timing="backward" each gradient is used up by its update in backward, and its
     memory serves the next gradient of its size: blocks of one size share one buffer. The
     host gradient bytes equal the estimate (one of each size), below every shard at once."""
     from offload_zero.estimator import placement_bytes
     torch.manual_seed(0)
     model = TinyLM(n_blocks=4)
     est = placement_bytes(model, 3, "nvme", offload_param, dtype=torch.float32,
-                          accelerator=False, step_in_backward=True)
+                          accelerator=False, update_timing="backward")
     with OffloadEngine(model, stage=3, offload="nvme", offload_param=offload_param,
-                       path=str(tmp_path), step_in_backward=True) as eng:
+                       path=str(tmp_path), update_timing="backward") as eng:
         for x, y in batches(3):
             eng.backward(lm_loss(eng(x), y))
             eng.step()
@@ -368,7 +368,7 @@ def test_step_in_backward_on_one_cpu_rank_holds_one_gradient_of_each_size(offloa
 
 def _train_on_tokens(eng, vocab, steps=3, forward_after=False):
     """``steps`` steps of ``eng`` on random tokens below ``vocab`` (each batch its own target),
-    then (``forward_after``) one more forward, where step_in_forward applies the last step's
+    then (``forward_after``) one more forward, where update_timing="next_forward" applies the last step's
     updates; returns ``memory_report()``."""
     g = torch.Generator().manual_seed(1)
     for _ in range(steps):
@@ -382,7 +382,7 @@ def _train_on_tokens(eng, vocab, steps=3, forward_after=False):
 
 class _NearSizedRoot(nn.Module):
     """Input embeddings (with 80 spare rows) and an LM head's weight of nearly one size: with
-    step_in_backward the root's two large flat parameters differ by 1.6% (the third holds the
+    update_timing="backward" the root's two large flat parameters differ by 1.6% (the third holds the
     final norm and the LM head's bias)."""
 
     def __init__(self, vocab=5000, width=64):
@@ -399,7 +399,7 @@ class _NearSizedRoot(nn.Module):
         return self.head(self.norm(h))
 
 
-def test_step_in_backward_shares_one_gradient_buffer_between_near_sizes(tmp_path):
+def test_update_in_backward_shares_one_gradient_buffer_between_near_sizes(tmp_path):
     """The LM head's and the embeddings' gradients (sizes within NEAR_SIZE) take turns in
     one buffer: host gradient bytes are the blocks' one buffer, the final norm's part's and
     one of the root's larger size, as the estimate says."""
@@ -407,9 +407,9 @@ def test_step_in_backward_shares_one_gradient_buffer_between_near_sizes(tmp_path
     torch.manual_seed(0)
     model = _NearSizedRoot()
     est = placement_bytes(model, 3, "nvme", "nvme", dtype=torch.float32, accelerator=False,
-                          step_in_backward=True)
+                          update_timing="backward")
     with OffloadEngine(model, stage=3, offload="nvme", path=str(tmp_path),
-                       step_in_backward=True) as eng:
+                       update_timing="backward") as eng:
         root = sorted((fp.shard_numel for fp in eng.trainable if fp.name.startswith("root")),
                       reverse=True)
         assert len(root) == 3 and root[0] != root[1] and root[0] < 1.0625 * root[1]
@@ -441,7 +441,7 @@ def test_the_roots_small_part_goes_through_the_block_sized_buffers(dtype, tail, 
                           tail_state_in_host=tail)
     with OffloadEngine(model, stage=3, offload="nvme", path=str(tmp_path), dtype=dtype,
                        tail_state_in_host=tail) as eng:
-        assert eng.config.step_in_forward
+        assert eng.config.update_timing == "next_forward"
         norm, head, emb = (flat_param_of(eng, n) for n in ("norm.weight", "head.weight",
                                                             "emb.weight"))
         block = max(fp.shard_numel for u in eng.blocks for fp in u.flat_params)
@@ -480,9 +480,9 @@ def test_estimate_counts_a_gradient_taken_as_autograd_made_it(stage, offload, dt
 
 
 @pytest.mark.parametrize("offload", ["cpu", "nvme"])
-def test_step_in_backward_keeps_no_buffer_for_gradients_taken_as_autograd_made_them(offload,
+def test_update_in_backward_keeps_no_buffer_for_gradients_taken_as_autograd_made_them(offload,
                                                                                    tmp_path):
-    """step_in_backward on one CPU rank: the flat parameters of one unpadded parameter (here a
+    """update_timing="backward" on one CPU rank: the flat parameters of one unpadded parameter (here a
     tied embedding and the LM head's bias, 4096 elements) take autograd's gradients as they
     are, each used up before the next: the host gradient bytes are one buffer per size class
     of the others plus the largest of those, as the estimate says (it counted a class for
@@ -494,9 +494,9 @@ def test_step_in_backward_keeps_no_buffer_for_gradients_taken_as_autograd_made_t
     model.head.bias = nn.Parameter(torch.zeros(4096))
     param = "nvme" if offload == "nvme" else "none"
     est = placement_bytes(model, 3, offload, param, dtype=torch.float32, accelerator=False,
-                          step_in_backward=True)
+                          update_timing="backward")
     kw = {"path": str(tmp_path)} if offload == "nvme" else {}
-    with OffloadEngine(model, stage=3, offload=offload, step_in_backward=True, **kw) as eng:
+    with OffloadEngine(model, stage=3, offload=offload, update_timing="backward", **kw) as eng:
         taken = [fp.padded_numel for fp in eng.trainable if fp.grad_as_is]
         others = {fp.padded_numel for fp in eng.trainable if not fp.grad_as_is}
         assert sorted(taken) == [4096, 4096 * 16]
@@ -507,7 +507,7 @@ def test_step_in_backward_keeps_no_buffer_for_gradients_taken_as_autograd_made_t
 def test_a_parameter_under_1024_elements_is_not_split_from_the_final_norm(tmp_path):
     """A tied LM head with a bias of 53 elements beside a final norm of 48: the bias is most of
     the part after the blocks but is padded in any dtype (4096-byte aligned shards), so it
-    stays with the final norm (a part of its own would save nothing). With step_in_backward on
+    stays with the final norm (a part of its own would save nothing). With update_timing="backward" on
     NVMe (an update deferred while the next gradient arrives) the host gradient bytes then
     equal the estimate (two 1024-element parts of one size class were held at once)."""
     from offload_zero.estimator import placement_bytes
@@ -515,9 +515,9 @@ def test_a_parameter_under_1024_elements_is_not_split_from_the_final_norm(tmp_pa
     model = TinyLM(n_blocks=2, tie=True)
     model.head.bias = nn.Parameter(torch.zeros(model.head.out_features))
     est = placement_bytes(model, 3, "nvme", "nvme", dtype=torch.float32, accelerator=False,
-                          step_in_backward=True)
+                          update_timing="backward")
     with OffloadEngine(model, stage=3, offload="nvme", path=str(tmp_path),
-                       step_in_backward=True) as eng:
+                       update_timing="backward") as eng:
         norm = flat_param_of(eng, "norm.weight")
         assert norm is flat_param_of(eng, "head.bias")
         rep = _train_on_tokens(eng, 53, steps=2, forward_after=True)

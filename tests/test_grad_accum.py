@@ -68,8 +68,8 @@ def test_gradient_accumulation_steps_is_checked():
         with pytest.raises(ValueError, match=rf"^gradient_accumulation_steps={bad!r} is not "
                                              r"valid; it must be an int >= 1"):
             OffloadEngine(TinyLM(), gradient_accumulation_steps=bad)
-    with pytest.raises(ValueError, match=r"step_in_backward=True cannot accumulate gradients"):
-        OffloadEngine(TinyLM(), stage=2, step_in_backward=True, gradient_accumulation_steps=2)
+    with pytest.raises(ValueError, match=r"update_timing='backward' cannot accumulate gradients"):
+        OffloadEngine(TinyLM(), stage=2, update_timing="backward", gradient_accumulation_steps=2)
 
 
 def test_zero_grad_after_backward_restarts_the_accumulation_window(torch_single_thread):
@@ -103,7 +103,7 @@ def test_grad_accum_in_the_main_job_matches_one_batch_of_all_the_micro_batches(t
                                                                              capsys):
     """--grad-accum 2 --batch-size 2 trains on the windows --batch-size 4 takes, in the same
     steps: the same losses (a step's loss is its micro-batches' mean) and the same schedule;
-    --steps counts optimizer steps. --step-in-backward with it exits 2 before anything is
+    --steps counts optimizer steps. --update-timing backward with it exits 2 before anything is
     built, and a resume with another --grad-accum is refused."""
     common = ["--preset", "tiny", "--steps", 4, "--seq-len", 32, "--log-every", 0,
               "--no-progress", "--stage", 2]
@@ -111,13 +111,14 @@ def test_grad_accum_in_the_main_job_matches_one_batch_of_all_the_micro_batches(t
     ckpt = tmp_path / "ckpt"
     accum = train.run(_parse(*common, "--batch-size", 2, "--grad-accum", 2,
                              "--checkpoint", ckpt))
-    assert accum["grad_accum"] == 2 and accum["steps"] == 4 and not accum["step_in_backward"]
+    assert accum["grad_accum"] == 2 and accum["steps"] == 4 and accum["update_timing"] != "backward"
     assert "2 micro-batches a step" in train.format_summary(accum)
     assert "micro-batches" not in train.format_summary(whole)
-    assert whole["step_in_backward"]  # (its default with one micro-batch a step)
+    assert whole["update_timing"] == "backward"  # (its default with one micro-batch a step)
     assert accum["losses"] == pytest.approx(whole["losses"], rel=1e-5)
     capsys.readouterr()
-    assert cli.main(["train", "--grad-accum", "2", "--step-in-backward", "--steps", "1"]) == 2
+    assert cli.main(["train", "--grad-accum", "2", "--update-timing", "backward", "--steps",
+                     "1"]) == 2
     assert "cannot accumulate --grad-accum 2" in capsys.readouterr().err
     with pytest.raises(ValueError, match=r"the saved run used --grad-accum 2, this one 1"):
         train.run(_parse(*common, "--steps", 6, "--batch-size", 2, "--resume", ckpt))

@@ -40,8 +40,8 @@ class Wide(nn.Module):
 
 @pytest.mark.parametrize("kw", [
     dict(stage=3, offload="cpu"),
-    dict(stage=3, offload="cpu", step_in_backward=True),
-    dict(stage=3, offload="cpu", step_in_forward=True),
+    dict(stage=3, offload="cpu", update_timing="backward"),
+    dict(stage=3, offload="cpu", update_timing="next_forward"),
     dict(stage=2, offload="cpu"),
     dict(stage=3, offload="none"),
 ], ids=["stage3-cpu", "stage3-cpu-sib", "stage3-cpu-sif", "stage2-cpu", "stage3-none"])
@@ -61,7 +61,7 @@ def test_every_step_writes_the_gradients_into_the_same_memory(kw):
             eng.step()
         assert sum(len(sts) == 4 for sts in seen.values()) >= 3  # the blocks and the root
         for fp, storages in seen.items():
-            # (with step_in_backward the unused layer is a flat parameter of its own: no
+            # (with update_timing="backward" the unused layer is a flat parameter of its own: no
             # gradient at all)
             assert len(storages) in (0, 4), fp.name
             assert len({st.data_ptr() for st in storages[1:]}) <= 1, fp.name
@@ -71,7 +71,7 @@ def test_every_step_writes_the_gradients_into_the_same_memory(kw):
 
 @pytest.mark.parametrize("kw", [
     dict(stage=3, offload="cpu"),
-    dict(stage=3, offload="cpu", step_in_backward=True),
+    dict(stage=3, offload="cpu", update_timing="backward"),
     dict(stage=2, offload="none"),
 ], ids=["stage3-cpu", "stage3-cpu-sib", "stage2-none"])
 def test_reused_gradient_memory_gives_adamw_numbers(kw):
@@ -111,7 +111,7 @@ class _TwoLayers(nn.Module):
 
 
 @pytest.mark.parametrize("kw", [dict(stage=2, offload="cpu"), dict(stage=3, offload="none"),
-                                dict(stage=3, offload="cpu", step_in_backward=True)],
+                                dict(stage=3, offload="cpu", update_timing="backward")],
                          ids=["stage2-cpu", "stage3-none", "stage3-cpu-sib"])
 def test_a_parameter_without_gradient_beside_others_updates_with_zeros(kw):
     """As documented (README): in a flat parameter whose other parameters get gradients, a
@@ -156,8 +156,8 @@ class _OneWeightBlocks(nn.Module):
 
 @pytest.mark.parametrize("kw", [
     dict(stage=3, offload="cpu"),
-    dict(stage=3, offload="cpu", step_in_forward=True),
-    dict(stage=3, offload="cpu", step_in_backward=True),
+    dict(stage=3, offload="cpu", update_timing="next_forward"),
+    dict(stage=3, offload="cpu", update_timing="backward"),
     dict(stage=3, offload="nvme"),
 ], ids=["stage3-cpu", "stage3-cpu-sif", "stage3-cpu-sib", "stage3-nvme"])
 def test_a_one_parameter_flat_gradient_is_taken_as_autograd_made_it(kw, tmp_path):
@@ -195,10 +195,10 @@ def test_a_one_parameter_flat_gradient_is_taken_as_autograd_made_it(kw, tmp_path
 @pytest.mark.parametrize("kw", [
     dict(stage=2, offload="cpu"),
     dict(stage=3, offload="cpu"),
-    dict(stage=3, offload="cpu", step_in_forward=True),
-    dict(stage=3, offload="cpu", step_in_backward=True),
+    dict(stage=3, offload="cpu", update_timing="next_forward"),
+    dict(stage=3, offload="cpu", update_timing="backward"),
     dict(stage=3, offload="nvme"),
-    dict(stage=3, offload="nvme", step_in_forward=False),
+    dict(stage=3, offload="nvme", update_timing="step"),
 ], ids=["stage2-cpu", "stage3-cpu", "stage3-cpu-sif", "stage3-cpu-sib", "stage3-nvme",
         "stage3-nvme-plain"])
 def test_the_lm_head_is_a_flat_parameter_of_its_own_and_borrows_no_gradient_buffer(kw, tmp_path):

@@ -98,10 +98,10 @@ def _moved(rep, params_on_nvme):
 
 
 @pytest.mark.parametrize("stage,mode,dtype,offload_param", [
-    (3, "plain", torch.float32, "nvme"), (3, "step_in_backward", torch.float32, "nvme"),
-    (3, "step_in_forward", torch.float32, "nvme"), (3, "step_in_forward", torch.bfloat16, "nvme"),
-    (3, "step_in_backward", torch.bfloat16, "none"), (3, "step_in_forward", torch.float32, "none"),
-    (2, "plain", torch.float32, None), (2, "step_in_backward", torch.bfloat16, None)])
+    (3, "plain", torch.float32, "nvme"), (3, "backward", torch.float32, "nvme"),
+    (3, "next_forward", torch.float32, "nvme"), (3, "next_forward", torch.bfloat16, "nvme"),
+    (3, "backward", torch.bfloat16, "none"), (3, "next_forward", torch.float32, "none"),
+    (2, "plain", torch.float32, None), (2, "backward", torch.bfloat16, None)])
 def test_host_cache_gives_the_all_nvme_weights_and_moves_only_the_rest(stage, mode, dtype,
                                                                        offload_param, tmp_path):
     """Host caches of 0%, ~37% and 100% of the state: after five steps the weights equal the
@@ -113,14 +113,14 @@ def test_host_cache_gives_the_all_nvme_weights_and_moves_only_the_rest(stage, mo
     kw = {"stage": stage, "dtype": dtype}
     if offload_param is not None:
         kw["offload_param"] = offload_param
-    modes = {"plain": {"step_in_forward": False} if stage == 3 else {},
-             "step_in_backward": {"step_in_backward": True}, "step_in_forward": {}}
+    modes = {"plain": {"update_timing": "step"} if stage == 3 else {},
+             "backward": {"update_timing": "backward"}, "next_forward": {}}
     ref, _, total, _ = _run(copy.deepcopy(model), tmp_path, "ref", 0, True, **kw,
                             **modes["plain"])
     for frac in FRACTIONS:
         budget = int(frac * total)
         got, in_host, per_step, rep = _run(copy.deepcopy(model), tmp_path, f"cache{frac}", budget,
-                                           mode != "step_in_forward", **kw, **modes[mode])
+                                           mode != "next_forward", **kw, **modes[mode])
         assert got.keys() == ref.keys()
         for name in ref:
             assert torch.equal(got[name], ref[name]), (frac, name)
@@ -167,9 +167,9 @@ def test_checkpoint_moves_between_cached_and_all_nvme(tmp_path):
 
 # -- the estimate -------------------------------------------------------------------------------
 @pytest.mark.parametrize("stage,mode,dtype,offload_param", [
-    (3, "plain", torch.float32, "nvme"), (3, "step_in_forward", torch.float32, "nvme"),
-    (3, "step_in_backward", torch.bfloat16, "nvme"), (3, "step_in_forward", torch.float32, "none"),
-    (2, "step_in_backward", torch.float32, "none"), (3, "plain", torch.bfloat16, "none")])
+    (3, "plain", torch.float32, "nvme"), (3, "next_forward", torch.float32, "nvme"),
+    (3, "backward", torch.bfloat16, "nvme"), (3, "next_forward", torch.float32, "none"),
+    (2, "backward", torch.float32, "none"), (3, "plain", torch.bfloat16, "none")])
 def test_estimate_counts_the_host_cache(stage, mode, dtype, offload_param, tmp_path):
     """With a host cache of ~37% of the state the estimate's bytes per tier and kind equal
     memory_report's peaks (the cached state in host memory, its files and read-ahead gone)."""
@@ -177,14 +177,15 @@ def test_estimate_counts_the_host_cache(stage, mode, dtype, offload_param, tmp_p
     model = CacheLM()
     total = 12 * sum(fp.shard_numel for fp in _layout_shards(model, dtype))
     budget = int(0.37 * total)
-    kw = {"step_in_forward": False} if mode == "plain" and stage == 3 else (
-        {"step_in_backward": True} if mode == "step_in_backward" else {})
+    kw = {"update_timing": "step"} if mode == "plain" and stage == 3 else (
+        {"update_timing": "backward"} if mode == "backward" else {})
     est = placement_bytes(model, stage, "nvme", offload_param, dtype=dtype, accelerator=False,
                           host_cache_bytes=budget, **kw)
-    if offload_param == "nvme" and stage == 3 and mode != "step_in_backward":
+    if offload_param == "nvme" and stage == 3 and mode != "backward":
         # (estimate_memory's row of the same placement: its own offload_param and step mode)
         row = estimate_memory(model, stage=3, offload="nvme", dtype=dtype, accelerator=False,
-                              host_cache_bytes=budget, step_in_forward=mode != "plain")
+                              host_cache_bytes=budget,
+                              update_timing="step" if mode == "plain" else "next_forward")
         assert all(row.by_kind(t) == est.by_kind(t) for t in TIERS)
     with OffloadEngine(model, stage=stage, offload="nvme", path=str(tmp_path), dtype=dtype,
                        offload_param=offload_param, host_cache_bytes=budget, **kw) as eng:
@@ -192,7 +193,7 @@ def test_estimate_counts_the_host_cache(stage, mode, dtype, offload_param, tmp_p
         for x, y in batches(2):
             eng.backward(lm_loss(eng(x), y))
             eng.step()
-        eng(batches(1)[0][0])  # (step_in_forward: the last step's updates run here)
+        eng(batches(1)[0][0])  # (update_timing="next_forward": the last step's updates run here)
         rep = eng.memory_report()
     for tier in TIERS:
         measured = {k: rep[tier]["by_kind"][k]["peak_bytes"] for k in KINDS}

@@ -27,9 +27,9 @@ POINTS = 80  # interrupt points per mode, spread over the step's lines
 MODES = {
     "none": dict(offload="none"),
     "cpu": dict(offload="cpu"),
-    "nvme": dict(offload="nvme"),  # step_in_forward: updates in the next forward
-    "nvme-plain": dict(offload="nvme", step_in_forward=False),
-    "nvme-sib": dict(offload="nvme", step_in_backward=True),
+    "nvme": dict(offload="nvme"),  # update_timing="next_forward": updates in the next forward
+    "nvme-plain": dict(offload="nvme", update_timing="step"),
+    "nvme-sib": dict(offload="nvme", update_timing="backward"),
 }
 
 

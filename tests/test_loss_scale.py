@@ -144,15 +144,15 @@ def test_scaling_keeps_gradients_that_fp16_flushes_to_zero(tmp_path):
         WD = wd
 
 
-def test_step_in_backward_skips_only_what_overflowed_and_halves_the_scale(tmp_path):
-    """With step_in_backward the flat parameters updated before the nan reached backward keep
+def test_update_in_backward_skips_only_what_overflowed_and_halves_the_scale(tmp_path):
+    """With update_timing="backward" the flat parameters updated before the nan reached backward keep
     their update (blocks, LM head); the one holding the nan (the embeddings, last in backward)
     is skipped, and the scale halves."""
     torch.manual_seed(3)
     model = TinyLM(n_blocks=3)
     model.emb.register_forward_hook(lambda mod, args, out: BackwardFault.apply(out, "nan"))
     (x, y), = batches(1)
-    with OffloadEngine(model, offload="cpu", dtype=torch.float16, lr=LR, step_in_backward=True,
+    with OffloadEngine(model, offload="cpu", dtype=torch.float16, lr=LR, update_timing="backward",
                        initial_loss_scale=2.0 ** 8) as eng:
         before = eng.full_state_dict()
         eng.backward(_scaled_loss(eng, x, y, 1.0))

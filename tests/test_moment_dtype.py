@@ -70,12 +70,12 @@ def test_bf16_moments_train_close_to_fp32(stage, tmp_path):
 def test_bf16_moments_are_the_same_in_every_mode_tier_and_chunking(dtype, tmp_path,
                                                                    monkeypatch):
     """The stochastic rounding is keyed by each element's place in its flat parameter, so the
-    plain step, step_in_backward, step_in_forward, a host cache, offload="cpu", and the NVMe
+    plain step, update timings "backward", "next_forward", a host cache, offload="cpu", and the NVMe
     state streamed in chunks of 2048 elements all give the same weights bit for bit."""
     torch.manual_seed(0)
     model = CacheLM()
     kw = {"stage": 3, "dtype": dtype, "moment_dtype": "bf16"}
-    variants = {"plain": {"step_in_forward": False}, "sib": {"step_in_backward": True},
+    variants = {"plain": {"update_timing": "step"}, "sib": {"update_timing": "backward"},
                 "sif": {}, "cache": {"host_cache_bytes": 200_000},
                 "cpu": {"offload": "cpu"}}
     out = {}
@@ -85,7 +85,7 @@ def test_bf16_moments_are_the_same_in_every_mode_tier_and_chunking(dtype, tmp_pa
             out[name] = eng.full_state_dict()
     monkeypatch.setattr(NVMeStore, "CHUNK_NUMEL", 2048)
     with _engine(copy.deepcopy(model), tmp_path, "chunked", **kw,
-                 step_in_forward=False) as eng:
+                 update_timing="step") as eng:
         assert eng.store.chunks(eng.trainable[0]) > 1
         _train(eng)
         out["chunked"] = eng.full_state_dict()
@@ -94,13 +94,13 @@ def test_bf16_moments_are_the_same_in_every_mode_tier_and_chunking(dtype, tmp_pa
         assert all(torch.equal(sd[k], ref[k]) for k in ref), name
 
 
-@pytest.mark.parametrize("mode", ["plain", "step_in_backward", "step_in_forward"])
+@pytest.mark.parametrize("mode", ["plain", "backward", "next_forward"])
 def test_bf16_moments_move_eight_bytes_per_element(mode, tmp_path):
     """The NVMe state files hold 4 + 2 + 2 bytes per element (each moment region padded to
     4096 bytes), and a step reads and writes exactly those of every flat parameter."""
     torch.manual_seed(0)
-    kw = {"step_in_forward": False} if mode == "plain" else (
-        {"step_in_backward": True} if mode == "step_in_backward" else {})
+    kw = {"update_timing": "step"} if mode == "plain" else (
+        {"update_timing": "backward"} if mode == "backward" else {})
     with _engine(CacheLM(), tmp_path, "bf16", stage=3, moment_dtype="bf16",
                  tail_state_in_host=False, **kw) as eng:
         pad = lambda nbytes: -(-nbytes // 4096) * 4096  # noqa: E731
@@ -120,7 +120,7 @@ def test_bf16_moments_move_eight_bytes_per_element(mode, tmp_path):
 
 
 @pytest.mark.parametrize("offload,stage,mode,dtype", [
-    ("nvme", 3, "step_in_forward", torch.float32), ("nvme", 3, "step_in_backward", BF16),
+    ("nvme", 3, "next_forward", torch.float32), ("nvme", 3, "backward", BF16),
     ("nvme", 2, "plain", torch.float32), ("cpu", 3, "plain", BF16),
     ("none", 2, "plain", torch.float32)])
 def test_estimate_counts_bf16_moments(offload, stage, mode, dtype, tmp_path):
@@ -128,8 +128,8 @@ def test_estimate_counts_bf16_moments(offload, stage, mode, dtype, tmp_path):
     (host and device moments at 4 bytes per element, NVMe ones padded, buffers sized for 8)."""
     torch.manual_seed(0)
     model = CacheLM()
-    kw = {"step_in_backward": True} if mode == "step_in_backward" else (
-        {"step_in_forward": False} if mode == "plain" and stage == 3 else {})
+    kw = {"update_timing": "backward"} if mode == "backward" else (
+        {"update_timing": "step"} if mode == "plain" and stage == 3 else {})
     param = "nvme" if offload == "nvme" and stage == 3 else "none"
     est = placement_bytes(model, stage, offload, param, dtype=dtype, accelerator=False,
                           moment_dtype="bf16", host_cache_bytes=60_000, **kw)
@@ -205,15 +205,15 @@ def test_auto_with_bf16_moments_keeps_the_state_off_an_accelerator(tmp_path):
 
 def _two_rank_run(rank, world_size):
     """Stage 3 on NVMe at two ranks: all-NVMe fp32 moments, with a host cache; bf16 moments
-    all on NVMe with the plain step, with a host cache and step_in_backward, and on the CPU
+    all on NVMe with the plain step, with a host cache and update_timing="backward", and on the CPU
     tier. The weights of each on this rank."""
     import tempfile
     out = {}
-    runs = {"fp32": {"step_in_forward": False},
+    runs = {"fp32": {"update_timing": "step"},
             "fp32+cache": {"host_cache_bytes": 150_000},
-            "bf16": {"moment_dtype": "bf16", "step_in_forward": False},
+            "bf16": {"moment_dtype": "bf16", "update_timing": "step"},
             "bf16+cache+sib": {"moment_dtype": "bf16", "host_cache_bytes": 150_000,
-                               "step_in_backward": True},
+                               "update_timing": "backward"},
             "bf16+cpu": {"moment_dtype": "bf16", "offload": "cpu"}}
     for name, extra in runs.items():
         torch.manual_seed(0)
@@ -232,7 +232,7 @@ def _two_rank_run(rank, world_size):
 
 def test_host_cache_and_bf16_moments_at_two_ranks():
     """At world size 2 a host cache changes no weight, and bf16 moments give the same weights
-    with a host cache, step_in_backward or on the CPU tier, on every rank."""
+    with a host cache, update_timing="backward" or on the CPU tier, on every rank."""
     from dist_harness import run_ranks
     for result in run_ranks(_two_rank_run, 2):
         for a, b in (("fp32", "fp32+cache"), ("bf16", "bf16+cache+sib"), ("bf16", "bf16+cpu")):

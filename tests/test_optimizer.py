@@ -173,25 +173,25 @@ def test_warmup_from_lr_zero_changes_no_weight_but_the_moments(tmp_path, torch_s
     assert max(_diff(g, e) for g, e in zip(got, expected)) <= 1e-6
 
 
-@pytest.mark.parametrize("mode", ["step_in_backward", "step_in_forward"])
-def test_step_in_backward_and_forward_read_the_groups_as_documented(mode, tmp_path,
+@pytest.mark.parametrize("mode", ["backward", "next_forward"])
+def test_update_in_backward_and_forward_read_the_groups_as_documented(mode, tmp_path,
                                                                     torch_single_thread):
-    """step_in_backward updates in backward with the values in force then (the scheduler
-    stepped after the last step); step_in_forward decides at step() and applies in the next
+    """update_timing="backward" updates in backward with the values in force then (the scheduler
+    stepped after the last step); update_timing="next_forward" decides at step() and applies in the next
     forward with those values, whatever the groups say by then (here: the scheduler's next
     value, and a hand edit to 0 before the forward that applies the update)."""
     torch.manual_seed(0)
     model = TinyLM()
     data = batches(STEPS, seed=4)
     expected = _reference(model, data)
-    kw = {mode: True}
+    kw = {"update_timing": mode}
     with _engine(model, 3, "nvme", tmp_path, **kw) as eng:
         sched = _cosine(eng.optimizer)
         for x, y in data:
             eng.backward(lm_loss(eng(x), y))
             eng.step()
             sched.step()
-            if mode == "step_in_forward":
+            if mode == "next_forward":
                 saved = [g["lr"] for g in eng.optimizer.param_groups]
                 for g in eng.optimizer.param_groups:  # the pending update keeps its values
                     g["lr"] = 0.0
@@ -368,23 +368,23 @@ class _PositionalLM(TinyLM):
         return self.head(self.norm(h))
 
 
-@pytest.mark.parametrize("mode", [{"step_in_forward": False}, {"step_in_forward": True},
-                                  {"step_in_backward": True}], ids=lambda m: next(iter(m)))
+@pytest.mark.parametrize("mode", [{"update_timing": "step"}, {"update_timing": "next_forward"},
+                                  {"update_timing": "backward"}], ids=lambda m: next(iter(m)))
 def test_groups_in_chunks_streamed_from_nvme_match_torch(mode, tmp_path, monkeypatch,
                                                          torch_single_thread):
     """With 1024-element pipeline chunks the states too large to be read whole (each block's
     in the plain step, the embeddings' in the others) stream in chunks that cut across runs of
     both groups: each run of a chunk is updated with its group's values."""
-    from offload_zero.engine import OffloadEngine as Engine
     from offload_zero.memory.tiers import NVMeStore
+    from offload_zero.update.adam import ShardAdam
     monkeypatch.setattr(NVMeStore, "CHUNK_NUMEL", 1024)
     seen = []
-    update = Engine._update
+    update = ShardAdam.update
 
     def spy(self, fp, lo, hi, *args, **kwargs):
-        seen.append(sum(1 for a, b, _ in self._segments[fp] if a < hi and b > lo) > 1 and lo > 0)
+        seen.append(sum(1 for a, b, _ in self.segments[fp] if a < hi and b > lo) > 1 and lo > 0)
         return update(self, fp, lo, hi, *args, **kwargs)
-    monkeypatch.setattr(Engine, "_update", spy)
+    monkeypatch.setattr(ShardAdam, "update", spy)
     torch.manual_seed(0)
     model = _PositionalLM()
     data = batches(4, seed=8)

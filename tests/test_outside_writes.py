@@ -265,13 +265,13 @@ def test_zero_dim_parameter(stage, offload, tmp_path):
 
 
 @pytest.mark.parametrize("stage,offload", [(2, "cpu"), (3, "cpu"), (3, "nvme")])
-def test_write_with_step_in_backward(stage, offload, tmp_path):
-    """With step_in_backward (the update runs inside backward) a write between steps is taken
+def test_write_with_update_in_backward(stage, offload, tmp_path):
+    """With update_timing="backward" (the update runs inside backward) a write between steps is taken
     in as the next forward starts: the update starts from it."""
     torch.manual_seed(0)
     model = TinyLM(n_blocks=2)
     (x, y), (x2, y2) = batches(2)
-    with _engine(model, stage, torch.bfloat16, offload, tmp_path, step_in_backward=True) as eng:
+    with _engine(model, stage, torch.bfloat16, offload, tmp_path, update_timing="backward") as eng:
         _train_step(eng, x, y)
         with torch.no_grad():
             model.blocks[0].up.weight.fill_(0.25)

@@ -55,14 +55,14 @@ def _experts_rank(rank, world_size, stage, offload, kwargs, routes, steps=3):
 
 EXPERT_CASES = [  # (stage, offload, engine keywords, routes per rank)
     (1, "cpu", {}, ROUTES), (1, "none", {}, ROUTES), (2, "cpu", {}, ROUTES),
-    (2, "nvme", {}, ROUTES), (2, "cpu", {"step_in_backward": True}, ROUTES),
-    (2, "nvme", {"step_in_backward": True}, ROUTES),
+    (2, "nvme", {}, ROUTES), (2, "cpu", {"update_timing": "backward"}, ROUTES),
+    (2, "nvme", {"update_timing": "backward"}, ROUTES),
     (3, "cpu", {"leaf_modules": ["experts"]}, ROUTES),
     (3, "nvme", {"leaf_modules": ["experts"]}, ROUTES),
-    (3, "cpu", {"leaf_modules": ["experts"], "step_in_backward": True}, ROUTES),
+    (3, "cpu", {"leaf_modules": ["experts"], "update_timing": "backward"}, ROUTES),
     # expert 1 runs on no rank: torch.optim skips it (no .grad), and so must the engine;
     # weight decay would move it if it were updated with a zero gradient
-    (2, "cpu", {}, [[0], [0]]), (2, "cpu", {"step_in_backward": True}, [[0], [0]]),
+    (2, "cpu", {}, [[0], [0]]), (2, "cpu", {"update_timing": "backward"}, [[0], [0]]),
 ]
 
 

@@ -97,52 +97,53 @@ def test_a_swap_folder_the_run_created_is_removed(tmp_path):
     assert proc.returncode == 0 and kept.is_dir() and list(kept.iterdir()) == []
 
 
-def test_step_in_backward_is_on_by_default_and_changes_no_number(tmp_path):
-    """The main job updates units inside backward by default; --no-step-in-backward gives the
-    very same losses (same arithmetic, other moment)."""
+def test_update_in_backward_is_on_by_default_and_changes_no_number(tmp_path):
+    """The main job updates units inside backward by default; --update-timing next_forward (the
+    engine's auto here) gives the very same losses (same arithmetic, other moment)."""
     losses = []
-    for flag in ([], ["--no-step-in-backward"]):
+    for flag in ([], ["--update-timing", "next_forward"]):
         out = tmp_path / f"out{len(flag)}.json"
         proc = _run(["train", "--preset", "tiny", "--steps", "6", "--offload", "nvme",
                      "--path", tmp_path, "--json", out, *flag, *FAST], cwd=tmp_path)
         assert proc.returncode == 0, proc.stderr[-3000:]
         summary = json.loads(out.read_text())
-        assert summary["step_in_backward"] is (not flag)
+        assert (summary["update_timing"] == "backward") is (not flag)
         assert ("step in backward" in proc.stdout) is (not flag)
         losses.append(summary["losses"])
     assert losses[0] == losses[1]
     # asked for where it cannot work: one line, exit 2, before anything is built
-    proc = _run(["train", "--step-in-backward", "--stage", "1", "--steps", "2"], cwd=tmp_path)
-    assert proc.returncode == 2 and "--step-in-backward needs --stage 2 or 3" in proc.stderr
+    proc = _run(["train", "--update-timing", "backward", "--stage", "1", "--steps", "2"],
+                cwd=tmp_path)
+    assert proc.returncode == 2 and "--update-timing backward needs --stage 2 or 3" in proc.stderr
     assert "Traceback" not in proc.stderr
 
 
-def test_step_in_forward_is_on_where_the_nvme_step_is_not_in_backward(tmp_path, capsys):
+def test_update_in_next_forward_is_on_where_the_nvme_step_is_not_in_backward(tmp_path, capsys):
     """With --offload nvme at stage 3 a run whose step does not run in backward (--dtype fp16
     by default) applies its updates just before the next forward's gathers; the losses and the
-    skipped steps are those of --no-step-in-forward. With --offload cpu there is no disk I/O to
+    skipped steps are those of --update-timing step. With --offload cpu there is no disk I/O to
     hide and it stays off. Asked for where it cannot work: one line, exit 2."""
     runs = []
-    for flag in ([], ["--no-step-in-forward"]):
+    for flag in ([], ["--update-timing", "step"]):
         path = tmp_path / f"swap{len(flag)}"
         path.mkdir()
         summary = train.run(_parse("--preset", "tiny", "--steps", 6, "--offload", "nvme",
                                    "--path", path, "--dtype", "fp16", "--no-progress", *flag,
                                    *FAST))
-        assert summary["step_in_forward"] is (not flag) and not summary["step_in_backward"]
+        assert (summary["update_timing"] == "next_forward") is (not flag)
         assert ("step in forward" in train.format_summary(summary)) is (not flag)
         runs.append((summary["losses"], summary["skipped_steps"]))
     assert runs[0] == runs[1]
     cpu = train.run(_parse("--preset", "tiny", "--steps", 1, "--dtype", "fp16", "--no-progress",
                            *FAST))
-    assert not cpu["step_in_forward"]
-    asked = train.run(_parse("--preset", "tiny", "--steps", 1, "--step-in-forward",
-                             "--no-progress", *FAST))  # fp32: step_in_backward's default yields
-    assert asked["step_in_forward"] and not asked["step_in_backward"]
+    assert cpu["update_timing"] == "step"
+    asked = train.run(_parse("--preset", "tiny", "--steps", 1, "--update-timing",
+                             "next_forward", "--no-progress", *FAST))  # fp32: asked, not auto
+    assert asked["update_timing"] == "next_forward"
     capsys.readouterr()
-    for flags, message in ((["--step-in-forward", "--step-in-backward"], "exclude each other"),
-                           (["--step-in-forward", "--stage", "2"],
-                            "--step-in-forward needs --stage 3, got --stage 2")):
+    for flags, message in ((["--update-timing", "sideways"], "invalid choice: 'sideways'"),
+                           (["--update-timing", "next_forward", "--stage", "2"],
+                            "--update-timing next_forward needs --stage 3, got --stage 2")):
         assert cli.main(["train", "--preset", "tiny", "--steps", "2", *flags, *FAST]) == 2
         err = capsys.readouterr().err
         assert message in err and "Traceback" not in err
@@ -736,7 +737,7 @@ def test_fp16_trains_with_a_dynamic_loss_scale(capsys):
     assert scale == 2 ** (16 - summary["skipped_steps"])  # window 2000: it never grew back
     out = capsys.readouterr().out
     assert f"loss scale {scale:g}" in out and "dtype fp16" in out
-    assert not summary["step_in_backward"]  # off by default with fp16: overflows skip whole steps
+    assert summary["update_timing"] != "backward"  # not auto's choice with fp16: overflows skip whole steps
 
 
 # --- --checkpoint / --resume -----------------------------------------------------------------------
@@ -860,13 +861,14 @@ def test_resume_on_another_world_size_names_both(tmp_path, capsys):
     assert "the saved run had world size 2, this one 1" in err and "Traceback" not in err
 
 
-@pytest.mark.parametrize("first,then", [([], ["--no-step-in-backward"]),
-                                         (["--no-step-in-backward"], ["--step-in-backward"])])
-def test_resume_with_the_other_step_in_backward_continues_the_same_run(first, then, tmp_path,
+@pytest.mark.parametrize("first,then", [([], ["--update-timing", "step"]),
+                                         (["--update-timing", "step"],
+                                          ["--update-timing", "backward"])])
+def test_resume_with_the_other_update_timing_continues_the_same_run(first, then, tmp_path,
                                                                       monkeypatch):
     """The two layouts (the root in one flat parameter or split in two) give the same numbers
     and a checkpoint loads into either: a run that died after its step-2 checkpoint, resumed
-    with the other --[no-]step-in-backward, has the losses of the run that never stopped."""
+    with another --update-timing, has the losses of the run that never stopped."""
     whole = train.run(_parse("--preset", "tiny", "--steps", 4, "--no-progress", *first, *FAST))
     ckpt = tmp_path / "ckpt"
     _run_dying_in_step(monkeypatch, 3, ["--preset", "tiny", "--steps", 4, "--checkpoint", ckpt,
@@ -874,20 +876,20 @@ def test_resume_with_the_other_step_in_backward_continues_the_same_run(first, th
     summary = train.run(_parse("--preset", "tiny", "--steps", 4, "--resume", ckpt,
                                "--no-progress", *then, *FAST))
     assert summary["resumed_from"] == 2
-    assert summary["step_in_backward"] is (then == ["--step-in-backward"])
+    assert (summary["update_timing"] == "backward") is (then[-1] == "backward")
     assert summary["losses"] == whole["losses"][2:]
 
 
-def test_resume_takes_the_saved_runs_step_in_backward(tmp_path):
-    """Without --[no-]step-in-backward a resumed run keeps the saved run's choice (the default
+def test_resume_takes_the_saved_runs_update_timing(tmp_path):
+    """Without --update-timing a resumed run keeps the saved run's choice (the default
     differs between fp16 and the other dtypes)."""
     ckpt = tmp_path / "ckpt"
     first = train.run(_parse("--preset", "tiny", "--steps", 2, "--checkpoint", ckpt,
-                             "--no-step-in-backward", "--no-progress", *FAST))
-    assert not first["step_in_backward"]
+                             "--update-timing", "step", "--no-progress", *FAST))
+    assert first["update_timing"] == "step"
     summary = train.run(_parse("--preset", "tiny", "--steps", 3, "--resume", ckpt, "--no-progress",
                                *FAST))
-    assert summary["resumed_from"] == 2 and not summary["step_in_backward"]
+    assert summary["resumed_from"] == 2 and summary["update_timing"] == "step"
 
 
 def test_a_checkpoint_that_cannot_be_written_is_a_clean_error(tmp_path, monkeypatch, capsys):

@@ -6,7 +6,7 @@ each flat parameter's state file (fp32 master weights and two moments: 12 bytes 
 its shard each way). A flat parameter whose state stays in host memory instead moves none of
 those bytes: no file, no I/O, the same kernel on the same values (bit-identical weights).
 ``host_cache_bytes`` is the host memory the engine may spend on that. One rule chooses the flat
-parameters, used by the engine (:class:`offload_zero.memory.tiers.NVMeStore.keep_in_host`) and
+parameters, used by the engine (:class:`offload_zero.memory.state_stores.NVMeStore.keep_in_host`) and
 by the estimator alike (:func:`plan_host_cache`):
 
 1. the flat parameter ``tail_state_in_host`` keeps (the input embeddings, updated last in
@@ -37,7 +37,7 @@ def cache_order(flat: Sequence[FlatInfo], blocks_reversed: bool = False) -> List
     """Indices into ``flat`` of the trainable flat parameters in the order the host cache takes
     them (see [Note: host cache]): the root's parts last-constructed first (the embeddings,
     then the LM head, then the rest), then the blocks alternately from the two ends of the
-    update order. ``blocks_reversed``: the blocks are updated last first (``step_in_backward``),
+    update order. ``blocks_reversed``: the blocks are updated last first (``update_timing="backward"``),
     else first first; with both ends taken alternately this only decides which end leads."""
     root = [i for i, (b, t, _) in enumerate(flat) if b is None and t]
     blocks = sorted({b for b, t, _ in flat if b is not None and t}, reverse=blocks_reversed)

@@ -200,9 +200,9 @@ class EngineOptimizer(torch.optim.Optimizer):
     Edit them by hand or with any ``torch.optim.lr_scheduler`` scheduler (OneCycleLR's
     momentum cycling edits ``betas``) or transformers' schedules: the engine reads a group's
     values at every update it makes, so an edit takes effect from the next update.
-    When that is: the plain step at :meth:`step`; with ``step_in_forward`` also at
+    When that is: the plain step at :meth:`step`; with ``update_timing="next_forward"`` also at
     :meth:`step` (the updates it then applies in the next forward keep those values); with
-    ``step_in_backward`` when backward produces each flat parameter's gradient (the values in
+    ``update_timing="backward"`` when backward produces each flat parameter's gradient (the values in
     force at :meth:`OffloadEngine.backward`, unless the group is changed while it runs).
 
     :meth:`step` is ``engine.step()`` (so a scheduler's count of optimizer steps holds, whichever

@@ -397,7 +397,7 @@ class FlatParam:
         keep_unsharded: True at stages 1 and 2 (parameters are never freed).
         accountant: records bytes of the shard and gathered buffer on the device tier.
         home: where the shard lives when not on the device (``HostParamHome`` /
-            ``NVMeParamHome`` from :mod:`offload_zero.memory.tiers`), or None for the device.
+            ``NVMeParamHome`` from :mod:`offload_zero.memory.param_homes`), or None for the device.
 
     Attributes:
         numel: real elements; shard_numel: elements per rank (aligned); padded_numel = N * shard_numel.

@@ -24,7 +24,7 @@ tensor as ``full.grad`` without a copy. The buffer returns to the free list once
 is reduced into the shard, or, where one rank's shard adopts the gradient itself, once the
 shard is zeroed after the update; a full :meth:`GradientShards.zero` also takes back any lent
 buffer nothing holds any more (a gradient autograd added into another instead of taking it).
-The free list keeps what was lent at once: with ``step_in_backward`` one buffer of each size
+The free list keeps what was lent at once: with ``update_timing="backward"`` one buffer of each size
 (each gradient is used up by its update in backward, and the engine zeroes it then, so blocks
 of one size share one buffer, and so do sizes within ``NEAR_SIZE`` of each other, such as an
 LM head and input embeddings with spare rows: :func:`size_classes`;
@@ -92,7 +92,7 @@ class GradientShards:
         host_dtype: dtype of host shard buffers (float32 default, or bfloat16).
         share_near_sizes: lend one buffer to gradients whose sizes are within
             :data:`NEAR_SIZE` of each other (see :func:`size_classes`); for gradients used up
-            one after the other (``step_in_backward``).
+            one after the other (``update_timing="backward"``).
     """
 
     def __init__(self, flat_params: List[FlatParam], tier: Tier, comm, stage: int,

@@ -18,7 +18,7 @@ world size > 1:
   contributes zeros.
 - Which flat parameters no rank used is then known from one flag per flat parameter, summed
   over the ranks. Those keep no gradient and the step skips them, as ``torch.optim`` skips a
-  parameter whose ``.grad`` is None. With ``step_in_backward`` each update follows its
+  parameter whose ``.grad`` is None. With ``update_timing="backward"`` each update follows its
   reduction, and the flag rides on that update's inf/nan all-reduce
   (``OffloadEngine._grad_flags``), so no collective is added.
 
@@ -70,11 +70,11 @@ class OrderedReduction:
 
     Args:
         order: the trainable flat parameters, from :func:`grad_order`.
-        emit: ``f(flat_param)``: reduce its ``full.grad`` (and update, with step_in_backward).
+        emit: ``f(flat_param)``: reduce its ``full.grad`` (and update, with update_timing="backward").
         grads: the :class:`offload_zero.partition.grads.GradientShards`.
         comm: the data-parallel :class:`offload_zero.comm.Comm`.
         flags_in_update: True when ``emit`` itself sums the used flags over the ranks (the
-            step_in_backward update); else one all-reduce of them ends each backward.
+            update_timing="backward" update); else one all-reduce of them ends each backward.
 
     Attributes:
         used: the flat parameters this rank's current (or last) backward gave a gradient.

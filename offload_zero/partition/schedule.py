@@ -16,7 +16,7 @@ to the end of its backward (an evaluation forward frees it at its end). Each of 
 parameters gets fresh views when the first module using it runs: autograd runs ready nodes
 newest first, so views made at the start of forward would hold back an LM head's gradient to the
 end of backward. A root flat parameter that ``gather_late`` names when a training forward starts
-(one whose pending update, ``step_in_forward``, runs while the blocks compute) is gathered only
+(one whose pending update, ``update_timing="next_forward"``, runs while the blocks compute) is gathered only
 then, into its part of the root's slot, after ``before_late_gather``. The forward order is
 recorded on the first training forward and replayed for prefetch; it is re-recorded if a later
 forward runs another order.

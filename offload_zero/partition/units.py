@@ -172,8 +172,8 @@ def split_by_gradient_order(model: nn.Module, members: List[Tuple[nn.Parameter, 
                             block_names: List[str]) -> List[List[Tuple[nn.Parameter, list]]]:
     """Split the root unit's ``members`` (``(param, refs)`` pairs from :func:`group_parameters`)
     by when backward finishes their gradients and forward first uses them: each part is updated
-    when its gradient is final (``step_in_backward``) or just before its next use
-    (``step_in_forward``), takes autograd's gradient without a copy where it is one parameter,
+    when its gradient is final (``update_timing="backward"``) or just before its next use
+    (``update_timing="next_forward"``), takes autograd's gradient without a copy where it is one parameter,
     and is skipped in a step that gives it no gradient (every mode).
 
     Returns ``[late]``, ``[early, late]`` or ``[rest, largest, late]``: the early part holds
@@ -217,7 +217,7 @@ def split_by_gradient_order(model: nn.Module, members: List[Tuple[nn.Parameter, 
 def host_tail_index(flat: Sequence[Tuple[bool, bool, int]],
                     setting: Optional[bool] = None) -> Optional[int]:
     """Which flat parameter keeps its optimizer state in host memory (``tail_state_in_host``,
-    with ``step_in_backward`` or ``step_in_forward`` and the state on NVMe; the caller checks
+    with ``update_timing="backward"`` or ``update_timing="next_forward"`` and the state on NVMe; the caller checks
     those).
 
     ``flat``: ``(is_root, trainable, shard_numel)`` per flat parameter, in construction order
@@ -259,8 +259,8 @@ def plan_flat_params(model: nn.Module, unit_classes: Sequence[type] = (),
             if index == len(names) and trainable:
                 # the LM head's gradient is final at the start of backward, the embeddings'
                 # at its end; forward needs the embeddings first, the LM head last: flat
-                # parameters each updated when it is ready or needed (step_in_backward,
-                # step_in_forward), each one parameter where it can be (no gradient copy),
+                # parameters each updated when it is ready or needed (update_timing "backward",
+                # "next_forward"), each one parameter where it can be (no gradient copy),
                 # and each skipped when it gets no gradient, in every mode alike
                 parts = split_by_gradient_order(model, members, names)
             planned.extend((index, trainable, part) for part in parts)

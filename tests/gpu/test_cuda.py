@@ -25,7 +25,7 @@ def test_pinned_aligned_host_buffers():
     assert torch.equal(t, d.cpu())
 
 
-@pytest.mark.parametrize("mode", ["plain", "step_in_backward", "step_in_forward"])
+@pytest.mark.parametrize("mode", ["plain", "backward", "next_forward"])
 @pytest.mark.parametrize("offload", ["none", "cpu", "nvme"])
 def test_engine_on_cuda_matches_torch_adamw(offload, mode, tmp_path):
     torch.manual_seed(0)
@@ -34,8 +34,8 @@ def test_engine_on_cuda_matches_torch_adamw(offload, mode, tmp_path):
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
     with OffloadEngine(model, offload=offload, path=str(tmp_path) if offload == "nvme" else None,
                        lr=1e-2, weight_decay=0.1,
-                       device=DEV, **({"step_in_forward": False} if mode == "plain"
-                                      else {mode: True})) as eng:
+                       device=DEV, **({"update_timing": "step"} if mode == "plain"
+                                      else {"update_timing": mode})) as eng:
         for x, y in batches(5):
             x, y = x.to(DEV), y.to(DEV)
             eng.backward(lm_loss(eng(x), y))
@@ -200,9 +200,9 @@ def test_stage3_on_cuda_device_memory_is_flat_from_step_two(tmp_path):
 
 @pytest.mark.parametrize("tail", [False, True])
 @pytest.mark.parametrize("offload_param", ["none", "nvme"])
-def test_step_in_backward_on_cuda_same_weights_as_the_step(offload_param, tail, tmp_path,
+def test_update_in_backward_on_cuda_same_weights_as_the_step(offload_param, tail, tmp_path,
                                                            monkeypatch):
-    """step_in_backward on CUDA with the optimizer state on NVMe: the LM head's state streams
+    """update_timing="backward" on CUDA with the optimizer state on NVMe: the LM head's state streams
     in chunks interleaved with the blocks' updates, all of them through the one host staging
     buffer (offload_param="none") or the NVMe parameter home; the embeddings' state on NVMe
     too, or kept in host memory (tail_state_in_host; its fp32 parameter shard is that host
@@ -216,8 +216,8 @@ def test_step_in_backward_on_cuda_same_weights_as_the_step(offload_param, tail, 
     (tmp_path / "b").mkdir()
     kw = dict(lr=1e-2, weight_decay=0.1, offload="nvme", offload_param=offload_param, stage=3,
               device=DEV)
-    with OffloadEngine(model, path=str(tmp_path / "a"), step_in_forward=False, **kw) as a, \
-            OffloadEngine(twin, path=str(tmp_path / "b"), step_in_backward=True,
+    with OffloadEngine(model, path=str(tmp_path / "a"), update_timing="step", **kw) as a, \
+            OffloadEngine(twin, path=str(tmp_path / "b"), update_timing="backward",
                           tail_state_in_host=tail, **kw) as b:
         assert b.store.in_host(b.root.flat_params[-1]) is tail
         for x, y in batches(4):

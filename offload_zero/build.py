@@ -1,0 +1,517 @@
+"""Building an engine's parts from the model and the resolved settings: units and flat
+parameters, the optimizer-state store, the parameter-shard home, the fixed pools, the gradient
+shards, the update timings and the unit scheduler.
+
+:func:`build_parts` fills an :class:`EngineParts` as it goes, so that a build that fails half
+way leaves what it allocated where the caller releases it
+(:func:`offload_zero.lifetime.release`). Nothing here knows the engine: the parts it builds are
+given what they work on.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+from typing import Dict, List, Optional
+
+import torch
+import torch.nn as nn
+
+from offload_zero.config import EngineConfig, Tier
+from offload_zero.lifetime import exit_on_sigterm
+from offload_zero.memory.accounting import StateKind, TierAccountant
+from offload_zero.memory.host_cache import plan_host_cache
+from offload_zero.memory.param_homes import HostParamHome, NVMeParamHome
+from offload_zero.memory.pool import GatherPool, HostBufferPool, storage_rebinding_supported
+from offload_zero.memory.state_stores import DeviceStore, HostStore, NVMeStore
+from offload_zero.partition.flat_param import FlatParam, build_entries, shard_numel_for
+from offload_zero.partition.grads import GradientShards
+from offload_zero.partition.reduce_order import OrderedReduction, grad_order
+from offload_zero.partition.schedule import UnitScheduler, runs_itself
+from offload_zero.partition.units import Unit, host_tail_index, plan_flat_params
+from offload_zero.update.adam import ShardAdam
+from offload_zero.update.rules import BACKWARD, NEXT_FORWARD
+from offload_zero.update.state import UpdateStates
+from offload_zero.update.timings import UpdateTimings
+
+log = logging.getLogger("offload_zero")
+
+
+class EngineParts:
+    """What :func:`build_parts` builds (every field None, or empty, until built).
+
+    Fields: ``plan`` (``(blocks, root, [(unit, trainable, members)], users)``), ``tail`` (the
+    name of the flat parameter ``tail_state_in_host`` keeps, or None), ``in_host`` (names of
+    flat parameters whose NVMe-placed state stays in host memory), ``swapper``, ``param_home``,
+    ``pools`` (``{name: HostBufferPool | GatherPool}``), ``store``, ``blocks``, ``root``,
+    ``units``, ``flat_params``, ``trainable``, ``grad_order``, ``grads``, ``staging``,
+    ``reduction``, ``updates`` (:class:`UpdateTimings`), ``adam`` (:class:`ShardAdam`),
+    ``scheduler``; ``step_count`` and ``segments`` (filled by the optimizer's build).
+    """
+
+    def __init__(self):
+        self.plan = self.tail = self.swapper = self.param_home = self.store = None
+        self.blocks = self.root = self.grads = self.staging = self.reduction = None
+        self.updates = self.adam = self.scheduler = self.grad_order = None
+        self.in_host: set = set()
+        self.pools: Dict[str, object] = {}
+        self.units: List[Unit] = []
+        self.flat_params: List[FlatParam] = []
+        self.trainable: List[FlatParam] = []
+        self.step_count: Dict[FlatParam, int] = {}
+        self.segments: Dict[FlatParam, List[tuple]] = {}
+
+
+def build_parts(parts: EngineParts, model: nn.Module, cfg: EngineConfig, comm,
+                acct: TierAccountant, host_alloc, initial, states: UpdateStates,
+                loss_scaler) -> None:
+    """Build every part of an engine over ``model`` into ``parts``.
+
+    ``cfg``: the resolved config; ``comm``: the communicator (rank, world size); ``acct``: the
+    byte accounting; ``host_alloc(numel, dtype)``: aligned (pinned) host tensors; ``initial``:
+    None (the model's own values) or the streamed initial values of ``load_from``/``init``;
+    ``states``: the update-state owner; ``loss_scaler``: None or the fp16 scaler. Raises
+    ValueError for a model without parameters to train; any allocation's error.
+    """
+    _Builder(parts, cfg, comm, acct, host_alloc, initial, states, loss_scaler).build(model)
+
+
+class _Builder:
+    def __init__(self, parts, cfg, comm, acct, host_alloc, initial, states, loss_scaler):
+        self.parts, self.cfg, self.comm, self.acct = parts, cfg, comm, acct
+        self.host_alloc, self.initial, self.states = host_alloc, initial, states
+        self.loss_scaler = loss_scaler
+        self.rank, self.world_size = comm.rank, comm.world_size
+        self.device = cfg.device
+
+    def build(self, model: nn.Module) -> None:
+        cfg, p = self.cfg, self.parts
+        plan = p.plan = self._plan_units(model)
+        if not any(members for _, _, members in plan[2]):
+            raise ValueError("model has no parameters to train")
+        # names of the flat parameters whose optimizer state stays in RAM (see [Note: host cache])
+        p.tail, p.in_host = self._state_in_host(plan)
+        if "nvme" in (cfg.offload_optimizer, cfg.offload_param):
+            from offload_zero.memory.swapper import Swapper
+            exit_on_sigterm()
+            p.swapper = Swapper(os.path.join(os.fspath(cfg.path), f"rank{self.rank}"),
+                                backend=cfg.aio_backend, block_size=cfg.aio_block_size,
+                                queue_depth=cfg.aio_queue_depth, claim=True)
+        self._build_param_home(plan)
+        p.store = self._build_store(plan)
+        for name in p.in_host:
+            p.store.keep_in_host(name)
+        if p.tail is None and cfg.tail_state_in_host:
+            warnings.warn("tail_state_in_host=True has no effect: it needs update_timing="
+                          "'backward' or 'next_forward', "
+                          f"the optimizer state on NVMe (it is on {cfg.offload_optimizer!r}) "
+                          "and trainable root parameters", UserWarning, stacklevel=4)
+        if isinstance(p.param_home, NVMeParamHome) and p.param_home.master_is_param:
+            p.param_home.master_source = p.store
+        p.blocks, p.root = self._build_units(*plan)
+        p.units = p.blocks + [p.root]
+        p.flat_params = [fp for u in p.units for fp in u.flat_params]
+        p.trainable = [fp for fp in p.flat_params if fp.requires_grad]
+        # one order of the gradients' reductions on every rank (see [Note: reduction order])
+        p.grad_order = grad_order(model, p.trainable)
+        if self.comm.lockstep is not None:
+            self.comm.lockstep.register_names({fp.name: f"{fp.name} of {u.label}"
+                                               for u in p.units for fp in u.flat_params})
+        for mod in model.modules():  # buffers are not sharded; they follow the device
+            for k, b in list(mod._buffers.items()):
+                if b is not None:
+                    mod._buffers[k] = b.to(self.device)
+        p.grads = GradientShards(p.trainable, cfg.grad_tier, self.comm, cfg.stage, self.acct,
+                                 self.host_alloc, host_dtype=cfg.grad_dtype,
+                                 share_near_sizes=cfg.update_timing == BACKWARD)
+        if (self.device.type != "cpu" and cfg.optimizer_tier is not Tier.DEVICE
+                and cfg.param_tier is Tier.DEVICE and p.trainable):
+            n = max(fp.shard_numel for fp in p.trainable)
+            p.staging = self.host_alloc(n, cfg.dtype)
+            self.acct.add(Tier.HOST, StateKind.BUFFERS, n * p.staging.element_size())
+        pool_for = self._build_gather_pools()
+        self._build_updates()
+        self._build_scheduler(pool_for)
+        if cfg.activation_checkpointing:
+            _checkpoint_blocks(model, p.blocks, cfg.offload_activations and self.device.type != "cpu")
+
+    # -- units and flat parameters ------------------------------------------------------------
+    def _plan_units(self, model: nn.Module):
+        """Units and, per unit, its trainable and frozen parameter groups (nothing built yet)."""
+        cfg = self.cfg
+        block_mods, planned, users = plan_flat_params(model, cfg.unit_classes, cfg.leaf_modules)
+        blocks = [Unit(i, n, m, is_root=False) for i, (n, m) in enumerate(block_mods)]
+        root = Unit(len(blocks), "", model, is_root=True)
+        units = blocks + [root]
+        planned = [(units[i], trainable, members) for i, trainable, members in planned]
+        return blocks, root, planned, users
+
+    def _build_units(self, blocks, root, planned, users):
+        cfg, p = self.cfg, self.parts
+        units = blocks + [root]
+        # fp32 master weights in the same memory as the fp32 shard: the shard is the master (the
+        # device, or host "offload" where the CPU itself plays the device)
+        same_memory = (cfg.optimizer_tier is Tier.DEVICE
+                       or (cfg.optimizer_tier is Tier.HOST and self.device.type == "cpu"))
+        alias_ok = same_memory and cfg.param_tier is Tier.DEVICE and cfg.dtype == torch.float32
+        # the same for a tail state kept in host memory when the CPU is the device
+        tail_alias_ok = (self.device.type == "cpu" and cfg.param_tier is Tier.DEVICE
+                         and cfg.dtype == torch.float32)
+        owner_of, originals = {}, {}
+        for (unit, trainable, members), name in zip(planned, flat_param_names(planned)):
+            entries = build_entries(members)
+            values = self._initial_values(entries, members)
+            fp = FlatParam(name, entries, values,
+                           trainable, cfg.dtype, self.device, self.rank, self.world_size,
+                           keep_unsharded=self._keeps_full_params(), accountant=self.acct,
+                           home=p.param_home)
+            if trainable:
+                # straight to its tier, unit by unit: the fp32 masters of the whole model never
+                # sit in memory at once
+                in_host = isinstance(p.store, NVMeStore) and p.store.in_host(fp)
+                alias = fp.sharded if alias_ok or (in_host and tail_alias_ok) else None
+                p.store.add(fp, _flat_shard_fp32(fp, values), alias=alias)
+                p.step_count[fp] = 0
+            unit.flat_params.append(fp)
+            originals[fp] = [p_ for p_, _ in members]
+            del values
+            for param, refs in members:
+                owner_of[id(param)] = unit
+                for mod, attr, _ in refs:
+                    mod._parameters.pop(attr, None)
+                # the engine holds the only copy now
+                param.data = torch.empty(0, dtype=param.dtype,
+                                         device="meta" if param.is_meta else "cpu")
+        for unit_index, unit in enumerate(units):
+            deps = {owner_of[k] for k, us in users.items() if unit_index in us} - {unit, root}
+            unit.deps = sorted(deps, key=lambda u: u.index)
+        states = self.states
+        for unit in units:
+            for fp in unit.flat_params:
+                fp.set_views() if fp.keep_unsharded else fp.set_placeholders()
+                fp.expose(originals[fp])  # (see [Note: model parameters while wrapped])
+                # whether a backward since the last step left a gradient of fp in the engine
+                fp.grad_pending = (lambda fp=fp: fp.requires_grad and states.grads_pending
+                                   and not states.closed)
+        return blocks, root
+
+    def _initial_values(self, entries, members) -> List[torch.Tensor]:
+        """A flat parameter's initial values, one tensor per entry: the parameters themselves,
+        or (``load_from``/``init``) streamed for the elements this rank keeps (see [Note:
+        streamed initial values] in :mod:`offload_zero.stream_load`)."""
+        if self.initial is None:
+            return [param.detach() for param, _ in members]
+        numel = sum(e.numel for e in entries)
+        shard = shard_numel_for(numel, self.world_size, self.cfg.dtype)
+        lo, hi = ((0, numel) if self._keeps_full_params()
+                  else (self.rank * shard, min(numel, (self.rank + 1) * shard)))
+        return self.initial.flat_values(entries, members, shard * self.world_size, lo, hi)
+
+    def _keeps_full_params(self) -> bool:
+        """Whether gathered parameters stay allocated: stages 1 and 2 always; stage 3 when one
+        rank holds its shards on the device, since its shard already is the whole parameter
+        (gathering would only copy it, and freeing the copy would save nothing)."""
+        cfg = self.cfg
+        return cfg.stage < 3 or (self.world_size == 1 and cfg.param_tier is Tier.DEVICE)
+
+    def _shard_of(self, members) -> int:
+        return shard_numel_for(sum(param.numel() for param, _ in members), self.world_size,
+                               self.cfg.dtype)
+
+    # -- optimizer state ----------------------------------------------------------------------
+    def _state_in_host(self, plan):
+        """``(tail, names)``: the name of the flat parameter ``tail_state_in_host`` keeps (with
+        update_timing "backward" or "next_forward" and the state on NVMe; see
+        :func:`offload_zero.partition.units.host_tail_index`) or None, and the names of every
+        flat parameter whose optimizer state stays in host memory: that one and those
+        ``host_cache_bytes`` takes (see [Note: host cache]). Empty unless the state is on NVMe."""
+        cfg = self.cfg
+        if cfg.optimizer_tier is not Tier.NVME:
+            return None, set()
+        entries = plan[2]
+        names = flat_param_names(entries)
+        flat = [(None if u.is_root else u.index, trainable, self._shard_of(members))
+                for u, trainable, members in entries]
+        tail = None
+        if cfg.update_timing in (BACKWARD, NEXT_FORWARD):
+            tail = host_tail_index([(b is None, t, n) for b, t, n in flat], cfg.tail_state_in_host)
+        chosen = plan_host_cache(flat, cfg.host_cache_bytes, self._state_bytes_per_element(),
+                                 tail=tail, blocks_reversed=cfg.update_timing == BACKWARD)
+        return (None if tail is None else names[tail]), {names[i] for i in chosen}
+
+    def _state_bytes_per_element(self) -> int:
+        """Host bytes of one element's optimizer state kept in host memory: 4 (fp32 master)
+        plus two moments (4 bytes each, 2 in bf16), the master's 4 less when it is the
+        parameter shard itself (fp32 on a CPU device, parameter shards on the device)."""
+        cfg = self.cfg
+        aliased = (self.device.type == "cpu" and cfg.param_tier is Tier.DEVICE
+                   and cfg.dtype == torch.float32)
+        moments = 2 * torch.empty(0, dtype=cfg.moment_torch_dtype).element_size()
+        return moments + (0 if aliased else 4)
+
+    def _build_store(self, plan):
+        cfg, p = self.cfg, self.parts
+        moments = cfg.moment_torch_dtype
+        if cfg.optimizer_tier is Tier.DEVICE:
+            return DeviceStore(self.acct, self.device, moments)
+        if cfg.optimizer_tier is Tier.HOST:
+            return HostStore(self.acct, self.host_alloc, moments)
+        # (a tail state kept in host memory never streams through the pipeline)
+        sizes = [self._shard_of(members)
+                 for (_, trainable, members), name in zip(plan[2], flat_param_names(plan[2]))
+                 if trainable and name not in p.in_host]
+        return NVMeStore(p.swapper, self.acct, self.host_alloc, max(sizes, default=1024),
+                         master_is_param=self._master_is_param_on_nvme(), moment_dtype=moments)
+
+    def _master_is_param_on_nvme(self) -> bool:
+        """fp32 parameter shards and optimizer state both on NVMe: a trainable shard is read
+        from its master's bytes (see ``NVMeParamHome(master_is_param=...)``)."""
+        cfg = self.cfg
+        return (cfg.param_tier is Tier.NVME and cfg.optimizer_tier is Tier.NVME
+                and cfg.dtype == torch.float32)
+
+    # -- parameter shards off the device ------------------------------------------------------
+    def _build_param_home(self, plan) -> None:
+        cfg, p = self.cfg, self.parts
+        if cfg.param_tier is Tier.HOST:
+            p.param_home = HostParamHome(self.acct, self.host_alloc)
+            return
+        if cfg.param_tier is not Tier.NVME:
+            return
+        block_shard = max((self._shard_of(m) for u, _, m in plan[2] if not u.is_root), default=0)
+        root_shard = max((self._shard_of(m) for u, _, m in plan[2] if u.is_root), default=0)
+        # fp32 shards are their own master weights: read from the optimizer's files and
+        # never written back separately, so no write-back ring either
+        share = self._master_is_param_on_nvme()
+        ring = 0 if share else NVMeParamHome._WRITE_RING
+        # in flight at once: (prefetch + 1) units of at most 2 flat parameters, plus the
+        # write-back ring of the step. An outsized root unit (embeddings) gets buffers of
+        # its own, so the main pool's buffers are block-sized: one per flat parameter when
+        # they are all trainable (each keeps its updated shard for the next forward), else
+        # one, through which its flat parameters are read one after the other.
+        count = 2 * (ahead(cfg.prefetch, plan) + 2) + ring
+        main = HostBufferPool("param_shards", count, max(block_shard, 1), cfg.dtype,
+                              self.host_alloc, self.acct)
+        p.pools["param_shards"] = main
+        pool_for = lambda fp: main  # noqa: E731
+        keep = None
+        # a state kept in host memory is, in fp32, the shard itself: no buffer, no file
+        in_host = p.in_host if share else set()
+        if root_shard > block_shard:
+            # the root's outsized flat parameters (embeddings, LM head) get root-sized
+            # buffers; its small ones (a final norm split off by gradient order, frozen
+            # parameters) go through the block-sized pool like a block's
+            names = flat_param_names(plan[2])
+            outsized = {n for n, (u, _, m) in zip(names, plan[2])
+                        if u.is_root and self._shard_of(m) > block_shard}
+            keep_root = all(trainable for u, trainable, _ in plan[2] if u.is_root)
+            # (none when the only outsized one is a tail kept in host memory)
+            root_count = len(outsized - in_host) if keep_root else 1
+        if root_shard > block_shard and root_count:
+            root = HostBufferPool("param_shards_root", root_count, root_shard, cfg.dtype,
+                                  self.host_alloc, self.acct)
+            p.pools["param_shards_root"] = root
+            pool_for = lambda fp: root if fp.name in outsized else main  # noqa: E731
+            if keep_root:
+                # the root's buffers are idle between its update and the next forward,
+                # which gathers the root first: the updated shards stay there instead of
+                # being read back from the files
+                keep = lambda fp: fp.name in outsized and fp.name not in in_host  # noqa: E731
+        if cfg.update_timing == NEXT_FORWARD:
+            # a block's update runs just before its gather: the new shard stays in its
+            # buffer for that gather instead of being written and read back (the root's
+            # only where it has a buffer per flat parameter, as above)
+            keep_root, states = keep or (lambda fp: False), self.states
+            keep = lambda fp: (keep_root(fp) if fp.name.startswith("root.")  # noqa: E731
+                               else states.gather_follows(fp) and fp.name not in in_host)
+        p.param_home = NVMeParamHome(p.swapper, pool_for, self.acct, master_is_param=share,
+                                     keep_after_update=keep)
+
+    def _build_gather_pools(self):
+        """Device slots for gathered units, sized now (see [Note: gather pool]); returns
+        ``f(unit) -> GatherPool | None`` for the scheduler, or None when nothing is gathered.
+
+        Blocks share ``prefetch + 1`` slots of the largest block (at most one per block; one
+        when shards live on NVMe: the units ahead are read into host buffers, not gathered); the
+        root unit, gathered from the start of forward to the end of backward, has a slot of its
+        own size."""
+        if self._keeps_full_params():
+            return None
+        if not storage_rebinding_supported():
+            log.info("this torch cannot rebind storages: gathered units are allocated per gather")
+            return None
+
+        def unit_bytes(unit):
+            return sum(fp.padded_numel * fp.itemsize for fp in unit.flat_params)
+
+        cfg, p = self.cfg, self.parts
+        block_bytes = max((unit_bytes(u) for u in p.blocks), default=0)
+        count = 1 if cfg.param_tier is Tier.NVME else ahead(cfg.prefetch, p.plan) + 1
+        pools = {}
+        if block_bytes:
+            pools["blocks"] = GatherPool("gather", count, block_bytes, self.device, self.acct)
+            p.pools["gather"] = pools["blocks"]
+        if unit_bytes(p.root):
+            pools["root"] = GatherPool("gather_root", 1, unit_bytes(p.root), self.device,
+                                       self.acct)
+            p.pools["gather_root"] = pools["root"]
+        return lambda unit: pools.get("root" if unit.is_root else "blocks")
+
+    # -- updates and the schedule -------------------------------------------------------------
+    def _build_updates(self) -> None:
+        """The per-shard Adam call, the update timings and (NVMe state with updates in
+        backward or in the next forward) the read-ahead ring."""
+        cfg, p = self.cfg, self.parts
+        p.adam = ShardAdam(p.store, p.grads, self.comm, self.states, p.step_count, p.segments,
+                           cfg.adamw, cfg.optimizer_tier, self.device, staging=p.staging)
+        # the root's trainable parameters, split by gradient order, come as [used after the
+        # blocks (final norm, LM head)..., the rest (embeddings)]
+        root_trainable = [fp for fp in p.root.flat_params if fp.requires_grad]
+        # whether forward reads block parameter shards from NVMe (see read_ahead_in_forward)
+        forward_reads_params = any(fp.home is not None and fp.home.tier is Tier.NVME
+                                   for u in p.blocks for fp in u.flat_params)
+        ring = None
+        # (a state kept in host memory needs no read-ahead)
+        numel = max((fp.shard_numel for u in p.blocks for fp in u.flat_params
+                     if fp.requires_grad and fp.name not in p.in_host), default=0)
+        if (cfg.update_timing in (BACKWARD, NEXT_FORWARD) and isinstance(p.store, NVMeStore)
+                and numel):
+            # read-ahead of a block's whole state (master | exp_avg | exp_avg_sq) while other
+            # units run: two buffers; a third when the next unit's parameters are gathered
+            # from it in backward (see prefetch_state), and with "next_forward", where the
+            # next forward's compute is all there is to hide the state's reads and writes
+            # behind: a block's read then need not wait for the write-back two blocks before
+            from_state = getattr(p.param_home, "master_source", None) is not None
+            count = 3 if cfg.update_timing == NEXT_FORWARD or from_state else 2
+            ring = HostBufferPool("optimizer_prefetch", count, p.store.fmt.buffer_numel(numel),
+                                  torch.float32, self.host_alloc, self.acct)
+            p.pools["optimizer_prefetch"] = ring
+            p.store.enable_prefetch(ring, numel)
+        p.updates = UpdateTimings(cfg, p.store, p.grads, self.comm, p.adam, self.states,
+                                  p.param_home, ring, self.loss_scaler, p.blocks, p.root,
+                                  p.trainable, set(root_trainable[:-1]), forward_reads_params)
+        p.updates.grad_order = p.grad_order
+
+    def _build_scheduler(self, pool_for) -> None:
+        """The unit scheduler (``pool_for``: :meth:`_build_gather_pools`), its hooks wired to
+        the update timing in force."""
+        cfg, p = self.cfg, self.parts
+        updates = p.updates
+        staging = p.grads.scratch if self.device.type != "cpu" else None
+        on_grad, on_unit_backward, on_forward = p.grads.on_full_grad, None, None
+        on_unit_forward = before_gather = gather_late = before_late_gather = None
+        if cfg.update_timing == BACKWARD:
+            on_grad, on_unit_backward = updates.grad_ready, updates.prefetch_state
+            # an update still streaming when backward returns ends before weights are read
+            on_forward = updates.finish_updates
+            if updates.ring is not None:
+                on_unit_forward = updates.read_ahead_in_forward
+        if cfg.update_timing == NEXT_FORWARD:
+            before_gather = updates.before_gather
+            gather_late = updates.streaming
+            before_late_gather = updates.finish_streaming
+            on_unit_backward = updates.read_ahead_in_backward
+        if cfg.stage == 2 and self.world_size > 1:
+            p.reduction = OrderedReduction(p.grad_order, on_grad, p.grads, self.comm,
+                                           flags_in_update=cfg.update_timing == BACKWARD)
+            on_grad = p.reduction.grad_ready
+            updates.reduction = p.reduction
+            p.adam.used = p.reduction.used.__contains__
+        p.scheduler = UnitScheduler(p.blocks, p.root, self.comm, cfg.prefetch,
+                                    reshard_after_forward=cfg.stage == 3,
+                                    on_grad=on_grad, pool_for=pool_for, staging=staging,
+                                    on_end_backward=(None if p.reduction is None
+                                                     else p.reduction.end_backward),
+                                    on_forward_error=self.comm.report_failure,
+                                    on_unit_backward=on_unit_backward, on_forward=on_forward,
+                                    on_unit_forward=on_unit_forward,
+                                    before_gather=before_gather, gather_late=gather_late,
+                                    before_late_gather=before_late_gather)
+        updates.scheduler = p.scheduler
+
+
+def build_segments(parts: EngineParts, group_of: Dict[int, int]) -> Dict[FlatParam, List[int]]:
+    """Each trainable flat parameter's group segments (see [Note: parameter groups] in
+    :mod:`offload_zero.optim.facade`): fills ``parts.segments[fp]`` with its shard's runs
+    ``(lo, hi, group)`` and returns ``{fp: the group of each of its parameters}``
+    (``group_of``: ``{id(parameter): group index}``, from :func:`resolve_param_groups`)."""
+    from offload_zero.optim.facade import shard_segments
+    planned = parts.plan[2]
+    members = {name: m for (_, _, m), name in zip(planned, flat_param_names(planned))}
+    entry_groups: Dict[FlatParam, List[int]] = {}
+    for fp in parts.trainable:
+        entry_groups[fp] = [group_of[id(param)] for param, _ in members[fp.name]]
+        runs = [(e.offset, e.numel, g) for e, g in zip(fp.entries, entry_groups[fp])]
+        parts.segments[fp] = shard_segments(runs, fp.rank * fp.shard_numel, fp.shard_numel)
+    return entry_groups
+
+
+def flat_param_names(planned) -> List[str]:
+    """The name of each flat parameter of ``planned`` (``(unit, trainable, members)``, in
+    construction order): ``unit<i>.trainable``/``.frozen``, ``root.…``; the root's trainable
+    parameters split by gradient order are ``root.trainable``, ``root.trainable.1``, ...
+    (the embeddings' part last)."""
+    names, taken = [], {}
+    for unit, trainable, _ in planned:
+        tag = "root" if unit.is_root else f"unit{unit.index}"
+        name = f"{tag}.{'trainable' if trainable else 'frozen'}"
+        taken[name] = taken.get(name, 0) + 1
+        names.append(name if taken[name] == 1 else f"{name}.{taken[name] - 1}")
+    return names
+
+
+def ahead(prefetch: int, plan) -> int:
+    """Units that can really be in flight ahead of the running one: ``prefetch``, at most the
+    other blocks with parameters in ``plan`` (from ``_plan_units``); pools are sized with
+    this, so a huge ``prefetch`` costs nothing."""
+    n_blocks = len({unit for unit, _, _ in plan[2] if not unit.is_root})
+    return max(0, min(prefetch, n_blocks - 1))
+
+
+def _flat_shard_fp32(fp: FlatParam, values: List[torch.Tensor]) -> torch.Tensor:
+    """This rank's slice of the padded flat layout of ``values`` in fp32, shape (shard_numel,)."""
+    lo, hi = fp.rank * fp.shard_numel, (fp.rank + 1) * fp.shard_numel
+    shard = torch.zeros(fp.shard_numel, dtype=torch.float32)
+    for e, v in zip(fp.entries, values):
+        a, b = max(lo, e.offset), min(hi, e.offset + e.numel)
+        if a < b:
+            shard[a - lo:b - lo].copy_(v.reshape(-1)[a - e.offset:b - e.offset].float())
+    return shard
+
+
+def _checkpoint_blocks(model: nn.Module, blocks: List[Unit], offload: bool) -> None:
+    """``activation_checkpointing``: each block recomputes its forward in backward."""
+    # a key/value cache filled in forward and again in the recomputation would make the
+    # two passes differ (Hugging Face models turn it off for checkpointing the same way)
+    if getattr(getattr(model, "config", None), "use_cache", False):
+        model.config.use_cache = False
+        log.info("activation_checkpointing: set model.config.use_cache = False")
+    for unit in blocks:
+        # (a container unit's children each recompute)
+        for mod in ([unit.module] if runs_itself(unit.module) else unit.module.children()):
+            _checkpoint_forward(mod, offload)
+
+
+def _checkpoint_forward(module: nn.Module, offload_to_host: bool) -> None:
+    """Recompute ``module``'s forward in backward (non-reentrant torch checkpointing).
+
+    Only the block's inputs are kept; its activations are recomputed when backward reaches it.
+    The engine's hooks around the block still run in forward, and the recomputation runs after
+    the block's pre-backward hook has gathered its parameters again. With ``offload_to_host`` the
+    kept inputs wait in pinned host memory (``save_on_cpu``). Sets an instance attribute
+    ``forward`` on this module only; nothing global is patched.
+    """
+    import contextlib
+
+    from torch.utils.checkpoint import checkpoint
+    inner = module.forward
+
+    def forward(*args, **kwargs):
+        if not torch.is_grad_enabled():
+            return inner(*args, **kwargs)
+        ctx = (torch.autograd.graph.save_on_cpu(pin_memory=True) if offload_to_host
+               else contextlib.nullcontext())
+        with ctx:
+            return checkpoint(inner, *args, use_reentrant=False, **kwargs)
+
+    module.forward = forward

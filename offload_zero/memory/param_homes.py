@@ -1,0 +1,266 @@
+"""Where compute-dtype parameter shards live when they are not on the device
+(``offload_param``): :class:`HostParamHome` (aligned, pinned host memory) and
+:class:`NVMeParamHome` (NVMe files read ahead into a fixed pool, written back through a ring;
+fp32 shards read from their master's bytes when the optimizer state is on NVMe too).
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional
+
+import torch
+
+from offload_zero.config import Tier
+from offload_zero.memory.accounting import StateKind, TierAccountant
+from offload_zero.memory.state_stores import NVMeStore
+from offload_zero.memory.swapper import SwapHandle
+
+class HostParamHome:
+    """Parameter shards in aligned (pinned) host memory (``offload_param="cpu"``).
+
+    The shard is copied to the device for each gather; the optimizer writes the new values
+    straight into it.
+    """
+
+    tier = Tier.HOST
+
+    def __init__(self, accountant: TierAccountant, host_alloc):
+        self._acct, self._alloc = accountant, host_alloc
+
+    def adopt(self, fp, device_shard: torch.Tensor) -> torch.Tensor:
+        """Move ``fp``'s initial shard home; returns the tensor ``fp.sharded`` becomes."""
+        host = self._alloc(device_shard.numel(), device_shard.dtype)
+        host.copy_(device_shard)
+        self._acct.add(Tier.HOST, StateKind.PARAMS, host.numel() * host.element_size())
+        return host
+
+    def fetch(self, fp) -> None:
+        """Nothing to bring in: the shard is resident."""
+
+    def shard_for_gather(self, fp) -> torch.Tensor:
+        """The shard to all-gather from (host tensor)."""
+        return fp.sharded
+
+    def done_with(self, fp) -> None:
+        """The gather no longer needs the host copy (it stays: it is the shard's home)."""
+
+    def update_target(self, fp) -> torch.Tensor:
+        """Host tensor the optimizer writes ``fp``'s new compute-dtype shard into."""
+        return fp.sharded
+
+    def commit(self, fp, target: torch.Tensor) -> None:
+        """Persist what the optimizer wrote into ``update_target(fp)`` (resident: nothing)."""
+
+    def discard(self, fp) -> None:
+        """The update was skipped (overflow): nothing to persist."""
+
+    def drain(self) -> None:
+        """Wait for pending writes (none)."""
+
+    def read(self, fp) -> torch.Tensor:
+        """A CPU copy of ``fp``'s shard, shape (shard_numel,)."""
+        return fp.sharded.clone()
+
+    def release(self, fp) -> None:
+        """Forget ``fp`` (engine close)."""
+        if fp.sharded is not None and fp.sharded.numel():
+            self._acct.sub(Tier.HOST, StateKind.PARAMS, fp.sharded.numel() * fp.sharded.element_size())
+
+    def close(self) -> None:
+        """Nothing beyond :meth:`release`."""
+
+
+class NVMeParamHome:
+    """Parameter shards in NVMe files (``offload_param="nvme"``), read ahead into a fixed pool.
+
+    ``fetch`` starts an asynchronous read of a shard into a pool buffer; ``shard_for_gather``
+    waits for it; ``done_with`` returns the buffer right after the gather, so host memory holds
+    parameter shards only for units in flight. After the update, ``commit`` writes the new shard
+    back through a ring of at most ``_WRITE_RING`` pool buffers.
+
+    Args:
+        swapper: the rank's :class:`offload_zero.memory.swapper.Swapper`.
+        pool: a :class:`offload_zero.memory.pool.HostBufferPool` of compute-dtype buffers, or a
+            function ``fp -> pool`` (a small pool for an outsized root unit, say, so the main
+            pool's buffers need not all be root-sized).
+        accountant: NVMe ``PARAMS`` bytes are the files' sizes.
+        master_is_param: the compute dtype is fp32 and the optimizer state is on NVMe too: a
+            trainable shard is then the same bytes as its fp32 master weights, so it is read
+            from the master region of the optimizer's file (offset 0 of the file named
+            ``fp.name``; see :class:`NVMeStore`) and never written by this home: the update
+            writes it once, as the master. No second file, no second write per step.
+        keep_after_update: ``f(fp) -> bool``: flat parameters whose new shard, written by the
+            optimizer into a pool buffer, stays there as the read for their next gather (the
+            root unit, gathered first in forward, with a buffer of its own): one read of the
+            shard per step less. None keeps nothing.
+
+    Attributes:
+        master_source: with ``master_is_param``, the :class:`NVMeStore` that owns the master's
+            bytes (set by the engine before any ``adopt``). A shard whose master it holds in
+            host memory (read ahead with the whole optimizer state, updated and not yet
+            written back, or kept there; see :meth:`NVMeStore.holds_master`) is gathered from
+            there, not read a second time, and a shard is read from the file only after the
+            store's writes to it are done.
+    """
+
+    tier = Tier.NVME
+    _WRITE_RING = 2
+
+    def __init__(self, swapper, pool, accountant: TierAccountant, master_is_param: bool = False,
+                 keep_after_update=None):
+        self.swapper, self._acct = swapper, accountant
+        self._pool_for = pool if callable(pool) else (lambda fp: pool)
+        self._reads: Dict[object, tuple] = {}
+        self._writes: List[tuple] = []
+        self._targets: Dict[object, torch.Tensor] = {}
+        self._sizes: Dict[object, int] = {}
+        self.master_is_param = master_is_param
+        self._in_master: set = set()
+        self._keep = keep_after_update or (lambda fp: False)
+        self.master_source: Optional[NVMeStore] = None
+
+    def _key(self, fp) -> str:
+        return fp.name if fp in self._in_master else f"{fp.name}.param"
+
+    def adopt(self, fp, device_shard: torch.Tensor):
+        """Write ``fp``'s initial shard to its file (unless it is its master's bytes, which the
+        optimizer's store writes); ``fp.sharded`` becomes None."""
+        nbytes = device_shard.numel() * device_shard.element_size()
+        if self.master_is_param and fp.requires_grad and device_shard.dtype == torch.float32:
+            self._in_master.add(fp)
+            source = self.master_source
+            # a master kept in host memory (NVMeStore.keep_in_host) holds the shard's bytes
+            # there, accounted as host master weights: nothing of it is on NVMe
+            self._sizes[fp] = 0 if source is not None and source.in_host(fp) else nbytes
+            self._acct.add(Tier.NVME, StateKind.PARAMS, self._sizes[fp])
+            return None
+        self._sizes[fp] = nbytes
+        self._acct.add(Tier.NVME, StateKind.PARAMS, nbytes)
+        self.swapper.allocate(self._key(fp), nbytes)
+        pool = self._pool_for(fp)
+        buf = pool.acquire()
+        try:
+            view = buf[:device_shard.numel()]
+            view.copy_(device_shard)
+            self.swapper.swap_out(self._key(fp), view).wait()
+        finally:
+            pool.release(buf)
+        return None
+
+    def _from_store(self, fp) -> bool:
+        source = self.master_source
+        return source is not None and fp in self._in_master and source.holds_master(fp)
+
+    def fetch(self, fp) -> None:
+        """Start reading ``fp``'s shard into a pool buffer (no-op if already under way, or
+        if the optimizer's store is reading it with the whole state)."""
+        if fp in self._reads or self._from_store(fp):
+            return
+        self._wait_writes_of(fp)
+        if fp in self._reads:  # the write just retired kept its buffer: that is the read
+            return
+        if self.master_source is not None and fp in self._in_master:
+            self.master_source.wait_writes(fp)
+        buf = self._acquire(fp)
+        view = buf[:fp.shard_numel]
+        self._reads[fp] = (buf, self.swapper.swap_in(self._key(fp), view))
+
+    def shard_for_gather(self, fp) -> torch.Tensor:
+        """Wait for ``fp``'s read (starting it if needed) and return the host shard."""
+        if fp not in self._reads and self._from_store(fp):
+            return self.master_source.master_view(fp)
+        self.fetch(fp)
+        buf, handle = self._reads[fp]
+        handle.wait()
+        return buf[:fp.shard_numel]
+
+    def done_with(self, fp) -> None:
+        """Return ``fp``'s read buffer to the pool (a gather used it, or an update is about to
+        make it stale); nothing to do without one (a shard gathered from the store's
+        read-ahead)."""
+        if fp not in self._reads:
+            return
+        buf, handle = self._reads.pop(fp)
+        handle.wait()
+        self._pool_for(fp).release(buf)
+
+    def update_target(self, fp) -> Optional[torch.Tensor]:
+        """A pool buffer the optimizer writes ``fp``'s new shard into (see :meth:`commit`), or
+        None when the shard is the master weights (updated in place by the optimizer)."""
+        if fp in self._in_master and not self._keep(fp):
+            return None
+        while len(self._writes) >= self._WRITE_RING:
+            self._retire(self._writes.pop(0))
+        buf = self._acquire(fp)
+        self._targets[fp] = buf
+        return buf[:fp.shard_numel]
+
+    def commit(self, fp, target: torch.Tensor) -> None:
+        """Write the new shard in ``target`` back to ``fp``'s file, asynchronously (nothing to
+        do for a shard that is its master weights)."""
+        if fp in self._in_master and not self._keep(fp):
+            return
+        buf = self._targets.pop(fp)
+        if fp in self._in_master:  # its bytes are written as the master; keep the copy
+            self._reads[fp] = (buf, SwapHandle(self._key(fp), "kept", None, 0))
+            return
+        self._writes.append((fp, buf, self.swapper.swap_out(self._key(fp), target)))
+
+    def discard(self, fp) -> None:
+        """The update was skipped (overflow): return the target buffer unwritten."""
+        if fp not in self._targets:
+            return
+        self._pool_for(fp).release(self._targets.pop(fp))
+
+    def _acquire(self, fp) -> torch.Tensor:
+        """A buffer of ``fp``'s pool, retiring write-backs (oldest first) while every buffer
+        is in flight: a small pool (an outsized root's) may hold only writes just started."""
+        pool = self._pool_for(fp)
+        while pool.in_use == pool.count and self._writes:
+            self._retire(self._writes.pop(0))
+        return pool.acquire()
+
+    def _retire(self, entry) -> None:
+        fp, buf, handle = entry
+        kept = False
+        try:
+            handle.wait()
+            if self._keep(fp) and fp not in self._reads:
+                self._reads[fp] = (buf, handle)  # the buffer holds the shard just written
+                kept = True
+        finally:
+            if not kept:
+                self._pool_for(fp).release(buf)
+
+    def _wait_writes_of(self, fp) -> None:
+        pending = [w for w in self._writes if w[0] is fp]
+        for w in pending:
+            self._writes.remove(w)
+            self._retire(w)
+
+    def drain(self) -> None:
+        """Wait for every write in flight and return their buffers."""
+        while self._writes:
+            self._retire(self._writes.pop(0))
+
+    def read(self, fp) -> torch.Tensor:
+        """A CPU copy of ``fp``'s shard, read from its file."""
+        shard = self.shard_for_gather(fp).clone()
+        self.done_with(fp)
+        return shard
+
+    def release(self, fp) -> None:
+        """Forget ``fp`` (engine close); its file goes with the swapper."""
+        nbytes = self._sizes.pop(fp, 0)
+        if nbytes:
+            self._acct.sub(Tier.NVME, StateKind.PARAMS, nbytes)
+
+    def close(self) -> None:
+        """Finish reads and writes in flight."""
+        try:
+            self.drain()
+        finally:
+            for fp in list(self._reads):
+                try:
+                    self.done_with(fp)
+                except Exception:
+                    pass
