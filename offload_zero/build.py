@@ -133,7 +133,8 @@ class _Builder:
         self._build_updates()
         self._build_scheduler(pool_for)
         if cfg.activation_checkpointing:
-            _checkpoint_blocks(model, p.blocks, cfg.offload_activations and self.device.type != "cpu")
+            _checkpoint_blocks(model, p.blocks,
+                               cfg.offload_activations and self.device.type != "cpu")
 
     # -- units and flat parameters ------------------------------------------------------------
     def _plan_units(self, model: nn.Module):
@@ -416,7 +417,8 @@ class _Builder:
                                            flags_in_update=cfg.update_timing == BACKWARD)
             on_grad = p.reduction.grad_ready
             updates.reduction = p.reduction
-            p.adam.used = p.reduction.used.__contains__
+            reduction = p.reduction  # (its `used` set is replaced each backward)
+            p.adam.used = lambda fp: fp in reduction.used
         p.scheduler = UnitScheduler(p.blocks, p.root, self.comm, cfg.prefetch,
                                     reshard_after_forward=cfg.stage == 3,
                                     on_grad=on_grad, pool_for=pool_for, staging=staging,

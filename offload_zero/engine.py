@@ -89,7 +89,8 @@ class OffloadEngine:
             the optimizer state on NVMe, ``update_timing="auto"`` is ``"next_forward"``:
             :meth:`step` decides the update and each unit gets it just before its next
             gather. The keywords ``step_in_backward``/``step_in_forward`` that
-            ``update_timing`` replaced raise TypeError naming the value to pass instead. ``gradient_accumulation_steps=N``: DeepSpeed's gradient accumulation
+            ``update_timing`` replaced raise TypeError naming the value to pass instead.
+            ``gradient_accumulation_steps=N``: DeepSpeed's gradient accumulation
             (see :meth:`step`).
 
     Raises:
@@ -282,8 +283,8 @@ class OffloadEngine:
         Calling it several times before :meth:`step` accumulates gradients. If an error ends
         backward early, the units are freed as at its end and the error is raised; the gradients
         then hold what that backward finished: :meth:`zero_grad` drops them (to skip the batch),
-        :meth:`step` applies them. With ``update_timing="backward"`` the updates it made stay and the
-        step ends there, as :meth:`step` would end it; an interrupt (KeyboardInterrupt,
+        :meth:`step` applies them. With ``update_timing="backward"`` the updates it made stay
+        and the step ends there, as :meth:`step` would end it; an interrupt (KeyboardInterrupt,
         SystemExit) starts no more I/O: :meth:`close`, or :meth:`zero_grad` to go on, ends it.
         With ``gradient_accumulation_steps=N`` the loss is divided by N first (so N
         micro-batches' gradients sum to their mean loss's). With a loss scale (fp16) the loss is
@@ -325,9 +326,9 @@ class OffloadEngine:
         """Drop the gradients accumulated since the last :meth:`step` (to skip a batch, say
         after an error in backward); the next backward starts afresh. Without a backward
         since the last step (torch's habit of ``step(); zero_grad()``) there is nothing to
-        drop and nothing changes: ``update_timing="next_forward"``'s pending updates stay for the next
-        forward. With ``update_timing="backward"`` the weights already changed in backward: this ends
-        the step as :meth:`step` does. With ``gradient_accumulation_steps`` > 1 a :meth:`step`
+        drop and nothing changes: ``update_timing="next_forward"``'s pending updates stay for
+        the next forward. With ``update_timing="backward"`` the weights already changed in
+        backward: this ends the step as :meth:`step` does. With ``gradient_accumulation_steps`` > 1 a :meth:`step`
         that only ended a micro-batch counts as a step here too (nothing is dropped until the
         next backward), so ``step(); zero_grad()`` after each micro-batch accumulates; after a
         backward it drops every micro-batch's gradient since the last update, and the next N
@@ -346,8 +347,8 @@ class OffloadEngine:
         self._states.grads_pending = False
 
     def apply_pending_updates(self) -> None:
-        """Apply every update that :meth:`step` decided and ``update_timing="next_forward"`` left for the
-        units' next gathers (no-op otherwise): before anything reads the weights or the
+        """Apply every update that :meth:`step` decided and ``update_timing="next_forward"``
+        left for the units' next gathers (no-op otherwise): before anything reads the weights or the
         optimizer state as a whole (checkpoints, :meth:`full_state_dict`, the next
         :meth:`step`), and by :meth:`backward` for units the last forward did not run.
         Raises SwapIOError if an NVMe transfer fails (file and offset named), RuntimeError if
@@ -452,8 +453,8 @@ class OffloadEngine:
         starts); with the optimizer state on NVMe,
         ``"host_cache"`` gives its split between host memory and files (see
         :meth:`offload_zero.memory.state_stores.NVMeStore.cache_report`). ``"pools"``
-        lists the fixed buffers sized at start-up (the device gather pool for unsharded units, parameter-shard read-ahead, the NVMe
-        optimizer pipeline, the reduce-scatter scratch). Units: bytes.
+        lists the fixed buffers sized at start-up (the device gather pool for unsharded units,
+        parameter-shard read-ahead, the NVMe optimizer pipeline, the reduce-scatter scratch). Units: bytes.
         """
         rep = self._acct.report()
         rep["nvme"]["read_bytes"] = getattr(self.store, "read_bytes", 0)

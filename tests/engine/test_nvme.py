@@ -1,0 +1,233 @@
+"""NVMe files: the swap files' bytes and modes, the aio settings, I/O faults named by file and
+offset, the chunked optimizer pipeline, stale and orphaned swap folders."""
+import os
+import stat
+import subprocess
+
+import pytest
+import torch
+
+from engine_common import make_engine
+from models import TinyLM, batches, big_root_lm, lm_loss
+from offload_zero import OffloadEngine
+from offload_zero.memory.tiers import NVMeStore
+
+
+def _left_by(folder, pid, boot_id=None):
+    """A rank folder as a killed run leaves it: a swap file and the owner file naming ``pid``
+    (this boot's id unless ``boot_id``)."""
+    import json
+    import socket
+    folder.mkdir()
+    (folder / "unit0.trainable.swp").write_bytes(b"\0" * 4096)
+    boot = boot_id or open("/proc/sys/kernel/random/boot_id").read().strip()
+    (folder / ".owner").write_text(json.dumps({"pid": pid, "boot_id": boot,
+                                               "host": socket.gethostname()}))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_nvme_swap_files(dtype, tmp_path):
+    model = big_root_lm(4, vocab_scale=4)  # (embeddings and LM head each larger than a block)
+    eng = OffloadEngine(model, offload="nvme", path=str(tmp_path), dtype=dtype,
+                        update_timing="step")  # (the plain step's I/O, counted below)
+    folder = tmp_path / "rank0"
+    for x, y in batches(2):
+        eng.backward(lm_loss(eng(x), y))
+        eng.step()
+    files = sorted(folder.glob("*.swp"))
+    # per flat parameter: [master | exp_avg | exp_avg_sq] and, at stage 3, the parameter shard,
+    # which in fp32 is the master's own bytes (no file of its own, never written separately)
+    k = 4 if dtype == torch.float32 else 2
+    assert len(files) == (1 if k == 4 else 2) * len(eng.trainable)
+    for f in files:
+        st = f.stat()
+        assert stat.S_IMODE(st.st_mode) == 0o600
+        assert st.st_size > 0 and st.st_size % 4096 == 0
+    total = sum(f.stat().st_size for f in files)
+    s = sum(fp.shard_numel for fp in eng.trainable)
+    rep = eng.memory_report()
+    assert rep["nvme"]["current_bytes"] == total == 12 * s + (0 if k == 4 else k * s)
+    assert rep["nvme"]["by_kind"]["parameters"]["current_bytes"] == k * s
+    assert rep["nvme"]["by_kind"]["master_weights"]["current_bytes"] == (0 if k == 4 else 4 * s)
+    # two steps: optimizer state read twice and written twice, plus the initial write of the
+    # master alone (the moments' bytes of a new file read as zeros, never written);
+    # block shards read in forward and backward of each step; the root's in each forward (it
+    # stays gathered from forward to backward), its outsized parts (embeddings, LM head) only
+    # in the first (they have buffers of their own, where their updated shards stay for the
+    # next forward); bf16 shards written once at start and after each step
+    big = [fp for fp in eng.root.flat_params if fp.entries[0].names[0] != "norm.weight"]
+    s_big = sum(fp.shard_numel for fp in big)
+    s_root = sum(fp.shard_numel for fp in eng.root.flat_params)
+    assert len(big) == 2 and eng.pools["param_shards_root"].numel == max(
+        fp.shard_numel for fp in big) > max(fp.shard_numel for fp in eng.blocks[0].flat_params)
+    assert rep["nvme"]["read_bytes"] == (2 * 12 * s + 2 * 2 * k * (s - s_root)
+                                         + 2 * k * (s_root - s_big) + k * s_big)
+    assert rep["nvme"]["written_bytes"] == 2 * 12 * s + 4 * s + (0 if k == 4 else 3 * k * s)
+    eng.close()
+    assert not folder.exists()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_nvme_io_settings_probed_by_default_and_overridable(tmp_path):
+    with OffloadEngine(TinyLM(), offload="nvme", path=str(tmp_path)) as eng:
+        assert eng.swapper.tuning["source"] in ("probe", "cache", "default")
+        assert eng.swapper.block_size == eng.swapper.tuning["block_size"]
+        assert eng.swapper.block_size % 4096 == 0 and eng.swapper.queue_depth >= 1
+    with OffloadEngine(TinyLM(), offload="nvme", path=str(tmp_path), aio_block_size=1 << 16,
+                       aio_queue_depth=3) as eng:
+        assert (eng.swapper.block_size, eng.swapper.queue_depth) == (1 << 16, 3)
+
+
+@pytest.mark.parametrize("next_forward", [False, True])
+@pytest.mark.parametrize("fault", ["eio", "short"])
+def test_nvme_write_fault_names_file_and_offset_and_close_cleans_up(fault, next_forward,
+                                                                    tmp_path, monkeypatch):
+    """The plain step writes the state back in step(); update_timing="next_forward" in the next forward,
+    where the fault then raises."""
+    import errno
+
+    from offload_zero.memory.swapper import SwapIOError
+    eng = OffloadEngine(TinyLM(), offload="nvme", path=str(tmp_path), aio_backend="threads",
+                        aio_block_size=4096, aio_queue_depth=2,
+                        update_timing="next_forward" if next_forward else "step")
+    x, y = batches(1)[0]
+    eng.backward(lm_loss(eng(x), y))
+    if next_forward:
+        eng.step()
+    real = os.pwritev
+    calls = {"n": 0}
+
+    def faulty(fd, buffers, offset, *args):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            if fault == "eio":
+                raise OSError(errno.EIO, "Input/output error")
+            return 512  # a short write
+        return real(fd, buffers, offset, *args)
+
+    monkeypatch.setattr(os, "pwritev", faulty)
+    with pytest.raises(SwapIOError) as info:
+        eng(x) if next_forward else eng.step()
+    msg = str(info.value)
+    assert str(tmp_path / "rank0") in msg and ".swp" in msg and "offset" in msg
+    monkeypatch.setattr(os, "pwritev", real)
+    eng.close()  # still closes cleanly and removes every file
+    assert not (tmp_path / "rank0").exists()
+
+
+def test_a_fault_in_a_deferred_write_back_names_its_file_and_close_cleans_up(tmp_path,
+                                                                              monkeypatch):
+    """update_timing="next_forward" holds the last blocks' write-backs until the forward's last update: an
+    EIO in one of them raises where it is waited for (backward's read-ahead, or at the latest
+    step()), naming that block's file and the offset, and close() still removes every file.
+    (Every transfer is done by the time it is polled: which reads start when, and so which
+    write-backs are held, is then the same in every run.)"""
+    import errno
+
+    from offload_zero.memory.swapper import SwapHandle, SwapIOError
+    monkeypatch.setattr(SwapHandle, "done", lambda h: h._done.wait() or True)
+    eng = OffloadEngine(TinyLM(), offload="nvme", path=str(tmp_path), aio_backend="threads",
+                        update_timing="next_forward")
+    x, y = batches(1)[0]
+    for _ in range(2):
+        eng.backward(lm_loss(eng(x), y))
+        eng.step()
+    held = []
+    held_by_engine = eng._updates.may_defer_write_back
+
+    def may_defer(fp):
+        if held_by_engine(fp):
+            held.append(fp.name)
+            return True
+        return False
+
+    monkeypatch.setattr(eng._updates, "may_defer_write_back", may_defer)
+    real = os.pwritev
+
+    def faulty(fd, buffers, offset, *args):
+        if held and os.readlink(f"/proc/self/fd/{fd}").endswith(f"/{held[-1]}.swp"):
+            raise OSError(errno.EIO, "Input/output error")
+        return real(fd, buffers, offset, *args)
+
+    monkeypatch.setattr(os, "pwritev", faulty)
+    with pytest.raises(SwapIOError) as info:
+        eng.backward(lm_loss(eng(x), y))
+        eng.step()
+    assert held  # (the fault was in a deferred write)
+    msg = str(info.value)
+    assert f"{held[-1]}.swp" in msg and "offset" in msg
+    monkeypatch.setattr(os, "pwritev", real)
+    eng.close()
+    assert not (tmp_path / "rank0").exists()
+
+
+def test_nvme_optimizer_pipeline_in_chunks(tmp_path, monkeypatch):
+    """Flat parameters larger than a chunk stream through the pipeline in several chunks: same
+    numbers as host-resident state, buffers sized by the chunk, and an overflow found before
+    the first chunk is written leaves every chunk unchanged."""
+    from offload_zero.memory.tiers import NVMeStore
+    monkeypatch.setattr(NVMeStore, "CHUNK_NUMEL", 1024)
+    results = []
+    for offload in ("cpu", "nvme"):
+        torch.manual_seed(13)
+        with make_engine(big_root_lm(6, vocab_scale=2), offload, tmp_path, lr=1e-2,
+                     update_timing="step") as eng:
+            if offload == "nvme":
+                assert max(fp.shard_numel for fp in eng.trainable) >= 3 * 1024
+                assert eng.memory_report()["host"]["by_kind"]["buffers"]["current_bytes"] >= 9 * 1024 * 4
+                assert eng.store._bufs[0].numel() == 3 * 1024
+            for x, y in batches(4):
+                eng.backward(lm_loss(eng(x), y))
+                eng.step()
+            if offload == "nvme":
+                before = eng.full_state_dict()
+                x, y = batches(1)[0]
+                eng.backward(lm_loss(eng(x), y) * float("nan"))
+                eng.step()
+                assert eng.skipped_steps == 1
+                after = eng.full_state_dict()
+                assert all(torch.equal(before[k], after[k]) for k in before)
+            results.append(eng.full_state_dict())
+    assert all(torch.equal(results[0][k], results[1][k]) for k in results[0])
+
+
+def test_unknown_keyword_and_stale_swap_files_are_named(tmp_path):
+    with pytest.raises(ValueError, match=r"OffloadEngine got unknown keyword argument\(s\) \['foo'\]"):
+        OffloadEngine(TinyLM(), foo=1)
+    stale = tmp_path / "rank0"
+    stale.mkdir()
+    (stale / "unit0.trainable.swp").write_bytes(b"")
+    with pytest.raises(ValueError, match=r"earlier run was killed.*delete"):
+        OffloadEngine(TinyLM(), offload="nvme", path=str(tmp_path))
+
+
+def test_a_rank_folder_whose_owner_is_gone_is_reclaimed_and_a_live_ones_refused(tmp_path):
+    """A run killed with SIGKILL leaves its rank folder; the owner file it holds (pid, boot id)
+    lets the next run take it over, with a warning, when that process is gone (or the machine
+    rebooted since), and refuse it while it runs. (Without an owner file, the older layout,
+    stale swap files are refused as before: test_unknown_keyword_and_stale_swap_files_are_named.)"""
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    for name, pid, boot in (("dead", dead.pid, None), ("rebooted", os.getpid(), "another-boot")):
+        path = tmp_path / name
+        path.mkdir()
+        _left_by(path / "rank0", pid, boot)
+        with pytest.warns(RuntimeWarning, match=rf"left by process {pid}.*gone.*removing 1 "
+                                                r"swap file"):
+            with OffloadEngine(TinyLM(), offload="nvme", path=str(path)) as eng:
+                for x, y in batches(1):
+                    eng.backward(lm_loss(eng(x), y))
+                    eng.step()
+        assert list((path / "rank0").iterdir()) == []  # its files and the owner file removed
+    live = subprocess.Popen(["sleep", "60"])
+    try:
+        path = tmp_path / "live"
+        path.mkdir()
+        _left_by(path / "rank0", live.pid)
+        with pytest.raises(ValueError, match=rf"is in use by process {live.pid}"):
+            OffloadEngine(TinyLM(), offload="nvme", path=str(path))
+        assert sorted(p.name for p in (path / "rank0").iterdir()) == [".owner",
+                                                                      "unit0.trainable.swp"]
+    finally:
+        live.kill()
+        live.wait()
