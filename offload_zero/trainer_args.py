@@ -47,8 +47,9 @@ def check_supported(args, engine_kwargs: Dict[str, Any], trainer_kwargs: Dict[st
         raise ValueError(f"TrainingArguments(deepspeed={args.deepspeed!r}) would start "
                          "DeepSpeed's own engine: leave it unset and pass the config as "
                          "OffloadTrainer(..., deepspeed=...)")
-    if args.optim not in ADAMW_OPTIMS:
-        raise NotImplementedError(f"TrainingArguments(optim={str(args.optim)!r}) is not "
+    optim = getattr(args.optim, "value", args.optim)  # (an OptimizerNames member)
+    if optim not in ADAMW_OPTIMS:
+        raise NotImplementedError(f"TrainingArguments(optim={optim!r}) is not "
                                   f"supported: the engine runs AdamW; use optim in "
                                   f"{ADAMW_OPTIMS}")
     refused = [("optim_args", args.optim_args, "AdamW takes no further arguments here"),

@@ -1,0 +1,168 @@
+"""OffloadTrainer (offload_zero.hf) against the plain transformers.Trainer: the same weights,
+logged grad norms, schedule and eval loss on a tiny Llama, on one and two ranks; checkpoints
+that resume bit for bit; save_model's Hugging Face folder; construction errors."""
+import os
+
+import pytest
+import torch
+
+from dist_harness import run_ranks
+from trainer_cases import TokenData, logged, run, tiny_llama, training_args, two_rank_job
+
+pytestmark = pytest.mark.usefixtures("torch_single_thread")
+
+
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory):
+    """The plain Trainer's run (torch AdamW, accumulation 2, clip 1.0, cosine warmup, weight
+    decay 0.01, fp32), with its eval loss."""
+    return run("plain", tmp_path_factory.mktemp("plain"), evaluate=True)
+
+
+def _max_diff(a, b):
+    assert a.keys() == b.keys()
+    return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+
+
+@pytest.mark.parametrize("offload", ["cpu", "nvme"])
+def test_matches_plain_trainer(plain, tmp_path, offload):
+    kwargs = dict(offload=offload, stage=3)
+    if offload == "nvme":
+        kwargs["path"] = str(tmp_path)
+    state, norms, lrs, losses, eval_loss, trainer = run("offload", tmp_path / "out", kwargs,
+                                                        evaluate=True)
+    ref_state, ref_norms, ref_lrs, ref_losses, ref_eval, _ = plain
+    assert trainer.engine.config.offload_optimizer == offload
+    assert _max_diff(state, ref_state) <= 1e-6
+    assert len(norms) == len(ref_norms) == 8
+    assert max(abs(a - b) / b for a, b in zip(norms, ref_norms)) <= 1e-5
+    assert lrs == pytest.approx(ref_lrs, rel=1e-12, abs=1e-15)  # the cosine warmup, step by step
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+    assert eval_loss == pytest.approx(ref_eval, rel=1e-6)
+    groups = trainer.optimizer.param_groups  # HF's no-decay groups: biases and norms undecayed
+    assert [g["weight_decay"] for g in groups] == [0.01, 0.0]
+    names = {id(p): n for n, p in trainer.model.named_parameters()}
+    assert all("norm" in names[id(p)] for p in groups[1]["params"])
+    assert len(groups[1]["params"]) == 2 * 4 + 1  # two norms per layer, the final norm
+    trainer.engine.close()
+
+
+def test_two_ranks_match_plain_trainer_with_ddp(tmp_path):
+    results = run_ranks(two_rank_job, 2, str(tmp_path), timeout_s=300)
+    for plain_state, plain_norms, ours in results:
+        for offload, (state, norms) in ours.items():
+            assert max(abs(plain_state[k] - state[k]).max() for k in state) <= 1e-6, offload
+            assert len(norms) == len(plain_norms) == 8
+            assert max(abs(a - b) / b for a, b in zip(norms, plain_norms)) <= 1e-5, offload
+    for offload in ("cpu", "nvme"):  # (both ranks end with the same weights)
+        one, two = results[0][2][offload][0], results[1][2][offload][0]
+        assert max(abs(one[k] - two[k]).max() for k in one) == 0
+
+
+def test_resume_from_checkpoint_is_bit_identical(tmp_path):
+    kwargs = dict(offload="nvme", stage=3, path=str(tmp_path))
+    whole = run("offload", tmp_path / "whole", kwargs, save_strategy="steps", save_steps=4)
+    whole[-1].engine.close()
+    ckpt = tmp_path / "whole" / "checkpoint-4"
+    files = set(os.listdir(ckpt))
+    # the Trainer's own files, the model as a HF folder, and the engine's checkpoint
+    assert {"trainer_state.json", "optimizer.pt", "scheduler.pt", "rng_state.pth",
+            "training_args.bin", "config.json", "model.safetensors", "offload_zero"} <= files
+    assert "rank00000.safetensors" in os.listdir(ckpt / "offload_zero")
+    from transformers import Trainer
+    from offload_zero.hf import OffloadTrainer
+    model = tiny_llama()
+    args = training_args(tmp_path / "resumed", save_strategy="steps", save_steps=4)
+    trainer = OffloadTrainer(model, args, train_dataset=TokenData(), **kwargs)
+    trainer.train(resume_from_checkpoint=str(ckpt))
+    assert trainer.state.global_step == 8
+    resumed = model.state_dict()
+    for k, v in whole[0].items():
+        assert torch.equal(resumed[k], v), k
+    assert logged(trainer, "grad_norm") == whole[1]  # (the first 4 from trainer_state.json)
+    trainer.engine.close()
+    # a checkpoint of the plain Trainer has no engine state: its weights load, with a warning
+    plain_ckpt = tmp_path / "plain" / "checkpoint-4"
+    plain_trainer = Trainer(model=tiny_llama(), args=training_args(
+        tmp_path / "plain", save_strategy="steps", save_steps=4, max_steps=4),
+        train_dataset=TokenData())
+    plain_trainer.train()
+    later = OffloadTrainer(tiny_llama(), training_args(tmp_path / "later", max_steps=4),
+                           train_dataset=TokenData())
+    with pytest.warns(UserWarning, match="moments start afresh"):
+        later._load_from_checkpoint(str(plain_ckpt))
+    assert _max_diff(later.model.state_dict(), plain_trainer.model.state_dict()) == 0
+    later.engine.close()
+
+
+def test_save_model_writes_a_hf_folder(tmp_path):
+    from transformers import AutoModelForCausalLM
+    state, *_, trainer = run("offload", tmp_path / "out", dict(offload="cpu"),
+                             save_strategy="steps", save_steps=8)
+    out = tmp_path / "out"
+    trainer.save_model()  # into the output folder, beside checkpoint-8
+    assert {"model.safetensors", "config.json", "training_args.bin", "checkpoint-8"} <= set(
+        os.listdir(out))
+    assert not [f for f in os.listdir(out) if f.startswith(".")]
+    loaded = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
+    assert _max_diff(loaded.state_dict(), state) == 0  # (the fp32 master weights)
+    trainer.save_model(str(out))  # again: replaces the weights, keeps the rest
+    assert "checkpoint-8" in os.listdir(out)
+    trainer.engine.close()
+
+
+def test_activation_checkpointing_is_the_engines(plain, tmp_path):
+    state, norms, *_, trainer = run("offload", tmp_path / "out", dict(offload="cpu"),
+                                    activation_checkpointing=True)
+    assert trainer.engine.config.activation_checkpointing
+    assert not trainer.model.is_gradient_checkpointing  # (transformers' own stays off)
+    assert trainer.args.activation_checkpointing  # (restored after train())
+    assert _max_diff(state, plain[0]) <= 1e-6
+    trainer.engine.close()
+
+
+def test_bf16_trains_in_bfloat16(tmp_path):
+    from offload_zero.trainer_args import compute_dtype
+    state, norms, _, losses, *_, trainer = run("offload", tmp_path / "out", dict(offload="cpu"),
+                                               bf16=True, max_steps=2)
+    assert trainer.engine.config.dtype == torch.bfloat16
+    assert all(v.dtype == torch.float32 for v in state.values())  # the fp32 masters
+    assert all(torch.isfinite(torch.tensor(losses)))
+    assert compute_dtype(training_args(tmp_path, fp16=True, use_cpu=True)) == torch.float16
+    trainer.engine.close()
+
+
+@pytest.mark.parametrize("overrides, engine_kwargs, error, match", [
+    (dict(optim="adafactor"), {}, NotImplementedError, "optim='adafactor'"),
+    (dict(optim="sgd"), {}, NotImplementedError, "optim='sgd'"),
+    (dict(optim_args="foo=1"), {}, NotImplementedError, "optim_args"),
+    (dict(torch_compile=True), {}, NotImplementedError, "torch_compile"),
+    (dict(bf16_full_eval=True), {}, NotImplementedError, "bf16_full_eval"),
+    (dict(activation_checkpointing=True, activation_checkpointing_kwargs={"offload": True}), {},
+     NotImplementedError, "activation_checkpointing_kwargs"),
+    ({}, dict(lr=1e-3), ValueError, "learning_rate"),
+    ({}, dict(dtype=torch.bfloat16), ValueError, "bf16/fp16"),
+    ({}, dict(gradient_accumulation_steps=2), ValueError, "gradient_accumulation_steps"),
+    ({}, dict(max_grad_norm=2.0), ValueError, "max_grad_norm"),
+    ({}, dict(prefetch=-1), ValueError, "prefetch=-1"),
+    ({}, dict(stage=5), ValueError, "stage=5"),
+])
+def test_construction_errors(tmp_path, overrides, engine_kwargs, error, match):
+    from offload_zero.hf import OffloadTrainer
+    model = tiny_llama()
+    with pytest.raises(error, match=match):
+        OffloadTrainer(model, training_args(tmp_path, **overrides), train_dataset=TokenData(),
+                       **engine_kwargs)
+
+
+def test_construction_errors_for_trainer_arguments(tmp_path):
+    from offload_zero.hf import OffloadTrainer
+    model = tiny_llama()
+    args = training_args(tmp_path)
+    adamw = torch.optim.AdamW(model.parameters())
+    with pytest.raises(NotImplementedError, match="optimizers="):
+        OffloadTrainer(model, args, optimizers=(adamw, None))
+    with pytest.raises(NotImplementedError, match="optimizer_cls_and_kwargs"):
+        OffloadTrainer(model, args, optimizer_cls_and_kwargs=(torch.optim.SGD, {}))
+    with pytest.raises(NotImplementedError, match="model_init"):
+        OffloadTrainer(None, args, model_init=tiny_llama)
