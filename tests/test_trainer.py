@@ -166,3 +166,65 @@ def test_construction_errors_for_trainer_arguments(tmp_path):
         OffloadTrainer(model, args, optimizer_cls_and_kwargs=(torch.optim.SGD, {}))
     with pytest.raises(NotImplementedError, match="model_init"):
         OffloadTrainer(None, args, model_init=tiny_llama)
+
+
+def _ds_config(swap, **optimizer_params):
+    """ZeRO-3 with optimizer state and parameters on NVMe, every value HF's DeepSpeed
+    integration fills from TrainingArguments left "auto", and WarmupDecayLR."""
+    auto = dict(lr="auto", betas="auto", eps="auto", weight_decay="auto")
+    auto.update(optimizer_params)
+    nvme = {"device": "nvme", "nvme_path": str(swap)}
+    return {"zero_optimization": {"stage": 3, "offload_optimizer": nvme, "offload_param": nvme,
+                                  "overlap_comm": True, "stage3_prefetch_bucket_size": "auto"},
+            "gradient_clipping": "auto", "gradient_accumulation_steps": "auto",
+            "train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto",
+            "bf16": {"enabled": "auto"},
+            "optimizer": {"type": "AdamW", "params": auto},
+            "scheduler": {"type": "WarmupDecayLR", "params": {
+                "warmup_min_lr": "auto", "warmup_max_lr": "auto", "warmup_num_steps": "auto",
+                "total_num_steps": "auto"}}}
+
+
+def test_deepspeed_config_matches_plain_trainer_with_its_schedule(tmp_path):
+    import json
+    import math
+    from transformers import Trainer
+    from offload_zero.hf import OffloadTrainer
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps(_ds_config(tmp_path)))
+    args = training_args(tmp_path / "ours", adam_beta2=0.95)
+    trainer = OffloadTrainer(tiny_llama(), args, train_dataset=TokenData(), deepspeed=str(config))
+    cfg = trainer.engine.config
+    assert (cfg.stage, cfg.offload_optimizer, cfg.offload_param) == (3, "nvme", "nvme")
+    assert (cfg.max_grad_norm, cfg.betas, cfg.dtype) == (1.0, (0.9, 0.95), torch.float32)
+    assert len(trainer.optimizer.param_groups) == 1  # (DeepSpeed's optimizer: one group)
+    trainer.train()
+    ours = trainer.model.state_dict()
+    trainer.engine.close()
+
+    def warmup_decay(t, warmup=2, total=8):  # DeepSpeed's WarmupDecayLR, log warmup, min 0
+        if t < warmup:
+            return math.log(t + 1) / math.log(warmup)
+        return max(0.0, (total - t) / max(1.0, total - warmup))
+
+    model = tiny_llama()
+    adamw = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.95), eps=1e-8,
+                              weight_decay=0.01)
+    schedule = torch.optim.lr_scheduler.LambdaLR(adamw, warmup_decay)
+    plain = Trainer(model=model, args=training_args(tmp_path / "plain", adam_beta2=0.95),
+                    train_dataset=TokenData(), optimizers=(adamw, schedule))
+    plain.train()
+    assert logged(trainer, "learning_rate") == pytest.approx(logged(plain, "learning_rate"))
+    assert _max_diff(ours, model.state_dict()) <= 1e-6
+
+
+def test_deepspeed_config_values_must_agree_with_training_arguments(tmp_path):
+    from offload_zero.hf import OffloadTrainer
+    with pytest.raises(ValueError, match="lr=0.01 conflicts"):
+        OffloadTrainer(tiny_llama(), training_args(tmp_path), train_dataset=TokenData(),
+                       deepspeed=_ds_config(tmp_path, lr=1e-3))
+    with pytest.raises(ValueError, match="thread_count"):
+        bad = _ds_config(tmp_path)
+        bad["zero_optimization"]["offload_optimizer"]["thread_count"] = 4
+        OffloadTrainer(tiny_llama(), training_args(tmp_path), train_dataset=TokenData(),
+                       deepspeed=bad)
