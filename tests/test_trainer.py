@@ -15,7 +15,7 @@ pytestmark = pytest.mark.usefixtures("torch_single_thread")
 @pytest.fixture(scope="module")
 def plain(tmp_path_factory):
     """The plain Trainer's run (torch AdamW, accumulation 2, clip 1.0, cosine warmup, weight
-    decay 0.01, fp32), with its eval loss."""
+    decay 0.01, fp32), with its eval losses."""
     return run("plain", tmp_path_factory.mktemp("plain"), evaluate=True)
 
 
@@ -38,6 +38,7 @@ def test_matches_plain_trainer(plain, tmp_path, offload):
     assert max(abs(a - b) / b for a, b in zip(norms, ref_norms)) <= 1e-5
     assert lrs == pytest.approx(ref_lrs, rel=1e-12, abs=1e-15)  # the cosine warmup, step by step
     assert losses == pytest.approx(ref_losses, rel=1e-5)
+    assert len(eval_loss) == 3  # (at steps 4 and 8, and after training)
     assert eval_loss == pytest.approx(ref_eval, rel=1e-6)
     groups = trainer.optimizer.param_groups  # HF's no-decay groups: biases and norms undecayed
     assert [g["weight_decay"] for g in groups] == [0.01, 0.0]
@@ -115,7 +116,7 @@ def test_activation_checkpointing_is_the_engines(plain, tmp_path):
     state, norms, *_, trainer = run("offload", tmp_path / "out", dict(offload="cpu"),
                                     activation_checkpointing=True)
     assert trainer.engine.config.activation_checkpointing
-    assert not trainer.model.is_gradient_checkpointing  # (transformers' own stays off)
+    assert not trainer.model.is_activation_checkpointing  # (transformers' own stays off)
     assert trainer.args.activation_checkpointing  # (restored after train())
     assert _max_diff(state, plain[0]) <= 1e-6
     trainer.engine.close()

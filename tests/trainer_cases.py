@@ -47,21 +47,26 @@ def logged(trainer, key):
 def run(kind, out, engine_kwargs=None, train_dataset_rows=32, evaluate=False, **overrides):
     """Train the tiny Llama with ``kind`` ("plain" or "offload") and return ``(state dict of
     the model after training, logged grad norms, logged learning rates, logged losses, eval
-    loss or None, the trainer)``."""
+    losses, the trainer)``; with ``evaluate``, the eval losses are those of an evaluation
+    every 4 steps and one after training (else empty)."""
     from transformers import Trainer
     from offload_zero.hf import OffloadTrainer
     model = tiny_llama()
+    if evaluate:
+        overrides.update(eval_strategy="steps", eval_steps=4)
     args = training_args(out, **overrides)
-    data = TokenData(train_dataset_rows)
+    data = dict(train_dataset=TokenData(train_dataset_rows),
+                eval_dataset=TokenData(8, seed=5) if evaluate else None)
     if kind == "plain":
-        trainer = Trainer(model=model, args=args, train_dataset=data)
+        trainer = Trainer(model=model, args=args, **data)
     else:
-        trainer = OffloadTrainer(model, args, train_dataset=data, **(engine_kwargs or {}))
+        trainer = OffloadTrainer(model, args, **data, **(engine_kwargs or {}))
     trainer.train()
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    eval_loss = trainer.evaluate(TokenData(8, seed=5))["eval_loss"] if evaluate else None
+    if evaluate:
+        trainer.evaluate()
     return (state, logged(trainer, "grad_norm"), logged(trainer, "learning_rate"),
-            logged(trainer, "loss"), eval_loss, trainer)
+            logged(trainer, "loss"), logged(trainer, "eval_loss"), trainer)
 
 
 def two_rank_job(rank, world_size, out):
