@@ -71,19 +71,30 @@ def run(kind, out, engine_kwargs=None, train_dataset_rows=32, evaluate=False, **
 
 def two_rank_job(rank, world_size, out):
     """On each gloo rank: the plain Trainer (DDP), then OffloadTrainer at stage 3 with the
-    optimizer state on the CPU and on NVMe, on the same data; returns ``(plain weights, plain
-    grad norms, {offload: (weights, grad norms)})``, weights as numpy arrays (a queue passes
-    tensors by file descriptor)."""
+    optimizer state on the CPU (then ``save_model`` to ``out/final``) and on NVMe (with
+    checkpoints every 4 steps, then a second run resumed from ``checkpoint-4``), on the same
+    data. Returns ``(plain weights, plain grad norms, {"cpu"|"nvme"|"resumed": (weights,
+    grad norms)})``, weights as numpy arrays (a queue passes tensors by file descriptor)."""
     import os
+    from offload_zero.hf import OffloadTrainer
     torch.set_num_threads(1)
     plain = run("plain", os.path.join(out, "plain"))
     ours = {}
+    swap = os.path.join(out, f"swap{rank}")
+    os.makedirs(swap, exist_ok=True)
     for offload in ("cpu", "nvme"):
-        kwargs = dict(offload=offload, stage=3)
-        if offload == "nvme":
-            kwargs["path"] = os.path.join(out, f"swap{rank}")
-            os.makedirs(kwargs["path"], exist_ok=True)
-        state, norms, *_, trainer = run("offload", os.path.join(out, offload), kwargs)
+        kwargs = dict(offload=offload, stage=3, path=swap if offload == "nvme" else None)
+        saves = dict(save_strategy="steps", save_steps=4) if offload == "nvme" else {}
+        state, norms, *_, trainer = run("offload", os.path.join(out, offload), kwargs, **saves)
+        if offload == "cpu":
+            trainer.save_model(os.path.join(out, "final"))
         trainer.engine.close()
-        ours[offload] = ({k: v.numpy() for k, v in state.items()}, norms)
-    return {k: v.numpy() for k, v in plain[0].items()}, plain[1], ours
+        ours[offload] = (state, norms)
+    model = tiny_llama()
+    args = training_args(os.path.join(out, "resumed"))
+    trainer = OffloadTrainer(model, args, train_dataset=TokenData(), offload="nvme", path=swap)
+    trainer.train(resume_from_checkpoint=os.path.join(out, "nvme", "checkpoint-4"))
+    ours["resumed"] = (model.state_dict(), logged(trainer, "grad_norm"))
+    trainer.engine.close()
+    numpy = lambda state: {k: v.numpy() for k, v in state.items()}  # noqa: E731
+    return numpy(plain[0]), plain[1], {k: (numpy(s), n) for k, (s, n) in ours.items()}
