@@ -105,6 +105,7 @@ class OffloadTrainer(Trainer):
             from transformers import TrainingArguments
             args = TrainingArguments(output_dir="tmp_trainer")
         targs.check_supported(args, engine_kwargs, trainer_kwargs)
+        targs.check_engine_keywords(engine_kwargs, _TRAINER_KEYWORDS)
         self._deepspeed = deepspeed
         self._engine_kwargs = engine_kwargs
         self._export_dtype = next((p.dtype for p in model.parameters()

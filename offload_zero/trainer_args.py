@@ -81,6 +81,20 @@ def check_supported(args, engine_kwargs: Dict[str, Any], trainer_kwargs: Dict[st
                                   "create_scheduler)")
 
 
+def check_engine_keywords(engine_kwargs: Dict[str, Any], trainer_keywords) -> None:
+    """Raise ValueError for a keyword that is neither the Trainer's (``trainer_keywords``) nor
+    the engine's, naming it and both lists (before anything is built)."""
+    import dataclasses
+    from offload_zero.config import EngineConfig
+    engine = {f.name for f in dataclasses.fields(EngineConfig)} | {
+        "process_group", "timeout_s", "load_from", "init", "strict"}
+    unknown = sorted(set(engine_kwargs) - engine)
+    if unknown:
+        raise ValueError(f"OffloadTrainer got unknown keyword argument(s) {unknown}: neither "
+                         f"the Trainer's ({sorted(trainer_keywords)}) nor the engine's "
+                         f"({sorted(engine - set(FROM_ARGS))})")
+
+
 def compute_dtype(args) -> torch.dtype:
     """The engine's compute dtype for ``args``: bfloat16 with ``bf16``, float16 with ``fp16``,
     else float32 (master weights and moments are float32 in every case)."""

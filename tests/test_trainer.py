@@ -156,6 +156,7 @@ def test_bf16_trains_in_bfloat16(tmp_path):
     ({}, dict(max_grad_norm=2.0), ValueError, "max_grad_norm"),
     ({}, dict(prefetch=-1), ValueError, "prefetch=-1"),
     ({}, dict(stage=5), ValueError, "stage=5"),
+    ({}, dict(tokenizer=None), ValueError, r"unknown keyword argument\(s\) \['tokenizer'\]"),
 ])
 def test_construction_errors(tmp_path, overrides, engine_kwargs, error, match):
     from offload_zero.hf import OffloadTrainer
