@@ -134,7 +134,9 @@ class OffloadTrainer(Trainer):
             groups = None  # (DeepSpeed's optimizer: one group of every trainable parameter)
         fixed = {k: settings[k] for k in ("device", "activation_checkpointing",
                                           "gradient_accumulation_steps")}
-        return ds.build(model, param_groups=groups, **fixed)
+        engine = ds.build(model, param_groups=groups, **fixed)
+        engine.lr_scheduler = None  # (the Trainer's loop steps the schedule: create_scheduler)
+        return engine
 
     def _parse_deepspeed(self, max_steps: Optional[int] = None):
         from offload_zero.deepspeed_config import parse_deepspeed_config
@@ -147,8 +149,10 @@ class OffloadTrainer(Trainer):
         defeat the offload)."""
 
     def _wrap_model(self, model, training: bool = True, dataloader=None):
-        """The engine: the Trainer's loops call it (forward), ``.train()``/``.eval()`` and
-        ``.zero_grad()`` on it; it is never handed to accelerate."""
+        """The engine, for the evaluation and prediction loops (they call it and its
+        ``.eval()``); being another object than ``self.model``, it is not handed to
+        ``accelerator.prepare_model``. (Training gets the model from
+        :meth:`_prepare_for_training`; :meth:`training_step` runs the engine.)"""
         return self.engine if self.engine is not None else model
 
     def create_optimizer(self, model=None):

@@ -209,6 +209,7 @@ def test_deepspeed_config_matches_plain_trainer_with_its_schedule(tmp_path):
     assert (cfg.stage, cfg.offload_optimizer, cfg.offload_param) == (3, "nvme", "nvme")
     assert (cfg.max_grad_norm, cfg.betas, cfg.dtype) == (1.0, (0.9, 0.95), torch.float32)
     assert len(trainer.optimizer.param_groups) == 1  # (DeepSpeed's optimizer: one group)
+    assert trainer.engine.lr_scheduler is None  # (one schedule, stepped by the Trainer)
     trainer.train()
     ours = trainer.model.state_dict()
     trainer.engine.close()
