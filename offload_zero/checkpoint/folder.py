@@ -29,9 +29,9 @@ log = logging.getLogger("offload_zero")
 
 
 def check_destination(folder) -> None:
-    """Check, writing nothing, that :func:`save_checkpoint` could save into ``folder``: it is
-    absent, empty or a checkpoint folder, and its parent exists (or can be created) and is
-    writable. Raises ValueError naming the path otherwise."""
+    """Check, writing nothing, that :func:`~offload_zero.checkpoint.save.save_checkpoint`
+    could save into ``folder``: it is absent, empty or a checkpoint folder, and its parent
+    exists (or can be created) and is writable. Raises ValueError naming the path otherwise."""
     final = paths(folder)[0]
     check_replaceable(final)
     check_creatable(os.path.dirname(final), f"checkpoint folder {final!r}")

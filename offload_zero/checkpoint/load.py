@@ -105,8 +105,8 @@ def _load(engine, final: str) -> dict:
 
 def _restore_groups(engine, meta: dict) -> None:
     """Set ``engine.optimizer``'s groups to the values ``meta`` saved (checked by
-    :func:`_check_groups`; every key but ``params``), or, for a checkpoint without
-    ``param_groups``, the saved ``lr``."""
+    :func:`offload_zero.checkpoint.validate._check_groups`; every key but ``params``), or,
+    for a checkpoint without ``param_groups``, the saved ``lr``."""
     groups = meta.get("param_groups")
     if groups is None:
         engine.set_lr(meta["lr"])

@@ -210,9 +210,9 @@ def verify_rank_file(path: str, specs: List[TensorSpec], rank: int, world_size: 
 
 def saved_steps(f, segs: Dict[object, List[tuple]], path: str) -> Dict[object, int]:
     """Each trainable flat parameter's Adam step count, from the saved flat parameters its
-    parameters come from (``segs``: :func:`_segments`), in the open rank file ``f`` (every
-    file holds them all). Raises ValueError if they differ: one flat parameter has one step
-    count."""
+    parameters come from (``segs``: :func:`offload_zero.checkpoint.load._segments`), in the
+    open rank file ``f`` (every file holds them all). Raises ValueError if they differ: one
+    flat parameter has one step count."""
     steps = {}
     for fp, parts in segs.items():
         if not fp.requires_grad:

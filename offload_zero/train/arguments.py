@@ -15,12 +15,8 @@ from offload_zero.train.model import DEFAULT_PRESET, PRESETS
 from offload_zero.train.resume import check_checkpoint_args
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
 DEFAULTS = dict(offload="cpu", stage=3, steps=50, seq_len=128, batch_size=8, lr=2e-3,
                 weight_decay=0.0, seed=0, dtype="fp32", log_every=10)
-
-
 DESCRIPTION = f"""\
 Train a Llama-style causal LM from scratch (default: preset {DEFAULT_PRESET!r}, byte-level
 tokenizer) or fine-tune a local Hugging Face checkpoint (--model DIR), with ZeRO stage 1/2/3

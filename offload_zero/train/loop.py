@@ -109,8 +109,8 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     progress (its own loss), prints the summary and writes ``--json`` and ``--save`` (every
     rank takes part in gathering the weights; see :func:`export`); with several ranks
     the summary's losses are means over ranks, peak bytes and peak RSS the largest rank's and
-    NVMe traffic the sum over ranks. Raises ``ValueError`` on bad input (from this module, the data pipeline
-    or the engine) and when ``--save`` cannot be written.
+    NVMe traffic the sum over ranks. Raises ``ValueError`` on bad input (from this package, the
+    data pipeline or the engine) and when ``--save`` cannot be written.
     """
     from offload_zero import OffloadEngine
 

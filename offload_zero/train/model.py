@@ -49,8 +49,6 @@ PRESETS: Dict[str, ModelSize] = {
     "small": ModelSize(512, 6, 8, 1376),     # ~19M params
     "base": ModelSize(768, 12, 12, 3072),    # ~113M params
 }
-
-
 DEFAULT_PRESET = "mini"
 
 
