@@ -10,6 +10,7 @@ from checkpoint_helpers import _model, _train
 from models import batches, lm_loss
 from offload_zero import OffloadEngine
 
+pytestmark = pytest.mark.usefixtures("torch_single_thread")
 CHECKPOINT = Path(__file__).resolve().parents[1] / "offload_zero" / "checkpoint"
 
 
