@@ -9,7 +9,8 @@ embeddings), default hidden 1024, intermediate 2048, 8 layers, 16 heads, vocab 3
 149.4M parameters, 598 MB in fp32. Input: one fixed batch of random token ids
 (``--batch`` x ``--seq``, default 4 x 256), labels = inputs. Same ``--dtype`` in every row.
 
-Rows (a step = forward + backward + optimizer step, AdamW lr 1e-4, wd 0.01):
+Rows (a step = ``--grad-accum`` N micro-batches of forward + backward, then one optimizer step,
+AdamW lr 1e-4, wd 0.01; N = 1 by default):
 - ``torch``: the plain module, ``torch.optim.AdamW(fused=True)`` on its parameters. The floor:
   at fp32 it keeps 16 B/param (weights, grads, two moments); at bf16 it trains purely in bf16
   (no fp32 master copy), so it is a floor in time and memory, not the same arithmetic.
@@ -49,6 +50,9 @@ they are set up for the CPU). Without it (default ``cpu``) the
 CPU plays the accelerator and the memory columns are the whole machine's.
 
 Columns:
+- ``tok/s``: tokens per second of the median step, N x ``--batch`` x ``--seq`` / ``step s``.
+  With N > 1 the optimizer state crosses the disk once per step, not per micro-batch, so the
+  state I/O is spread over N micro-batches' compute.
 - ``step s``: median wall seconds of steps ``--skip``+1 .. ``--steps`` (default 3..10), pooled
   over rounds. ``min``/``max``: the spread of those steps.
 - ``vs torch``: overhead of the median step over the ``torch`` row's, in percent.
@@ -72,7 +76,9 @@ With several rounds the memory figures are the median over rounds.
 Usage: PYTHONPATH=. python benchmarks/bench_step.py [--layers 8] [--hidden 1024]
        [--intermediate 2048] [--vocab 32000] [--seq 256] [--batch 4] [--dtype fp32|bf16]
        [--steps 10] [--skip 2] [--rounds 1] [--path DIR] [--configs torch,ours-cpu,...]
-       [--device cpu|cuda] [--host-cache-frac 0.5] [--moment-dtype fp32|bf16]
+       [--device cpu|cuda] [--host-cache-frac 0.5] [--moment-dtype fp32|bf16] [--grad-accum 1]
+
+The peers: ``benchmarks/install_peers.sh`` installs DeepSpeed 0.19.8 (its ``ds-*`` rows).
 """
 from __future__ import annotations
 
@@ -209,7 +215,7 @@ def _ds_init(args, dtype, config: str, path: str):
     offload_param.update(buffer_count=16, buffer_size=largest)
     ds_cfg = {
         "train_micro_batch_size_per_gpu": args.batch,
-        "gradient_accumulation_steps": 1,
+        "gradient_accumulation_steps": args.grad_accum,
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": list(BETAS), "eps": EPS,
                                                    "weight_decay": WD}},
         "zero_optimization": {
@@ -230,9 +236,10 @@ def _ds_init(args, dtype, config: str, path: str):
                                            config=ds_cfg)
 
     def step(x):
-        loss = engine(input_ids=x, labels=x).loss
-        engine.backward(loss)
-        engine.step()
+        for _ in range(args.grad_accum):  # (DeepSpeed's step() updates every N-th call)
+            loss = engine(input_ids=x, labels=x).loss
+            engine.backward(loss)
+            engine.step()
         return loss
     return engine, step
 
@@ -260,8 +267,9 @@ def worker(args) -> None:
         def step(x):
             if traffic is not None:
                 traffic.start()
-            loss = model(input_ids=x, labels=x).loss
-            loss.backward()
+            for _ in range(args.grad_accum):
+                loss = model(input_ids=x, labels=x).loss
+                (loss / args.grad_accum).backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
             if traffic is not None:
@@ -285,13 +293,14 @@ def worker(args) -> None:
         engine = OffloadEngine(model, stage=3, offload=offload,
                                path=args.path if offload == "nvme" else None, **extra,
                                lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, dtype=dtype,
-                               device=dev)
+                               device=dev, gradient_accumulation_steps=args.grad_accum)
         closer = engine.close
 
         def step(x):
-            loss = engine(input_ids=x, labels=x).loss
-            engine.backward(loss)
-            engine.step()
+            for _ in range(args.grad_accum):  # (every N-th step() updates)
+                loss = engine(input_ids=x, labels=x).loss
+                engine.backward(loss)
+                engine.step()
             return loss
 
         def moved():
@@ -394,8 +403,12 @@ def main() -> None:
                    help="ours-nvme+cache: host_cache_bytes as this fraction of the state's bytes")
     p.add_argument("--moment-dtype", choices=("fp32", "bf16"), default="fp32",
                    help="moment_dtype of the ours-* rows (ours-nvme+bf16m: always bf16)")
+    p.add_argument("--grad-accum", type=int, default=1,
+                   help="micro-batches per optimizer step (gradient accumulation), >= 1")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.grad_accum < 1:
+        p.error(f"--grad-accum must be >= 1, got {args.grad_accum}")
     if args.worker:
         return worker(args)
 
@@ -413,7 +426,7 @@ def main() -> None:
     configs = [c for c in configs if c not in skipped_ds]
     args.passthrough = []
     for k in ("layers", "hidden", "intermediate", "heads", "vocab", "seq", "batch", "dtype",
-              "steps", "threads", "path", "device", "host_cache_frac", "moment_dtype"):
+              "steps", "threads", "path", "device", "host_cache_frac", "moment_dtype", "grad_accum"):
         args.passthrough += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
 
     import torch
@@ -458,13 +471,14 @@ def main() -> None:
     print(f"# model: Llama layers={args.layers} hidden={args.hidden} "
           f"intermediate={args.intermediate} heads={args.heads} vocab={args.vocab} "
           f"params={nparams / 1e6:.1f}M ({nparams * 4 / 1e6:.0f} MB fp32) dtype={args.dtype} "
-          f"batch={args.batch} seq={args.seq}")
+          f"batch={args.batch} seq={args.seq} grad_accum={args.grad_accum}")
     print(f"# median of steps {args.skip + 1}..{args.steps} over {args.rounds} round(s), "
           f"fresh process per run; load average 1/5/15 min: before "
           f"{load0[0]:.2f}/{load0[1]:.2f}/{load0[2]:.2f}, after "
           f"{load1[0]:.2f}/{load1[1]:.2f}/{load1[2]:.2f}")
     base = rows.get("torch", {})
-    hdr = (f"{'config':<20}{'step s':>8}{'min':>7}{'max':>7}{'vs torch':>10}"
+    tokens = args.grad_accum * args.batch * args.seq
+    hdr = (f"{'config':<20}{'tok/s':>8}{'step s':>8}{'min':>7}{'max':>7}{'vs torch':>10}"
            f"{'peak RSS GB':>13}{'train GB':>10}{'d torch':>9}{'faults/step':>12}"
            + (f"{'dev GB':>9}" if args.device == "cuda" else "")
            + f"{'state R/W MB':>15}{'formula':>9}{'all R/W MB':>14}")
@@ -478,7 +492,7 @@ def main() -> None:
         over = (f"{(r['median'] / base['median'] - 1) * 100:+9.1f}%" if "median" in base
                 else f"{'':>10}")
         dgb = f"{(r['train'] - base['train']) / GB:+9.2f}" if "train" in base else f"{'':>9}"
-        print(f"{c:<20}{r['median']:8.2f}{r['min']:7.2f}{r['max']:7.2f}{over}"
+        print(f"{c:<20}{tokens / r['median']:8.0f}{r['median']:8.2f}{r['min']:7.2f}{r['max']:7.2f}{over}"
               f"{r['peak'] / GB:13.2f}{r['train'] / GB:10.2f}{dgb}{r['faults'] / 1e3:11.0f}k"
               + (f"{r['dev'] / GB:9.2f}" if r.get("dev") is not None else "")
               + (f"{r['io'][0] / 1e6:8.0f}/{r['io'][1] / 1e6:<6.0f}{r['io'][4] / 1e6:9.0f}"

@@ -6,6 +6,8 @@ Public entry points:
   its parameters partitioned into flat shards, gradients reduced to host fp32 shards, and fp32
   master weights and Adam moments on the tier the user picks (device, host RAM or NVMe files).
 - :func:`offload_zero.from_deepspeed_config` builds an engine from a DeepSpeed JSON config.
+- :class:`offload_zero.hf.OffloadTrainer` is a ``transformers.Trainer`` that trains through the
+  engine (imported from :mod:`offload_zero.hf`, so that this package does not import transformers).
 - :class:`offload_zero.optim.CPUAdam` is the C++ Adam/AdamW as a ``torch.optim.Optimizer``.
 """
 from offload_zero.engine import OffloadEngine  # noqa: F401

@@ -636,6 +636,42 @@ class OffloadEngine:
         with not_replacing(exc, self.rank):
             self.close()
 
+    # -- state for checkpoints ---------------------------------------------------------------
+    # What offload_zero/checkpoint/ reads and writes beside the public attributes (flat_params,
+    # store, param_home, scheduler, comm, optimizer, module, config, skipped_steps,
+    # loss_scaler), so that it uses no private attribute of the engine.
+    def settle_between_steps(self, what: str) -> None:
+        """Bring the engine to a point between steps for ``what`` (``"save_checkpoint"``,
+        ``"load_checkpoint"``): finish every update still streaming (``update_timing``
+        ``"backward"``), apply those left for the next forward (``"next_forward"``), and
+        reshard every gathered unit,
+        so the shards and optimizer state hold a completed step's values.
+
+        Raises RuntimeError (naming the rank) if the engine is closed, or if gradients of a
+        ``backward()`` wait for ``step()`` (nothing is changed then); SwapIOError if an NVMe
+        transfer fails."""
+        self._check_open()
+        if self._backward_pending:
+            raise RuntimeError(
+                f"[rank {self.rank}] {what} must run between steps, but gradients of a "
+                "backward() are waiting for step(): call step() (or zero_grad() to drop them) "
+                "first")
+        self._finish_updates()
+        self.scheduler.reshard_all()
+
+    @property
+    def step_counts(self) -> Dict[FlatParam, int]:
+        """Each trainable flat parameter's Adam step count (the ``t`` of the bias corrections,
+        an int >= 0), the engine's own dict: a checkpoint load writes the saved counts into
+        it, between steps."""
+        return self._step_count
+
+    @property
+    def entry_groups(self) -> Dict[FlatParam, List[int]]:
+        """Each trainable flat parameter's list of parameter-group indices into
+        ``optimizer.param_groups``, one per entry (model parameter) in layout order (see
+        [Note: parameter groups] in :mod:`offload_zero.optim.facade`). Read only."""
+        return self._entry_groups
 
 
 def _to_device(obj, device, dtype):

@@ -280,7 +280,7 @@ def _read_shard(engine, fp: FlatParam):
 def _write_shard(engine, fp: FlatParam, shard: torch.Tensor, m, v) -> None:
     """Make ``shard`` (fp32, (shard_numel,)) ``fp``'s master weights (moments ``m``, ``v``
     as read) and its compute-dtype shard, the way loading a checkpoint writes them."""
-    from offload_zero.checkpoint import _write_param_shard
+    from offload_zero.checkpoint.load import write_param_shard as _write_param_shard
     if fp.requires_grad:
         engine.store.write_all(fp, shard, m, v)
     _write_param_shard(fp, shard.to(fp.dtype))

@@ -55,7 +55,7 @@ def parse_size(size) -> int:
 
 
 def _persistent_buffers(module):
-    from offload_zero.checkpoint import _persistent_buffers as buffers
+    from offload_zero.checkpoint.layout import persistent_buffers as buffers
     return buffers(module)
 
 
@@ -91,7 +91,7 @@ def iter_full_parameters(engine, dtype: Optional[torch.dtype] = None, buffers: b
 
 
 def _tied_patterns(model) -> List[str]:
-    from offload_zero.train import tied_weight_patterns
+    from offload_zero.train.hf_folder import tied_weight_patterns
     return tied_weight_patterns(model)
 
 
@@ -228,7 +228,7 @@ def _write_side_files(engine, tmp: str, dtype, tokenizer) -> List[str]:
         files.append("config.json")
     generation = getattr(engine.module, "generation_config", None)
     if generation is not None and hasattr(generation, "save_pretrained"):
-        from offload_zero.train import _save_generation_config
+        from offload_zero.train.hf_folder import save_generation_config as _save_generation_config
         files.extend(_save_generation_config(tmp, generation))
     if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
         written = tokenizer.save_pretrained(tmp)
@@ -249,7 +249,8 @@ def _write_index(tmp: str, specs, weight_map: Dict[str, str]) -> None:
 def save_pretrained(engine, folder, dtype: torch.dtype = torch.bfloat16,
                     max_shard_size="5GB", tokenizer=None) -> dict:
     """See :meth:`OffloadEngine.save_pretrained`; [Note: streamed export]."""
-    from offload_zero.checkpoint import _agree, _fsync_folder, _swap_in
+    from offload_zero.checkpoint.agree import agree as _agree
+    from offload_zero.checkpoint.folder import fsync_folder as _fsync_folder, swap_in as _swap_in
 
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"save_pretrained: dtype={dtype} (float32, bfloat16 or float16)")

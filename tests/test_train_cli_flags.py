@@ -1,0 +1,174 @@
+"""``offload-zero train``'s flags in process: bad values exit 2 naming them, ``--help``, the
+presets, the learning-rate schedule, the summary, and the checks made before training."""
+import json
+import shutil
+import subprocess
+
+import pytest
+
+from offload_zero import cli, train
+from offload_zero.train.summary import fmt_bytes
+from train_cli_helpers import FAST, REPO, _parse, _run, _tiny_checkpoint
+
+
+def test_run_error_is_one_line_exit_2(tmp_path):
+    proc = _run(["train", "--data", tmp_path / "missing.txt"], cwd=tmp_path)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "missing.txt" in lines[0] and "error" in lines[0]
+
+
+def test_console_script_is_declared():
+    assert "offload-zero=offload_zero.cli:main" in (REPO / "setup.py").read_text()
+    assert callable(cli.main)
+
+
+@pytest.mark.skipif(shutil.which("offload-zero") is None, reason="console script not installed")
+def test_console_script_help():
+    proc = subprocess.run(["offload-zero", "train", "--help"], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0 and "--offload" in proc.stdout
+
+
+@pytest.mark.parametrize("argv, word", [
+    (["train", "--offload", "tape"], "tape"),
+    (["train", "--stage", "4"], "4"),
+    (["train", "--dtype", "fp8"], "fp8"),
+    (["train", "--steps", "0"], "0"),
+    (["train", "--preset", "huge"], "huge"),
+    (["fly"], "fly"),
+    ([], "command"),
+])
+def test_bad_flags_exit_nonzero_naming_the_value(argv, word, capsys):
+    """A bad flag is one line on stderr (no usage block before it) naming the value and where
+    the valid ones are listed; exit status 2."""
+    with pytest.raises(SystemExit) as info:
+        cli.main(argv)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    prog = "offload-zero train" if argv[:1] == ["train"] else "offload-zero"
+    assert err.count("\n") == 1 and "usage:" not in err and word in err
+    assert err.startswith(f"{prog}: error: ") and err.rstrip().endswith(f"(see '{prog} --help')")
+
+
+def test_help_lists_commands_and_defaults(capsys):
+    with pytest.raises(SystemExit) as info:
+        cli.main(["--help"])
+    assert info.value.code == 0
+    assert "train" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        cli.main(["train", "--help"])
+    text = capsys.readouterr().out
+    for needle in ("--offload", "(default: cpu)", "--stage", "(default: 3)", "--preset",
+                   "tiny", "--json", "--model", "standard library"):
+        assert needle in text
+
+
+def test_value_errors_exit_2(tmp_path, capsys):
+    assert cli.main(["train", "--offload", "cpu", "--path", str(tmp_path)]) == 2
+    assert "--path is only used with --offload nvme" in capsys.readouterr().err
+    assert cli.main(["train", "--hidden-size", "64", "--heads", "3"]) == 2
+    assert "--heads 3" in capsys.readouterr().err
+
+
+def test_model_flags_conflict_and_small_vocab(tmp_path, capsys):
+    ckpt = tmp_path / "ckpt"
+    _tiny_checkpoint(ckpt, vocab_size=100)
+    assert cli.main(["train", "--model", str(ckpt), "--preset", "tiny"]) == 2
+    assert "--preset cannot be combined with --model" in capsys.readouterr().err
+    assert cli.main(["train", "--model", str(ckpt)]) == 2
+    assert "too small for the byte tokenizer" in capsys.readouterr().err
+    assert cli.main(["train", "--model", str(tmp_path / "nope")]) == 2
+    assert "no config.json" in capsys.readouterr().err
+
+
+def test_int_flags_say_what_is_wrong(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["train", "--checkpoint-every", "abc"])
+    err = capsys.readouterr().err
+    assert "must be an integer, got 'abc'" in err and "_nonnegative_int" not in err
+
+
+def test_presets_parameter_counts():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    def params(name):
+        s = train.PRESETS[name]
+        config = LlamaConfig(vocab_size=259, hidden_size=s.hidden_size, num_hidden_layers=s.layers,
+                             num_attention_heads=s.heads, num_key_value_heads=s.heads,
+                             intermediate_size=s.intermediate_size)
+        with __import__("torch").device("meta"):
+            return sum(p.numel() for p in LlamaForCausalLM(config).parameters())
+
+    assert 1e5 < params("tiny") < 1e6
+    assert 1e7 < params("small") < 3e7
+    assert params("base") > 1e8
+
+
+def test_lr_schedule():
+    lrs = [train.lr_at(s, 100, 1.0, 10) for s in range(100)]
+    assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
+    assert all(a >= b for a, b in zip(lrs[9:], lrs[10:]))
+    assert lrs[-1] >= 0.1 and lrs[-1] < 0.11
+    assert train.lr_at(0, 5, 1.0, 0) == pytest.approx(1.0)
+
+
+def test_summary_averages_first_and_last_steps():
+    report = {"device": {"current_bytes": 1, "peak_bytes": 10},
+              "host": {"current_bytes": 2, "peak_bytes": 20},
+              "nvme": {"current_bytes": 0, "peak_bytes": 30, "read_bytes": 40,
+                       "written_bytes": 50}}
+    losses = [float(v) for v in range(30, 0, -1)]
+    s = train.summarize(losses, report, wall_s=2.0, tokens=1000, extra={"steps": 30})
+    assert s["first_loss"] == pytest.approx(28.0) and s["last_loss"] == pytest.approx(3.0)
+    assert s["peak_bytes"] == {"device": 10, "host": 20, "nvme": 30}
+    assert (s["nvme_read_bytes"], s["nvme_written_bytes"]) == (40, 50)
+    assert s["tokens_per_s"] == pytest.approx(500.0)
+    s = train.summarize([4.0, 2.0], report, wall_s=1.0, tokens=1, extra={})
+    assert (s["first_loss"], s["last_loss"], s["loss_window_steps"]) == (4.0, 2.0, 1)
+    json.dumps(s)
+
+
+def test_summary_labels_the_engines_bytes_and_the_process_peak_rss(capsys):
+    """The summary's per-tier bytes are the engine's own accounting, far below the process's
+    peak RSS (torch, the model, activations): both are printed, each labelled as what it is."""
+    summary = train.run(_parse("--preset", "tiny", "--steps", 1, "--no-progress", *FAST))
+    text = capsys.readouterr().out
+    assert summary["peak_rss_bytes"] > summary["peak_bytes"]["host"] > 0
+    assert "engine-held (accounting): device" in text
+    assert "process peak RSS" in text
+    assert fmt_bytes(summary["peak_rss_bytes"]) in text
+
+
+@pytest.mark.parametrize("flags, word", [
+    (["--offload", "nvme", "--path", "{file}"], "is not a folder"),
+    (["--offload", "nvme", "--path", "/nonexistent-parent/swap"], "does not exist"),
+    (["--json", "/nonexistent-parent/out.json"], "--json"),
+    (["--memory-plot", "/nonexistent-parent/m.png"], "--memory-plot"),
+    (["--save", "{file}"], "exists and is not a folder"),
+    (["--save", "{file}/out"], "cannot be created"),
+    (["--steps", "20", "--warmup", "50"], "--warmup 50 is more than --steps 20"),
+])
+def test_bad_output_paths_fail_before_training(tmp_path, flags, word):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    flags = [f.replace("{file}", str(a_file)) for f in flags]
+    proc = _run(["train", "--preset", "tiny", "--steps", "1000", *flags, *FAST], cwd=tmp_path,
+                timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert word in proc.stderr and "Traceback" not in proc.stderr
+    assert "step " not in proc.stderr  # nothing was trained
+
+
+def test_warmup_more_than_steps_is_an_error(capsys):
+    message = "--warmup 50 is more than --steps 20; give --warmup between 0 and 20"
+    assert cli.main(["train", "--steps", "20", "--warmup", "50"]) == 2
+    assert message in capsys.readouterr().err
+    with pytest.raises(ValueError) as info:  # run(args) checks it too, before building anything
+        train.run(_parse("--steps", 20, "--warmup", 50))
+    assert str(info.value) == message
+    for warmup in (0, 1, 19, 20):  # the valid range's edges pass
+        train.check_args(_parse("--steps", 20, "--warmup", warmup))
+    with pytest.raises(ValueError, match="--warmup 21 is more than --steps 20"):
+        train.check_args(_parse("--steps", 20, "--warmup", 21))
