@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import warnings
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 import torch
 import torch.nn as nn

@@ -10,7 +10,7 @@ not know the engine. The scheduler's hooks call its methods (``grad_ready``, ``b
 from __future__ import annotations
 
 import math
-from typing import List, Optional
+from typing import List
 
 import torch
 
