@@ -88,44 +88,30 @@ import json
 import math
 import numbers
 import os
-from fractions import Fraction
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn as nn
 
 from offload_zero.config import check_int, check_switch, default_step_in_forward
+from offload_zero.memory.pool import storage_rebinding_supported
 from offload_zero.memory.state_format import StateFormat, moment_dtype_of
+from offload_zero.plan import (KINDS, FlatSpec, MemoryPlan, PlanSettings, memory_plan,
+                               shard_numel as _shard_numel)
+from offload_zero.tables import (DTYPE_LONG_NAMES, DTYPES, OFFLOADS, SHORT_NAME as _SHORT,
+                                 TIERS, default_offload_param)
+
+__all__ = ["estimate_memory", "placement_bytes", "model_layout", "assumed_layout", "FlatSpec",
+           "Placement", "MemoryEstimate", "default_offload_param", "format_table"]
 
 STAGES = (0, 1, 2, 3)
-OFFLOADS = ("none", "cpu", "nvme")
-TIERS = ("device", "host", "nvme")
-KINDS = ("parameters", "gradients", "master_weights", "moments", "buffers")
-ALIGN_BYTES = 4096
-_DTYPE_NAMES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
-                "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
-_SHORT = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+_DTYPE_NAMES = {**DTYPES, **DTYPE_LONG_NAMES}
 # Assumed shape of a model known only by its parameter count (see assumed_layout).
 _ASPECT = 128          # hidden size per layer (GPT-3 175B: 12288 / 96)
 _ASSUMED_VOCAB = 32000  # Llama vocabulary
 
-Number = Union[int, Fraction]
-_FP32_STATE = StateFormat()  # fp32 master weights and moments
-
-
-@dataclasses.dataclass(frozen=True)
-class FlatSpec:
-    """One flat parameter of the layout: ``numel`` real elements of one unit.
-
-    ``unit``: the unit's index (the root unit is ``-1``); ``trainable``: its ``requires_grad``;
-    ``single``: it holds one parameter (unpadded, its gradient is taken as autograd made it; see
-    [Note: reused gradient memory] in offload_zero/partition/grads.py).
-    """
-
-    numel: int
-    unit: int
-    trainable: bool
-    single: bool = False
+MAX_PARAMS = 10 ** 15  # a parameter count the estimate takes (16 PB of training state)
+MAX_UNITS = 100_000    # blocks an assumed layout may have (one row of work each)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,6 +128,7 @@ class Placement:
         engine_supported: False for stage 0 (plain data parallelism; a reference row only).
         step_in_forward: whether the row counts the engine's ``step_in_forward`` (the
             embeddings' state in host memory when small, its read-ahead buffers).
+        plan: the :class:`offload_zero.plan.MemoryPlan` the bytes are summed from.
     """
 
     stage: int
@@ -151,6 +138,7 @@ class Placement:
     gpus_per_node: int
     engine_supported: bool
     step_in_forward: bool = False
+    plan: Optional[MemoryPlan] = dataclasses.field(default=None, compare=False, repr=False)
 
     def tier_bytes(self, tier: str, model_states: bool = True, extras: bool = True) -> int:
         """Bytes per rank on ``tier`` ("device", "host", "nvme"): model states and/or extras."""
@@ -305,10 +293,6 @@ def model_layout(model: nn.Module, unit_classes: Sequence[type] = (),
     return specs
 
 
-MAX_PARAMS = 10 ** 15  # a parameter count the estimate takes (16 PB of training state)
-MAX_UNITS = 100_000    # blocks an assumed layout may have (one row of work each)
-
-
 def assumed_layout(num_params: int, largest_unit_numel: Optional[int] = None,
                    root_numel: Optional[int] = None) -> List[FlatSpec]:
     """A layout for a model known only by its trainable parameter count Ψ (elements).
@@ -379,214 +363,23 @@ def _preset_or_checkpoint(name: str) -> Tuple[nn.Module, str]:
 
 
 # -- arithmetic ----------------------------------------------------------------------------------
-def _shard_numel(numel: int, world_size: int, itemsize: int, padded: bool) -> Number:
-    """Elements per rank of one flat parameter: padded to the engine's 4096-byte alignment
-    (as :class:`offload_zero.partition.flat_param.FlatParam`), or the exact fraction numel / N."""
-    if not padded:
-        return Fraction(numel, world_size)
-    align = ALIGN_BYTES // itemsize
-    return max(1, math.ceil(numel / (world_size * align))) * align
-
-
-def _zeros() -> Dict[str, Dict[str, Number]]:
-    return {t: {k: 0 for k in KINDS} for t in TIERS}
-
-
-_TIER_OF = {"none": "device", "cpu": "host", "nvme": "nvme"}
-
-
-def default_offload_param(offload: str, stage: int) -> str:
-    """Where ``offload=`` alone puts parameter shards: NVMe for ``"nvme"`` at stage 3, else the
-    device (as :class:`offload_zero.config.EngineConfig`)."""
-    return "nvme" if (offload == "nvme" and stage == 3) else "none"
-
-
-def _cached_in_host(layout, stage, offload, n, k, padded, step_in_backward, setting,
-                    step_in_forward=False, host_cache_bytes=0, offload_param=None,
-                    accelerator=True, fmt=_FP32_STATE):
-    """Indices in ``layout`` of the flat parameters whose optimizer state the engine keeps in
-    host memory: the one ``tail_state_in_host`` keeps (see
-    :func:`offload_zero.partition.units.host_tail_index`) and those ``host_cache_bytes`` takes
-    (see [Note: host cache] in :mod:`offload_zero.memory.host_cache`); empty unless the
-    state is on NVMe."""
-    if offload != "nvme":
-        return frozenset()
-    from offload_zero.memory.host_cache import plan_host_cache
-    from offload_zero.partition.units import host_tail_index
-    flat = [(None if spec.unit == -1 else spec.unit, spec.trainable,
-             _shard_numel(spec.numel, n, k, padded)) for spec in layout]
-    tail = None
-    if (step_in_backward and stage >= 2) or (step_in_forward and stage == 3):
-        tail = host_tail_index([(b is None, t, sh) for b, t, sh in flat], setting)
+def _plan(layout, stage, offload_optimizer, offload_param, world_size, dtype, prefetch,
+          accelerator, padded, **timing_and_cache) -> MemoryPlan:
+    """The engine's :func:`offload_zero.plan.memory_plan` for one row (``offload_param=None``:
+    :func:`offload_zero.tables.default_offload_param`)."""
     if offload_param is None:
-        offload_param = default_offload_param(offload, stage)
-    param_tier = _TIER_OF[offload_param] if stage == 3 else "device"
-    aliased = k == 4 and param_tier == "device" and not accelerator
-    per_element = fmt.bytes_per_element - (4 if aliased else 0)
-    return frozenset(plan_host_cache(flat, host_cache_bytes, per_element, tail=tail,
-                                     blocks_reversed=step_in_backward))
+        offload_param = default_offload_param(offload_optimizer, stage)
+    return memory_plan(layout, PlanSettings(
+        stage=stage, offload_optimizer=offload_optimizer, offload_param=offload_param,
+        world_size=world_size, dtype=dtype, prefetch=prefetch, accelerator=accelerator,
+        padded=padded, rebinding=storage_rebinding_supported(), **timing_and_cache))
 
 
-def _state_bytes(fmt: StateFormat, numel, padded: bool, moments_only: bool = False):
-    """Bytes of a state of ``numel`` elements in format ``fmt`` (master and moments, or the
-    moments alone): the padded layout of [Note: state layout], or the plain arithmetic
-    (``bytes_per_element``) for an unpadded estimate."""
-    if padded:
-        return fmt.moment_bytes(numel) if moments_only else fmt.nbytes(numel)
-    return (fmt.bytes_per_element - (4 if moments_only else 0)) * numel
-
-
-def _model_states(layout, stage, offload, n, k, padded, offload_param=None,
-                  accelerator=True, cached=frozenset(),
-                  fmt=_FP32_STATE) -> Dict[str, Dict[str, Number]]:
-    """Per-rank model-state bytes by tier and kind; see [Note: model-state arithmetic].
-    ``cached``: indices of the flat parameters whose state is kept in host memory (see
-    :func:`_cached_in_host`)."""
-    out = _zeros()
-    dev = out["device"]
-    opt_tier = _TIER_OF[offload]
-    if offload_param is None:
-        offload_param = default_offload_param(offload, stage)
-    param_tier = _TIER_OF[offload_param] if stage == 3 else "device"
-    for i, spec in enumerate(layout):
-        shard = _shard_numel(spec.numel, n, k, padded)
-        full = shard * n
-        if i in cached:
-            # its state in host memory: an fp32 shard that lived in the master's NVMe bytes
-            # is that host master now; on a CPU device the master is the shard itself
-            on_nvme = param_tier == "nvme" and k == 4
-            out[param_tier]["parameters"] += 0 if on_nvme else k * (full if stage < 3 else shard)
-            if stage < 2:
-                dev["gradients"] += k * full     # full gradients held until the step
-            out["host"]["gradients"] += 4 * shard
-            aliased = k == 4 and param_tier == "device" and not accelerator
-            out["host"]["master_weights"] += 0 if aliased else 4 * shard
-            out["host"]["moments"] += 2 * fmt.moment_itemsize * shard
-            continue
-        out[param_tier]["parameters"] += k * (full if stage < 3 else shard)
-        if not spec.trainable:
-            continue
-        opt = full if stage == 0 else shard  # optimizer state is partitioned from stage 1
-        if stage < 2:
-            dev["gradients"] += k * full     # full gradients held until the step
-        if offload != "none":
-            out["host"]["gradients"] += 4 * opt   # fp32 reduced gradient shards
-        elif stage >= 2:
-            dev["gradients"] += k * shard
-        # fp32 master is the parameter shard itself: on the device, or the same NVMe bytes
-        aliased = k == 4 and (offload == "none" or (offload == "nvme" and param_tier == "nvme")
-                              or (offload == "cpu" and param_tier == "device" and not accelerator))
-        out[opt_tier]["master_weights"] += 0 if aliased else 4 * opt
-        # (in NVMe files with the padding of [Note: state layout])
-        out[opt_tier]["moments"] += (_state_bytes(fmt, opt, padded, moments_only=True)
-                                     if opt_tier == "nvme" else 2 * fmt.moment_itemsize * opt)
-    return out
-
-
-def _grad_as_is(spec: FlatSpec, shard, n: int, padded: bool) -> bool:
-    """Whether the flat parameter ``spec`` (``shard`` elements per rank of ``n``) takes
-    autograd's gradient as it is: one parameter and no padding (unpadded arithmetic assumes
-    none), as :attr:`offload_zero.partition.flat_param.FlatParam.grad_as_is`."""
-    return spec.single and (not padded or shard * n == spec.numel)
-
-
-def _shards_adopt_grads(stage, offload, n, k, accelerator) -> bool:
-    """Whether the host gradient shards are the full gradients' own memory: one rank on a CPU
-    device at stage 2 or 3, with offload and fp32 gradients (``GradientShards``' adoption; see
-    [Note: reused gradient memory] in offload_zero/partition/grads.py)."""
-    return stage >= 2 and n == 1 and offload != "none" and k == 4 and not accelerator
-
-
-def _extras(layout, stage, offload, n, k, padded, prefetch, accelerator, offload_param=None,
-            step_in_backward=False, cached=frozenset(), step_in_forward=False,
-            fmt=_FP32_STATE):
-    """Per-rank bytes of this engine's buffers at the step's peak; see [Note: engine extras].
-    ``cached``: as for :func:`_model_states`."""
-    out = _zeros()
-    if offload_param is None:
-        offload_param = default_offload_param(offload, stage)
-    if stage == 0:
-        return out
-    # units in flight ahead of the running one: prefetch, at most the other blocks
-    ahead = max(0, min(prefetch, len({spec.unit for spec in layout if spec.unit != -1}) - 1))
-    full = {}     # unit -> gathered bytes
-    shards = []   # trainable shard_numel
-    grad_full = []  # (bytes, taken as autograd made it) per trainable flat parameter
-    all_shards, units_of = [], []
-    for spec in layout:
-        shard = _shard_numel(spec.numel, n, k, padded)
-        all_shards.append(shard)
-        units_of.append(spec.unit)
-        full[spec.unit] = full.get(spec.unit, 0) + k * shard * n
-        if spec.trainable:
-            shards.append(shard)
-            grad_full.append((k * shard * n, _grad_as_is(spec, shard, n, padded)))
-    if stage == 3 and not (n == 1 and offload_param == "none"):
-        # (one rank with its shards on the device keeps them as the parameters: nothing gathered)
-        # the gather pool: slots of the largest block, and one of the root's size
-        largest = max((b for u, b in full.items() if u != -1), default=0)
-        # NVMe-resident shards are read ahead, not gathered ahead: one block on the device
-        gathered = 1 if offload_param == "nvme" else ahead + 1
-        out["device"]["buffers"] += gathered * largest + full.get(-1, 0)
-    if stage >= 2 and grad_full:
-        # on a CPU device the gradient in flight is one buffer kept from step to step, beside
-        # which a gradient taken as autograd made it (one parameter, no padding) is briefly a
-        # device gradient while it is reduced, unless one rank's fp32 host shards adopt the
-        # gradients themselves (see [Note: reused gradient memory] in
-        # offload_zero/partition/grads.py)
-        adopted = _shards_adopt_grads(stage, offload, n, k, accelerator)
-        if accelerator or adopted:
-            out["device"]["gradients"] += max(b for b, _ in grad_full)
-        else:
-            out["device"]["buffers"] += max((b for b, as_is in grad_full if not as_is), default=0)
-            out["device"]["gradients"] += max((b for b, as_is in grad_full if as_is), default=0)
-    if n > 1 and shards:  # the reduce-scatter scratch shard, sized at start-up
-        out["device"]["buffers"] += max(shards) * k
-    biggest = max(shards, default=0)
-    if offload == "nvme":
-        # (a state kept in host memory never streams through the pipeline)
-        streamed = [_shard_numel(spec.numel, n, k, padded) for i, spec in enumerate(layout)
-                    if spec.trainable and i not in cached]
-        # with nothing to stream the engine sizes its buffers for 1024 elements
-        from offload_zero.memory.tiers import NVMeStore
-        out["host"]["buffers"] += 3 * _state_bytes(
-            fmt, min(max(streamed, default=1024), NVMeStore.CHUNK_NUMEL), padded)
-    if stage == 3 and offload_param == "nvme" and all_shards:
-        block_shard = max([sh for sh, u in zip(all_shards, units_of) if u != -1], default=0)
-        root_shard = max([sh for sh, u in zip(all_shards, units_of) if u == -1], default=0)
-        # an fp32 shard on NVMe beside its optimizer state is its master: no write-back ring
-        ring = 0 if (k == 4 and offload == "nvme") else 2
-        out["host"]["buffers"] += (2 * (ahead + 2) + ring) * max(block_shard, 1) * k
-        if root_shard > block_shard:
-            # one buffer per outsized root flat parameter when all are trainable (each keeps
-            # its updated shard for the next forward), else one; the root's small ones go
-            # through the block-sized buffers above
-            root = [i for i, u in enumerate(units_of) if u == -1]
-            outsized = [i for i in root if all_shards[i] > block_shard]
-            if all(layout[i].trainable for i in root):
-                # a state kept in host memory is, in fp32, its own shard: no buffer
-                count = len([i for i in outsized if not (ring == 0 and i in cached)])
-            else:
-                count = 1
-            out["host"]["buffers"] += count * root_shard * k
-    if offload == "nvme" and ((step_in_backward and stage >= 2) or (step_in_forward and stage == 3)):
-        # read-ahead buffers of a block's whole state (master + moments, fp32): two, three
-        # when fp32 parameter shards on NVMe are gathered from them in backward, and with
-        # step_in_forward
-        # (a state kept in host memory is not read ahead)
-        trainable_blocks = [sh for i, (sh, u, spec) in enumerate(zip(all_shards, units_of, layout))
-                            if u != -1 and spec.trainable and i not in cached]
-        count = 3 if (step_in_forward or (step_in_backward and stage == 3
-                                          and offload_param == "nvme" and k == 4)) else 2
-        out["host"]["buffers"] += count * _state_bytes(fmt, max(trainable_blocks, default=0),
-                                                       padded)
-    if offload != "none" and offload_param == "none" and accelerator and shards:
-        out["host"]["buffers"] += biggest * k
-    return out
-
-
-def _to_bytes(d: Dict[str, Dict[str, Number]]) -> Dict[str, Dict[str, int]]:
-    return {t: {k: int(round(v)) for k, v in kinds.items()} for t, kinds in d.items()}
+def _placement(plan: MemoryPlan, offload: str, gpus_per_node: int) -> "Placement":
+    """A plan's bytes as a table row."""
+    s = plan.settings
+    return Placement(s.stage, offload, plan.states(), plan.extras(), gpus_per_node,
+                     engine_supported=s.stage > 0, step_in_forward=s.step_in_forward, plan=plan)
 
 
 # -- public entry point --------------------------------------------------------------------------
@@ -667,14 +460,10 @@ def estimate_memory(model_or_num_params, world_size: int = 1, gpus_per_node: int
         for o in OFFLOADS:
             sif = s == 3 and (default_step_in_forward(s, o, False) if step_in_forward is None
                               else step_in_forward)
-            cached = _cached_in_host(layout, s, o, world_size, itemsize, padded, False, None,
-                                     sif, host_cache_bytes, accelerator=accelerator, fmt=fmt)
-            states = _model_states(layout, s, o, world_size, itemsize, padded,
-                                   accelerator=accelerator, cached=cached, fmt=fmt)
-            extras = _extras(layout, s, o, world_size, itemsize, padded, prefetch, accelerator,
-                             cached=cached, step_in_forward=sif, fmt=fmt)
-            rows.append(Placement(s, o, _to_bytes(states), _to_bytes(extras), gpus_per_node,
-                                  engine_supported=s > 0, step_in_forward=sif))
+            plan = _plan(layout, s, o, None, world_size, dt, prefetch, accelerator, padded,
+                         step_in_forward=sif, host_cache_bytes=host_cache_bytes,
+                         moment_dtype=fmt.moment_dtype)
+            rows.append(_placement(plan, o, gpus_per_node))
     selected = next(p for p in rows if p.stage == stage and p.offload == offload)
     units = {}
     for spec in layout:
@@ -711,36 +500,14 @@ def placement_bytes(model: nn.Module, stage: int, offload_optimizer: str, offloa
     """
     if step_in_forward is None:
         step_in_forward = default_step_in_forward(stage, offload_optimizer, step_in_backward)
-    dt = _resolve_dtype(dtype)
-    k = torch.empty(0, dtype=dt).element_size()
     if layout is None:
         layout = model_layout(model, unit_classes)
-    fmt = StateFormat(moment_dtype_of(moment_dtype))
-    cached = _cached_in_host(layout, stage, offload_optimizer, world_size, k, True,
-                             step_in_backward, tail_state_in_host, step_in_forward,
-                             host_cache_bytes, offload_param, accelerator, fmt=fmt)
-    states = _model_states(layout, stage, offload_optimizer, world_size, k, True, offload_param,
-                           accelerator=accelerator, cached=cached, fmt=fmt)
-    if step_in_backward and _shards_adopt_grads(stage, offload_optimizer, world_size, k,
-                                                accelerator):
-        # one rank on a CPU device: the host shards are the gradients' own memory, each used up
-        # by its update in backward and reused by the next gradient of its size (see [Note:
-        # reused gradient memory] in offload_zero/partition/grads.py): one of each size class,
-        # and one gradient taken as autograd made it (one parameter, no padding: no buffer is
-        # kept for those, and each is used up before the next)
-        from offload_zero.partition.grads import size_classes
-        sizes = [(_shard_numel(spec.numel, 1, k, True), spec) for spec in layout
-                 if spec.trainable]
-        borrowed = [n for n, spec in sizes if not _grad_as_is(spec, n, 1, True)]
-        taken = [n for n, spec in sizes if _grad_as_is(spec, n, 1, True)]
-        states["host"]["gradients"] = 4 * (sum(set(size_classes(borrowed).values()))
-                                           + max(taken, default=0))
-    extras = _extras(layout, stage, offload_optimizer, world_size, k, True, prefetch, accelerator,
-                     offload_param, step_in_backward=step_in_backward, cached=cached,
-                     step_in_forward=step_in_forward, fmt=fmt)
-    return Placement(stage, f"{offload_optimizer}+{offload_param}", _to_bytes(states),
-                     _to_bytes(extras), 1, engine_supported=stage > 0,
-                     step_in_forward=step_in_forward)
+    plan = _plan(layout, stage, offload_optimizer, offload_param, world_size,
+                 _resolve_dtype(dtype), prefetch, accelerator, True,
+                 step_in_backward=step_in_backward, step_in_forward=step_in_forward,
+                 tail_state_in_host=tail_state_in_host, host_cache_bytes=host_cache_bytes,
+                 moment_dtype=moment_dtype_of(moment_dtype))
+    return _placement(plan, f"{offload_optimizer}+{offload_param}", 1)
 
 
 def _layout_of(obj, unit_classes, largest_unit_numel, root_numel):
