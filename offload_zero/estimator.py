@@ -96,7 +96,7 @@ import torch.nn as nn
 from offload_zero.config import check_int, check_switch, default_step_in_forward
 from offload_zero.memory.pool import storage_rebinding_supported
 from offload_zero.memory.state_format import StateFormat, moment_dtype_of
-from offload_zero.plan import (KINDS, FlatSpec, MemoryPlan, PlanSettings, memory_plan,
+from offload_zero.plan import (KINDS, FlatSpec, MemoryPlan, PlanSettings, layout_of, memory_plan,
                                shard_numel as _shard_numel)
 from offload_zero.tables import (DTYPE_LONG_NAMES, DTYPES, OFFLOADS, SHORT_NAME as _SHORT,
                                  TIERS, default_offload_param)
@@ -286,11 +286,11 @@ def model_layout(model: nn.Module, unit_classes: Sequence[type] = (),
     """
     from offload_zero.partition.units import plan_flat_params
     block_mods, planned, _ = plan_flat_params(model, tuple(unit_classes), tuple(leaf_modules))
-    specs = [FlatSpec(sum(p.numel() for p, _ in members), -1 if i == len(block_mods) else i,
-                      trainable, len(members) == 1) for i, trainable, members in planned]
-    if not specs:
-        raise ValueError(f"model {type(model).__name__} has no parameters")
-    return specs
+    try:
+        return list(layout_of([(-1 if i == len(block_mods) else i, trainable, members)
+                               for i, trainable, members in planned]))
+    except ValueError:
+        raise ValueError(f"model {type(model).__name__} has no parameters") from None
 
 
 def assumed_layout(num_params: int, largest_unit_numel: Optional[int] = None,

@@ -174,6 +174,8 @@ class MemoryPlan:
         in_flight: ``{tier: {kind: bytes}}`` held at the step's peak beside the pools (a unit's
             full gradient before its reduction; gathered units without storage rebinding).
         master_aliased: the trainable fp32 shards are their own master weights (no copy).
+        host_master_aliased: a state kept in host memory has the fp32 parameter shard as its
+            master (fp32 on a CPU device, shards on the device).
         master_is_param_on_nvme: fp32 parameter shards on NVMe are read from their master's
             bytes in the optimizer's files (no files of their own, no write-back ring).
         keeps_full_params: gathered parameters stay allocated (stages 1-2; stage 3 with one rank
@@ -195,6 +197,7 @@ class MemoryPlan:
     pools: Tuple[PoolSpec, ...]
     in_flight: Dict[str, Dict[str, Number]]
     master_aliased: bool
+    host_master_aliased: bool
     master_is_param_on_nvme: bool
     keeps_full_params: bool
     tail: Optional[int]
@@ -246,6 +249,18 @@ def shard_numel(numel: int, world_size: int, itemsize: int, padded: bool = True)
     return max(1, math.ceil(numel / (world_size * align))) * align
 
 
+def layout_of(planned) -> Tuple[FlatSpec, ...]:
+    """The layout of ``planned``: ``(unit index or -1 for the root, trainable, members)`` per
+    flat parameter in construction order, ``members`` a list of ``(parameter, references)``
+    (as :func:`offload_zero.partition.units.plan_flat_params` gives them). Tied parameters
+    are members once. Raises ValueError when there is no parameter at all."""
+    specs = tuple(FlatSpec(sum(p.numel() for p, _ in members), unit, trainable,
+                           len(members) == 1) for unit, trainable, members in planned)
+    if not specs:
+        raise ValueError("the model has no parameters")
+    return specs
+
+
 def memory_plan(layout: Sequence[FlatSpec], settings: PlanSettings) -> MemoryPlan:
     """The engine's bytes for ``layout`` (its flat parameters in construction order, as
     :func:`offload_zero.estimator.model_layout` gives them) under ``settings``.
@@ -282,6 +297,7 @@ def memory_plan(layout: Sequence[FlatSpec], settings: PlanSettings) -> MemoryPla
     return MemoryPlan(
         settings=s, layout=layout, shard_numel=shards, model_states=states, pools=pools,
         in_flight=_in_flight(layout, shards, s), master_aliased=_aliased(s),
+        host_master_aliased=_host_alias(s),
         master_is_param_on_nvme=share, keeps_full_params=_keeps_full(s), tail=tail,
         in_host=in_host, outsized_root=outsized, keep_root=keep_root, host_cache=host_cache)
 
