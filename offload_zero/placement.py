@@ -26,6 +26,8 @@ from typing import List, Optional, Tuple
 import torch
 import torch.nn as nn
 
+from offload_zero.tables import TIERS
+
 log = logging.getLogger("offload_zero")
 
 CANDIDATES: Tuple[Tuple[str, str], ...] = (
@@ -134,7 +136,7 @@ def choose_placement(model: nn.Module, stage: int, world_size: int, dtype: torch
                                 step_in_backward=step_in_backward,
                                 tail_state_in_host=tail_state_in_host, step_in_forward=sif,
                                 host_cache_bytes=cache, moment_dtype=moment_dtype)
-            return {t: p.tier_bytes(t) for t in ("device", "host", "nvme")}
+            return {t: p.tier_bytes(t) for t in TIERS}
 
         cache = 0 if host_cache_bytes == "auto" else host_cache_bytes
         need = need_with(cache)

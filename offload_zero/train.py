@@ -38,13 +38,14 @@ import torch
 
 from offload_zero import data as data_lib
 from offload_zero.memory.owner import pid_alive as _pid_alive
+from offload_zero.tables import DTYPES
 
 log = logging.getLogger("offload_zero.train")
 
 # File names whose presence in a checkpoint folder means it ships a tokenizer.
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json",
                     "spiece.model", "vocab.txt")
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_DTYPES = DTYPES
 # The file --save writes the weights to: the name transformers' from_pretrained looks for first.
 WEIGHTS_NAME = "model.safetensors"
 
@@ -637,7 +638,8 @@ def nvme_bytes_needed(args: argparse.Namespace, model: torch.nn.Module, step_in_
     """Bytes the swap files of ``--offload nvme`` take on ``--path``'s file system: one rank's
     (:func:`offload_zero.estimator.placement_bytes` on the engine's layout, at the world size
     of ``WORLD_SIZE``) times the ranks of this node (``LOCAL_WORLD_SIZE``), which share it."""
-    from offload_zero.estimator import default_offload_param, placement_bytes
+    from offload_zero.estimator import placement_bytes
+    from offload_zero.tables import default_offload_param
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size)))
     placement = placement_bytes(model, args.stage, "nvme",
