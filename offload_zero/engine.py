@@ -113,6 +113,8 @@ class OffloadEngine:
             steps after each update it makes (not after a skipped one, nor between accumulated
             micro-batches), as DeepSpeed steps its configured schedule
             (:func:`offload_zero.from_deepspeed_config` sets it). Do not step it yourself too.
+        memory_plan: the :class:`offload_zero.plan.MemoryPlan` the engine was built from:
+            its pools (exactly those of :meth:`memory_report`) and its bytes per tier and kind.
         load_report: ``{"missing_keys": [...], "unexpected_keys": [...]}`` of ``load_from``
             (empty lists without it, and always when ``strict``).
 
@@ -486,19 +488,20 @@ class OffloadEngine:
         step_in_backward or step_in_forward and the state on NVMe; see
         :func:`offload_zero.partition.units.host_tail_index`) or None, and the names of every
         flat parameter whose optimizer state stays in host memory: that one and those
-        ``host_cache_bytes`` takes (see [Note: host cache]). Empty unless the state is on NVMe."""
+        ``host_cache_bytes`` takes (see [Note: host cache]): the memory plan's choice, by name.
+        Empty unless the state is on NVMe."""
         names = _flat_param_names(plan[2])
         tail = self.memory_plan.tail
-        return (None if tail is None else names[tail]), {names[i] for i in self.memory_plan.in_host}
+        in_host = {names[i] for i in self.memory_plan.in_host}
+        return (None if tail is None else names[tail]), in_host
 
     def _build_gather_pools(self):
         """Device slots for gathered units, sized now (see [Note: gather pool]); returns
         ``f(unit) -> GatherPool | None`` for the scheduler, or None when nothing is gathered.
 
-        Blocks share ``prefetch + 1`` slots of the largest block (at most one per block; one
-        when shards live on NVMe: the units ahead are read into host buffers, not gathered); the
-        root unit, gathered from the start of forward to the end of backward, has a slot of its
-        own size."""
+        Blocks share the plan's ``gather`` slots, the root unit (gathered from the start of
+        forward to the end of backward) has ``gather_root`` (see [Note: pools] in
+        :mod:`offload_zero.plan`)."""
         if self._keeps_full_params():
             return None
         if not storage_rebinding_supported():

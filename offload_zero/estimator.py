@@ -16,67 +16,20 @@ Offload moves the partitioned state off the device: ``"cpu"`` puts the fp32 mast
 moments (12Ψ/N) and the reduced gradient shards (fp32: 4Ψ/N) in host memory (ZeRO-Offload);
 ``"nvme"`` puts master weights and moments in NVMe files and keeps the gradient shards in host
 memory (ZeRO-Infinity); at stage 3 it puts the compute-dtype parameter shards (KΨ/N) in NVMe
-files too. At stages 0 and 1 the full gradient (KΨ) stays on the device until the
-step whatever the offload. With fp32 compute the master weights are the parameter shard itself
-when both sit on the device (no offload, or ``"cpu"`` when the CPU itself is the device) or
-both in NVMe files (``"nvme"`` at stage 3: the parameter shard is read from the master's
-bytes), so they cost 0 bytes beyond the parameters.
-With ``step_in_backward`` or ``step_in_forward`` and ``"nvme"``, the flat parameter updated
-last in backward and needed first by the next forward (the root's part used before the blocks:
-input embeddings) may keep its master weights and moments in host memory (``tail_state_in_host``; by default when its shard is at most a quarter of all
-trainable shards): 12 bytes per element there, its fp32 parameter shard then being that
-host master (0 on NVMe), and 8 when its master is the CPU device's shard itself. With
-``host_cache_bytes`` (any mode) more flat parameters keep their state there by the same
-arithmetic, chosen by :func:`offload_zero.memory.host_cache.plan_host_cache`.
-With ``moment_dtype="bf16"`` the moments take 2 bytes each per element instead of 4 (8Ψ/N
-of optimizer state instead of 12Ψ/N; in NVMe files each moment of a shard is padded to 4096
-bytes, see [Note: state layout] in :mod:`offload_zero.memory.state_format`), and every buffer
-that holds states (pipeline, read-ahead) is sized in that format.
-Frozen parameters (``requires_grad=False``) cost only their compute-dtype copy.
+files too. With ``moment_dtype="bf16"`` the moments take 2 bytes each per element instead of
+4. Frozen parameters (``requires_grad=False``) cost only their compute-dtype copy.
 
-[Note: engine extras]
-Besides model states this engine holds, at the peak of a step:
-- stage 3: the gather pool (device buffers, fixed at start-up): ``prefetch + 1`` slots (at most
-  one per block: ``prefetch`` counts at most the other blocks, here and below) the size
-  of the largest block unit (its flat parameters' ``padded_numel * K`` bytes) plus one slot the
-  size of the root unit; with parameters on NVMe the units ahead are read into host buffers
-  instead, so one block slot plus the root's; with one rank and the shards on the device
-  nothing is gathered (the shard is the whole parameter);
-- stages 2 and 3: one unit's full gradient in flight before it is reduce-scattered (the largest
-  trainable flat parameter, ``padded_numel * K`` bytes, device gradients; on a CPU device a
-  device buffer kept from step to step, the size of the largest flat parameter of several
-  parameters or with padding, beside which the largest of one parameter without padding is a
-  device gradient while it is reduced (its gradient is taken as autograd made it), except where
-  one rank's fp32 host shards adopt the gradients);
-- (stage 1 needs no gradient buffer beyond the full gradients: without offload it reduces in
-  place and the shard is a window of the full gradient);
-- ``"nvme"``: three pipeline host buffer sets of ``3 * min(largest shard_numel, chunk) * 4``
-  bytes each (read k+1 | update k | write k-1; chunks of ``NVMeStore.CHUNK_NUMEL`` elements); at stage 3 also the pool of parameter-shard buffers,
-  ``2 * (prefetch + 2) + 2`` buffers of ``largest shard_numel * K`` bytes (reads ahead of use and
-  the step's write-back ring; no ring at fp32 with the optimizer state on NVMe too, where the
-  shard is the master and the update writes it once), and for an outsized root unit buffers of
-  its size: one per root flat parameter larger than a block's shard when all the root's
-  parameters are trainable (each keeps its updated shard for the next forward), else one (the
-  root's small flat parameters, such as the final norm's part of its split, go
-  through the block-sized buffers);
-- with ``step_in_backward`` and ``"nvme"``: two read-ahead buffers of the largest trainable block
-  shard's whole state, ``2 * 12 * shard_numel`` bytes (three when fp32 parameter shards on NVMe
-  are gathered from them); the outsized root's buffers then hold one shard fewer when its tail
-  state is in host memory (see above);
-- with ``step_in_forward`` and ``"nvme"`` (stage 3): three read-ahead buffers of the largest
-  trainable block shard's whole state, ``3 * 12 * shard_numel`` bytes;
-- with an accelerator and any offload: one host staging buffer of ``largest shard_numel * K``;
-- with N > 1: one reduce-scatter scratch shard on the device, ``largest shard_numel * K``.
-Activations, the allocator's fragmentation and the framework's own workspace are not counted.
+Every byte the engine holds beyond that arithmetic (its padding, the state it keeps in host
+memory, the fp32 cases where one tensor serves twice, and its fixed pools of buffers) is the
+engine's own memory plan, :func:`offload_zero.plan.memory_plan`: this module builds the
+layout and sums the plan, so a model's estimate equals ``OffloadEngine.memory_report()``.
 
 [Note: padding]
-Each flat parameter (one per unit and ``requires_grad`` value) is padded so that its shard,
-``shard_numel``, is a multiple of ``4096 / K`` elements: 4096-byte aligned for O_DIRECT. When a
-model is given, the estimate uses the engine's exact layout, so its bytes equal
-``OffloadEngine.memory_report()``. When only a parameter count is given there is no layout:
-model states are the paper's unpadded arithmetic, exactly (each kind's bytes rounded to the
-nearest byte when Ψ/N is not whole), and the engine extras use an assumed layout (see
-:func:`assumed_layout`).
+Each flat parameter (one per unit and ``requires_grad`` value) is padded so that its shard is
+4096-byte aligned for O_DIRECT. When a model is given, the estimate uses the engine's exact
+layout. When only a parameter count is given there is no layout: model states are the paper's
+unpadded arithmetic, exactly (each kind's bytes rounded to the nearest byte when Ψ/N is not
+whole), and the plan runs on an assumed layout (see :func:`assumed_layout`).
 
 Units everywhere: bytes; "GB" in printed tables is 1e9 bytes.
 """
@@ -123,11 +76,10 @@ class Placement:
         model_states: ``{tier: {kind: bytes}}`` per rank — parameters, gradients, master
             weights, moments (see [Note: model-state arithmetic]).
         extras: ``{tier: {kind: bytes}}`` per rank — this engine's buffers at the step's peak
-            (see [Note: engine extras]).
+            (see [Note: pools] and [Note: bytes in flight] in :mod:`offload_zero.plan`).
         gpus_per_node: ranks per node, to turn per-rank host and NVMe bytes into per-node bytes.
         engine_supported: False for stage 0 (plain data parallelism; a reference row only).
-        step_in_forward: whether the row counts the engine's ``step_in_forward`` (the
-            embeddings' state in host memory when small, its read-ahead buffers).
+        step_in_forward: whether the row counts the engine's ``step_in_forward``.
         plan: the :class:`offload_zero.plan.MemoryPlan` the bytes are summed from.
     """
 
@@ -412,12 +364,12 @@ def estimate_memory(model_or_num_params, world_size: int = 1, gpus_per_node: int
         unit_classes: module classes that make units (as ``OffloadEngine(unit_classes=...)``).
         largest_unit_numel, root_numel: elements of the largest block and of the root unit,
             only for a parameter count (default: :func:`assumed_layout`).
-        accelerator: whether the device is an accelerator (False: the CPU-only engine, which
-            needs no host staging buffer).
+        accelerator: whether the device is an accelerator (False: the CPU-only engine, whose
+            device and host are one memory).
         step_in_forward: the engine's option of that name for the stage-3 rows; None (its
             default) counts it where the engine turns it on, the optimizer state on NVMe (see
-            :func:`offload_zero.config.default_step_in_forward`): the embeddings' state in
-            host memory when small, three read-ahead buffers. For a parameter count the root's
+            :func:`offload_zero.config.default_step_in_forward`) and counts its buffers (see
+            :mod:`offload_zero.plan`). For a parameter count the root's
             split by gradient order (every mode) assumes its two embeddings of equal size (a
             final norm is too small to count).
         host_cache_bytes: bytes of optimizer state kept in host memory instead of NVMe in the
@@ -489,8 +441,7 @@ def placement_bytes(model: nn.Module, stage: int, offload_optimizer: str, offloa
     ``offload_optimizer`` / ``offload_param``: "none", "cpu" or "nvme" (parameters off the
     device only at stage 3). ``layout``: a precomputed :func:`model_layout` (saves a walk of
     the model). ``step_in_backward``, ``tail_state_in_host``, ``step_in_forward``: the engine's
-    options of those names (its NVMe read-ahead buffers; the state it keeps in host memory;
-    ``step_in_forward=None``: the engine's default for this placement, see
+    options of those names (``step_in_forward=None``: the engine's default for this placement, see
     :func:`offload_zero.config.default_step_in_forward`); ``host_cache_bytes``: bytes of
     optimizer state the engine keeps in host memory instead of NVMe (see [Note: host cache] in
     :mod:`offload_zero.memory.host_cache`); ``moment_dtype``: ``"fp32"`` or ``"bf16"``, the
@@ -586,8 +537,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(the engine's host_cache_bytes; default 0)")
     parser.add_argument("--cpu-device", action="store_true",
                         help="the CPU plays the device (no accelerator): device and host are one "
-                             "memory, so an fp32 master offloaded to the host is the shard itself "
-                             "and no staging buffer is needed (default: an accelerator)")
+                             "memory (default: an accelerator)")
 
 
 def run(args: argparse.Namespace) -> MemoryEstimate:
@@ -646,7 +596,7 @@ def format_table(est: MemoryEstimate, unit: str = "GB") -> str:
         nvme = any(p.step_in_forward and p.offload == "nvme" for p in est.table)
         lines.append(f"with step_in_forward ({', '.join(sif)}): updates applied in the next "
                      "forward" + ("; with NVMe the embeddings' optimizer state in host memory "
-                                  "when small and three read-ahead buffers of a block's state"
+                                  "when small and read-ahead buffers of a block's state"
                                   if nvme else ""))
     if not est.padded:
         lines.append(f"layout assumed from the parameter count: largest unit "

@@ -40,6 +40,41 @@ flight ahead of the running one, ``prefetch`` capped at the other blocks):
 - ``reduce_scratch`` (device): N > 1: one shard of the largest trainable shard, that every
   reduce-scatter writes into.
 
+[Note: bytes in flight]
+Besides the pools, at the step's peak:
+
+- stages 2 and 3: one unit's full gradient before its reduce-scatter, the largest trainable
+  flat parameter's padded bytes (device gradients). On a CPU device that memory is a buffer
+  kept from step to step (kind "buffers"), the size of the largest flat parameter of several
+  parameters or with padding; a flat parameter of one unpadded parameter takes its gradient
+  as autograd made it, a device gradient beside that buffer while it is reduced. One rank's
+  fp32 host shards adopt the gradients themselves instead (see [Note: reused gradient memory]
+  in offload_zero/partition/grads.py).
+- stage 3 without storage rebinding (an old torch): the gather pool's bytes, allocated per
+  gather instead.
+
+[Note: model states in the engine]
+The paper's arithmetic (see [Note: model-state arithmetic] in :mod:`offload_zero.estimator`),
+with the engine's layout and these decisions:
+
+- master aliasing: in fp32 the master weights are the parameter shard itself when both sit on
+  the device (no offload, or ``"cpu"`` where the CPU itself is the device) or both in NVMe files
+  (the shard is read from the master's bytes): 0 bytes beyond the parameters.
+- states kept in host memory (``in_host``): with updates in backward or in the next forward and
+  the state on NVMe, the root's last trainable flat parameter (the embeddings: updated last in
+  backward, needed first in forward; see :func:`offload_zero.partition.units.host_tail_index`)
+  when its shard is at most a quarter of all trainable shards (``tail_state_in_host=None``),
+  and those ``host_cache_bytes`` takes (see [Note: host cache] in
+  :mod:`offload_zero.memory.host_cache`): 12 bytes per element there (8 with bf16 moments),
+  4 less when the master is the CPU device's shard; an fp32 parameter shard on NVMe is then
+  that host master (0 on NVMe).
+- NVMe moments are padded to 4096 bytes each (see [Note: state layout] in
+  :mod:`offload_zero.memory.state_format`).
+- ``step_in_backward`` on one CPU rank whose fp32 host shards adopt the gradients: each
+  gradient is used up by its update in backward and its memory serves the next of its size
+  class, so the host gradients are one of each size class plus the largest taken as autograd
+  made it.
+
 Units: bytes everywhere; element counts are named ``_numel``.
 """
 from __future__ import annotations
@@ -265,8 +300,8 @@ def memory_plan(layout: Sequence[FlatSpec], settings: PlanSettings) -> MemoryPla
     """The engine's bytes for ``layout`` (its flat parameters in construction order, as
     :func:`offload_zero.estimator.model_layout` gives them) under ``settings``.
 
-    Model states follow Rajbhandari et al., 2019 (ZeRO), sec. 5 (see [Note: model-state
-    arithmetic] in :mod:`offload_zero.estimator`); pools follow [Note: pools]. Raises
+    Model states follow Rajbhandari et al., 2019 (ZeRO), sec. 5, as [Note: model states in the
+    engine] says; pools follow [Note: pools], the rest [Note: bytes in flight]. Raises
     ValueError for an empty layout or settings out of range (naming the value)."""
     s = settings
     if not layout:
@@ -391,8 +426,7 @@ def _to_bytes(d) -> Dict[str, Dict[str, int]]:
 
 # -- model states --------------------------------------------------------------------------------
 def _model_states(layout, shards, s: PlanSettings, fmt: StateFormat, in_host):
-    """Per-rank model-state bytes by tier and kind (see [Note: model-state arithmetic] in
-    :mod:`offload_zero.estimator`)."""
+    """Per-rank model-state bytes by tier and kind (see [Note: model states in the engine])."""
     out = _zeros()
     dev, n, k = out["device"], s.world_size, s.itemsize
     opt_tier, param_tier = s.optimizer_tier, s.param_tier
@@ -443,8 +477,7 @@ def _unit_bytes(layout, shards, k: int, n: int) -> Dict[int, Number]:
 
 
 def _in_flight(layout, shards, s: PlanSettings):
-    """Bytes at the step's peak that are no pool: one unit's full gradient before its
-    reduce-scatter (stages 2-3), and gathered units when they cannot use pool slots."""
+    """Bytes at the step's peak that are no pool (see [Note: bytes in flight])."""
     out = _zeros()
     n, k = s.world_size, s.itemsize
     grad_full = [(k * sh * n, _grad_as_is(f, sh, n, s.padded))

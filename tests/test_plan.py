@@ -14,6 +14,7 @@ from dist_harness import run_ranks
 from models import WIDTH, Block, TinyLM, UnpaddedHeadLM, big_root_lm, lm_loss
 from offload_zero import OffloadEngine
 from offload_zero.estimator import placement_bytes
+from offload_zero.placement import CANDIDATES
 from offload_zero.plan import KINDS, FlatSpec, PlanSettings, memory_plan
 from offload_zero.tables import OFFLOADS, TIERS, default_offload_param
 
@@ -71,16 +72,17 @@ def _mismatches(name, stage, offload, dtype, timing, world_size=1) -> list:
     torch.manual_seed(0)
     model = make()
     kw = dict(TIMINGS[timing])
+    offload, _, param = offload.partition("+")  # ("opt+param": offload="auto"'s candidates)
+    param = param or default_offload_param(offload, stage)
     if offload == "nvme" and name in CACHED:
         # about 37% of the optimizer state in host memory instead of its files
         numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
         kw["host_cache_bytes"] = int(0.37 * 12 * numel)
-    est = placement_bytes(model, stage, offload, default_offload_param(offload, stage),
-                          world_size, dtype, accelerator=False, **kw)
-    cell = (name, stage, offload, str(dtype), timing, world_size)
+    est = placement_bytes(model, stage, offload, param, world_size, dtype, accelerator=False, **kw)
+    cell = (name, stage, offload, param, str(dtype), timing, world_size)
     with tempfile.TemporaryDirectory() as path:
-        with OffloadEngine(model, stage=stage, offload=offload, dtype=dtype,
-                           path=path if offload == "nvme" else None, **kw) as eng:
+        with OffloadEngine(model, stage=stage, offload=offload, offload_param=param, dtype=dtype,
+                           path=path if "nvme" in (offload, param) else None, **kw) as eng:
             g = torch.Generator().manual_seed(1)
             for _ in range(2):
                 x = torch.randint(0, vocab, (2, 7), generator=g)
@@ -101,6 +103,9 @@ def _mismatches(name, stage, offload, dtype, timing, world_size=1) -> list:
         if est.tier_bytes(tier) != sum(measured.values()):
             out.append(f"{cell}: {tier} estimate {est.tier_bytes(tier)} != measured "
                        f"{sum(measured.values())}")
+    if stage == 3 and rep["live_units"]["peak"] > eng.config.prefetch + 2:
+        out.append(f"{cell}: {rep['live_units']['peak']} units live, more than the plan's "
+                   f"prefetch + 1 blocks and the root")
     if rep.get("host_cache") != plan.host_cache:
         out.append(f"{cell}: host cache {rep.get('host_cache')} != plan {plan.host_cache}")
     return out
@@ -111,6 +116,16 @@ def test_engine_holds_exactly_its_plan_at_world_size_1(name, torch_single_thread
     """Every stage x offload x dtype x update timing the engine takes, for each model."""
     cells = _grid([name])
     assert len(cells) == 3 * 3 * (1 + 2 + 3)
+    bad = [line for cell in cells for line in _mismatches(*cell)]
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_auto_placement_candidates_hold_exactly_their_plan(dtype, torch_single_thread):
+    """offload="auto"'s candidates (optimizer and parameter tiers apart) at stage 3, every
+    update timing, an outsized root: what placement_bytes budgets is what the engine holds."""
+    cells = [("big_root", 3, f"{opt}+{param}", dtype, timing) for opt, param in CANDIDATES
+             for timing in TIMINGS_OF_STAGE[3]]
     bad = [line for cell in cells for line in _mismatches(*cell)]
     assert not bad, "\n".join(bad)
 
