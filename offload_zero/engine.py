@@ -246,7 +246,7 @@ class OffloadEngine:
         # every byte held below, pools included, comes from this plan (see offload_zero/plan.py)
         self.memory_plan = memory_plan(
             layout_of([(-1 if u.is_root else u.index, t, m) for u, t, m in plan[2]]),
-            settings_of(cfg, self.world_size, self.device))
+            settings_of(cfg, self.world_size, self.device, storage_rebinding_supported()))
         # names of the flat parameters whose optimizer state stays in RAM (see [Note: host cache])
         self._tail, self._in_host = self._state_in_host(plan)
         if "nvme" in (cfg.offload_optimizer, cfg.offload_param):
@@ -504,7 +504,7 @@ class OffloadEngine:
         :mod:`offload_zero.plan`)."""
         if self._keeps_full_params():
             return None
-        if not storage_rebinding_supported():
+        if not self.memory_plan.settings.rebinding:
             log.info("this torch cannot rebind storages: gathered units are allocated per gather")
             return None
 

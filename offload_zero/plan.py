@@ -159,11 +159,11 @@ class PlanSettings:
         return TIER_OF_OFFLOAD[self.offload_optimizer]
 
 
-def settings_of(cfg, world_size: int, device: torch.device) -> PlanSettings:
+def settings_of(cfg, world_size: int, device: torch.device, rebinding: bool) -> PlanSettings:
     """The :class:`PlanSettings` of an engine's resolved ``EngineConfig`` (``offload`` not
-    "auto"), its world size and device. The one place the update timing is read from the
-    config."""
-    from offload_zero.memory.pool import storage_rebinding_supported
+    "auto"), its world size, device and whether torch can rebind storages
+    (:func:`offload_zero.memory.pool.storage_rebinding_supported`). The one place the update
+    timing is read from the config."""
     step_in_backward, step_in_forward = bool(cfg.step_in_backward), bool(cfg.step_in_forward)
     return PlanSettings(
         stage=cfg.stage, offload_optimizer=cfg.offload_optimizer, offload_param=cfg.offload_param,
@@ -171,7 +171,7 @@ def settings_of(cfg, world_size: int, device: torch.device) -> PlanSettings:
         accelerator=device.type != "cpu", step_in_backward=step_in_backward,
         step_in_forward=step_in_forward, tail_state_in_host=cfg.tail_state_in_host,
         host_cache_bytes=cfg.host_cache_bytes, moment_dtype=cfg.moment_torch_dtype,
-        rebinding=storage_rebinding_supported())
+        rebinding=rebinding)
 
 
 @dataclasses.dataclass(frozen=True)
