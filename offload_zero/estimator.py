@@ -41,7 +41,7 @@ import json
 import math
 import numbers
 import os
-from typing import Dict, List, Optional, Sequence, Tuple, Union
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
@@ -49,13 +49,15 @@ import torch.nn as nn
 from offload_zero.config import check_int, check_switch, default_step_in_forward
 from offload_zero.memory.pool import storage_rebinding_supported
 from offload_zero.memory.state_format import StateFormat, moment_dtype_of
-from offload_zero.plan import (KINDS, FlatSpec, MemoryPlan, PlanSettings, layout_of, memory_plan,
-                               shard_numel as _shard_numel)
+from offload_zero.plan import (KINDS, FlatSpec, MemoryPlan, PlanSettings, layout_of,
+                               memory_plan)
+from offload_zero.plan import shard_numel as _shard_numel  # noqa: F401 (the name callers import)
 from offload_zero.tables import (DTYPE_LONG_NAMES, DTYPES, OFFLOADS, SHORT_NAME as _SHORT,
                                  TIERS, default_offload_param)
 
 __all__ = ["estimate_memory", "placement_bytes", "model_layout", "assumed_layout", "FlatSpec",
-           "Placement", "MemoryEstimate", "default_offload_param", "format_table"]
+           "Placement", "MemoryEstimate", "default_offload_param", "format_table", "STAGES",
+           "OFFLOADS", "TIERS", "KINDS"]
 
 STAGES = (0, 1, 2, 3)
 _DTYPE_NAMES = {**DTYPES, **DTYPE_LONG_NAMES}
