@@ -8,8 +8,8 @@ Candidates, cheapest first (each moves more state off the device, at more cost p
 4. optimizer state to NVMe, parameter shards in host RAM (stage 3);
 5. optimizer state and parameter shards to NVMe (stage 3).
 
-The bytes of each come from :func:`offload_zero.estimator.placement_bytes` (the ZeRO paper's
-accounting on the engine's padded layout plus its buffers). Budgets: free device memory
+The bytes of each come from :func:`offload_zero.estimator.placement_bytes`: the sum of the
+engine's own memory plan for that placement (:func:`offload_zero.plan.memory_plan`). Budgets: free device memory
 (``torch.cuda.mem_get_info``; on a CPU-only machine the device is host RAM), available host RAM
 (``psutil.virtual_memory().available``) and free disk at ``path`` (``shutil.disk_usage``), each
 with 10% headroom for activations and the allocator; ``max_device_bytes`` / ``max_host_bytes``
