@@ -28,7 +28,6 @@ from offload_zero.lockstep import Phase
 from offload_zero.config import EngineConfig, Tier, check_number
 from offload_zero.memory.accounting import StateKind, TierAccountant
 from offload_zero.memory.aligned import aligned_empty
-from offload_zero.memory.host_cache import plan_host_cache
 from offload_zero.memory.pool import GatherPool, HostBufferPool, storage_rebinding_supported
 from offload_zero.memory.tiers import (DeviceStore, HostParamHome, HostStore, NVMeParamHome,
                                        NVMeStore)
@@ -36,7 +35,8 @@ from offload_zero.partition.flat_param import FlatParam, build_entries, shard_nu
 from offload_zero.partition.grads import GradientShards
 from offload_zero.partition.reduce_order import OrderedReduction, grad_order, reduce_stage1
 from offload_zero.partition.schedule import UnitScheduler, runs_itself
-from offload_zero.partition.units import Unit, host_tail_index, plan_flat_params
+from offload_zero.partition.units import Unit, plan_flat_params
+from offload_zero.plan import layout_of, memory_plan, pipeline_shard_numel, settings_of
 
 log = logging.getLogger("offload_zero")
 
@@ -113,6 +113,8 @@ class OffloadEngine:
             steps after each update it makes (not after a skipped one, nor between accumulated
             micro-batches), as DeepSpeed steps its configured schedule
             (:func:`offload_zero.from_deepspeed_config` sets it). Do not step it yourself too.
+        memory_plan: the :class:`offload_zero.plan.MemoryPlan` the engine was built from:
+            its pools (exactly those of :meth:`memory_report`) and its bytes per tier and kind.
         load_report: ``{"missing_keys": [...], "unexpected_keys": [...]}`` of ``load_from``
             (empty lists without it, and always when ``strict``).
 
@@ -241,6 +243,10 @@ class OffloadEngine:
         plan = self._plan = self._plan_units(model)
         if not any(members for _, _, members in plan[2]):
             raise ValueError("model has no parameters to train")
+        # every byte held below, pools included, comes from this plan (see offload_zero/plan.py)
+        self.memory_plan = memory_plan(
+            layout_of([(-1 if u.is_root else u.index, t, m) for u, t, m in plan[2]]),
+            settings_of(cfg, self.world_size, self.device, storage_rebinding_supported()))
         # names of the flat parameters whose optimizer state stays in RAM (see [Note: host cache])
         self._tail, self._in_host = self._state_in_host(plan)
         if "nvme" in (cfg.offload_optimizer, cfg.offload_param):
@@ -249,47 +255,32 @@ class OffloadEngine:
             self.swapper = Swapper(os.path.join(os.fspath(cfg.path), f"rank{self.rank}"),
                                    backend=cfg.aio_backend, block_size=cfg.aio_block_size,
                                    queue_depth=cfg.aio_queue_depth, claim=True)
-        def shard_of(members):
-            return shard_numel_for(sum(p.numel() for p, _ in members), self.world_size, cfg.dtype)
-
-        block_shard = max((shard_of(m) for u, _, m in plan[2] if not u.is_root), default=0)
-        root_shard = max((shard_of(m) for u, _, m in plan[2] if u.is_root), default=0)
+        mplan = self.memory_plan
         if cfg.param_tier is Tier.HOST:
             self.param_home = HostParamHome(self._acct, self._host_alloc)
         elif cfg.param_tier is Tier.NVME:
             # fp32 shards are their own master weights: read from the optimizer's files and
             # never written back separately, so no write-back ring either
-            share = self._master_is_param_on_nvme()
-            ring = 0 if share else NVMeParamHome._WRITE_RING
+            share = mplan.master_is_param_on_nvme
             # in flight at once: (prefetch + 1) units of at most 2 flat parameters, plus the
             # write-back ring of the step. An outsized root unit (embeddings) gets buffers of
             # its own, so the main pool's buffers are block-sized: one per flat parameter when
             # they are all trainable (each keeps its updated shard for the next forward), else
-            # one, through which its flat parameters are read one after the other.
-            count = 2 * (_ahead(cfg.prefetch, plan) + 2) + ring
-            main = HostBufferPool("param_shards", count, max(block_shard, 1), cfg.dtype,
-                                  self._host_alloc, self._acct)
-            self.pools["param_shards"] = main
+            # one, through which its flat parameters are read one after the other; the root's
+            # small flat parameters (a final norm split off by gradient order, frozen ones) go
+            # through the block-sized pool like a block's (see [Note: pools])
+            main = self._host_pool(mplan.pool("param_shards"))
             pool_for = lambda fp: main  # noqa: E731
             keep = None
             # a state kept in host memory is, in fp32, the shard itself: no buffer, no file
             in_host = self._in_host if share else set()
-            if root_shard > block_shard:
-                # the root's outsized flat parameters (embeddings, LM head) get root-sized
-                # buffers; its small ones (a final norm split off by gradient order, frozen
-                # parameters) go through the block-sized pool like a block's
+            spec = mplan.pool("param_shards_root")
+            if spec is not None:
                 names = _flat_param_names(plan[2])
-                outsized = {n for n, (u, _, m) in zip(names, plan[2])
-                            if u.is_root and shard_of(m) > block_shard}
-                keep_root = all(trainable for u, trainable, _ in plan[2] if u.is_root)
-                # (none when the only outsized one is a tail kept in host memory)
-                root_count = len(outsized - in_host) if keep_root else 1
-            if root_shard > block_shard and root_count:
-                root = HostBufferPool("param_shards_root", root_count, root_shard, cfg.dtype,
-                                      self._host_alloc, self._acct)
-                self.pools["param_shards_root"] = root
+                outsized = {names[i] for i in mplan.outsized_root}
+                root = self._host_pool(spec)
                 pool_for = lambda fp: root if fp.name in outsized else main  # noqa: E731
-                if keep_root:
+                if mplan.keep_root:
                     # the root's buffers are idle between its update and the next forward,
                     # which gathers the root first: the updated shards stay there instead of
                     # being read back from the files
@@ -338,9 +329,8 @@ class OffloadEngine:
                                     self._acct, self._host_alloc, host_dtype=cfg.grad_dtype,
                                     share_near_sizes=cfg.step_in_backward)
         self._staging = None
-        if (self.device.type != "cpu" and cfg.optimizer_tier is not Tier.DEVICE
-                and cfg.param_tier is Tier.DEVICE and self.trainable):
-            n = max(fp.shard_numel for fp in self.trainable)
+        if mplan.pool("staging") is not None:
+            n = mplan.pool("staging").buffer_numel
             self._staging = self._host_alloc(n, cfg.dtype)
             self._acct.add(Tier.HOST, StateKind.BUFFERS, n * self._staging.element_size())
         pool_for = self._build_gather_pools()
@@ -358,20 +348,16 @@ class OffloadEngine:
             gather_late = _weakly(self._streaming)
             before_late_gather = _weakly(self._finish_streaming)
             on_unit_backward = _weakly(self._read_ahead_in_backward)
-        # (a state kept in host memory needs no read-ahead)
-        numel = max((fp.shard_numel for u in self.blocks for fp in u.flat_params
-                     if fp.requires_grad and fp.name not in self._in_host), default=0)
-        if (cfg.step_in_backward or cfg.step_in_forward) and isinstance(self.store, NVMeStore) \
-                and numel:
+        spec = mplan.pool("optimizer_prefetch")
+        if spec is not None:
             # read-ahead of a block's whole state (master | exp_avg | exp_avg_sq) while other
-            # units run: two buffers; a third when the next unit's parameters are gathered
-            # from it in backward (see _prefetch_state), and with step_in_forward, where the
-            # next forward's compute is all there is to hide the state's reads and writes
-            # behind: a block's read then need not wait for the write-back two blocks before
-            count = 3 if cfg.step_in_forward or self._params_from_state() else 2
-            ring = HostBufferPool("optimizer_prefetch", count, self.store.fmt.buffer_numel(numel),
-                                  torch.float32, self._host_alloc, self._acct)
-            self.pools["optimizer_prefetch"] = ring
+            # units run (see [Note: pools]; a state kept in host memory needs no read-ahead):
+            # a third buffer when the next unit's parameters are gathered from it in backward
+            # (see _prefetch_state), and with step_in_forward, where the next forward's compute
+            # is all there is to hide the state's reads and writes behind
+            numel = max(sh for i, (f, sh) in enumerate(zip(mplan.layout, mplan.shard_numel))
+                        if f.unit != -1 and f.trainable and i not in mplan.in_host)
+            ring = self._host_pool(spec, torch.float32)
             self.store.enable_prefetch(ring, numel)
             if cfg.step_in_backward:
                 on_unit_forward = _weakly(self._read_ahead_in_forward)
@@ -391,6 +377,7 @@ class OffloadEngine:
                                        on_unit_forward=on_unit_forward,
                                        before_gather=before_gather, gather_late=gather_late,
                                        before_late_gather=before_late_gather)
+        self._check_pools()
         if cfg.activation_checkpointing:
             # a key/value cache filled in forward and again in the recomputation would make the
             # two passes differ (Hugging Face models turn it off for checkpointing the same way)
@@ -441,13 +428,10 @@ class OffloadEngine:
         cfg = self.config
         units = blocks + [root]
         # fp32 master weights in the same memory as the fp32 shard: the shard is the master (the
-        # device, or host "offload" where the CPU itself plays the device)
-        same_memory = (cfg.optimizer_tier is Tier.DEVICE
-                       or (cfg.optimizer_tier is Tier.HOST and self.device.type == "cpu"))
-        alias_ok = same_memory and cfg.param_tier is Tier.DEVICE and cfg.dtype == torch.float32
-        # the same for a tail state kept in host memory when the CPU is the device
-        tail_alias_ok = (self.device.type == "cpu" and cfg.param_tier is Tier.DEVICE
-                         and cfg.dtype == torch.float32)
+        # device, or host "offload" where the CPU itself plays the device); the same for a
+        # state kept in host memory when the CPU is the device
+        alias_ok = self.memory_plan.master_aliased
+        tail_alias_ok = self.memory_plan.host_master_aliased
         owner_of, originals = {}, {}
         for (unit, trainable, members), name in zip(planned, _flat_param_names(planned)):
             entries = build_entries(members)
@@ -504,68 +488,47 @@ class OffloadEngine:
         step_in_backward or step_in_forward and the state on NVMe; see
         :func:`offload_zero.partition.units.host_tail_index`) or None, and the names of every
         flat parameter whose optimizer state stays in host memory: that one and those
-        ``host_cache_bytes`` takes (see [Note: host cache]). Empty unless the state is on NVMe."""
-        cfg = self.config
-        if cfg.optimizer_tier is not Tier.NVME:
-            return None, set()
-        entries = plan[2]
-        names = _flat_param_names(entries)
-        flat = [(None if u.is_root else u.index, trainable,
-                 shard_numel_for(sum(p.numel() for p, _ in members), self.world_size, cfg.dtype))
-                for u, trainable, members in entries]
-        tail = None
-        if cfg.step_in_backward or cfg.step_in_forward:
-            tail = host_tail_index([(b is None, t, n) for b, t, n in flat], cfg.tail_state_in_host)
-        chosen = plan_host_cache(flat, cfg.host_cache_bytes, self._state_bytes_per_element(),
-                                 tail=tail, blocks_reversed=cfg.step_in_backward)
-        return (None if tail is None else names[tail]), {names[i] for i in chosen}
-
-    def _state_bytes_per_element(self) -> int:
-        """Host bytes of one element's optimizer state kept in host memory: 4 (fp32 master)
-        plus two moments (4 bytes each, 2 in bf16), the master's 4 less when it is the
-        parameter shard itself (fp32 on a CPU device, parameter shards on the device)."""
-        cfg = self.config
-        aliased = (self.device.type == "cpu" and cfg.param_tier is Tier.DEVICE
-                   and cfg.dtype == torch.float32)
-        moments = 2 * torch.empty(0, dtype=cfg.moment_torch_dtype).element_size()
-        return moments + (0 if aliased else 4)
+        ``host_cache_bytes`` takes (see [Note: host cache]): the memory plan's choice, by name.
+        Empty unless the state is on NVMe."""
+        names = _flat_param_names(plan[2])
+        tail = self.memory_plan.tail
+        in_host = {names[i] for i in self.memory_plan.in_host}
+        return (None if tail is None else names[tail]), in_host
 
     def _build_gather_pools(self):
         """Device slots for gathered units, sized now (see [Note: gather pool]); returns
         ``f(unit) -> GatherPool | None`` for the scheduler, or None when nothing is gathered.
 
-        Blocks share ``prefetch + 1`` slots of the largest block (at most one per block; one
-        when shards live on NVMe: the units ahead are read into host buffers, not gathered); the
-        root unit, gathered from the start of forward to the end of backward, has a slot of its
-        own size."""
+        Blocks share the plan's ``gather`` slots, the root unit (gathered from the start of
+        forward to the end of backward) has ``gather_root`` (see [Note: pools] in
+        :mod:`offload_zero.plan`)."""
         if self._keeps_full_params():
             return None
-        if not storage_rebinding_supported():
+        if not self.memory_plan.settings.rebinding:
             log.info("this torch cannot rebind storages: gathered units are allocated per gather")
             return None
 
-        def unit_bytes(unit):
-            return sum(fp.padded_numel * fp.itemsize for fp in unit.flat_params)
-
-        cfg = self.config
-        block_bytes = max((unit_bytes(u) for u in self.blocks), default=0)
-        count = 1 if cfg.param_tier is Tier.NVME else _ahead(cfg.prefetch, self._plan) + 1
         pools = {}
-        if block_bytes:
-            pools["blocks"] = GatherPool("gather", count, block_bytes, self.device, self._acct)
-            self.pools["gather"] = pools["blocks"]
-        if unit_bytes(self.root):
-            pools["root"] = GatherPool("gather_root", 1, unit_bytes(self.root), self.device,
-                                       self._acct)
-            self.pools["gather_root"] = pools["root"]
+        for key, name in (("blocks", "gather"), ("root", "gather_root")):
+            spec = self.memory_plan.pool(name)
+            if spec is not None:
+                pools[key] = self.pools[name] = GatherPool(name, spec.count, spec.buffer_bytes,
+                                                           self.device, self._acct)
         return lambda unit: pools.get("root" if unit.is_root else "blocks")
+
+    def _host_pool(self, spec, dtype=None) -> HostBufferPool:
+        """The plan's host pool ``spec`` (a :class:`offload_zero.plan.PoolSpec`), built and
+        registered in :attr:`pools`; buffers in ``dtype`` (default: the compute dtype)."""
+        pool = HostBufferPool(spec.name, spec.count, spec.buffer_numel,
+                              dtype or self.config.dtype, self._host_alloc, self._acct)
+        self.pools[spec.name] = pool
+        return pool
 
     def _keeps_full_params(self) -> bool:
         """Whether gathered parameters stay allocated: stages 1 and 2 always; stage 3 when one
         rank holds its shards on the device, since its shard already is the whole parameter
         (gathering would only copy it, and freeing the copy would save nothing)."""
-        cfg = self.config
-        return cfg.stage < 3 or (self.world_size == 1 and cfg.param_tier is Tier.DEVICE)
+        return self.memory_plan.keeps_full_params
 
     def _build_store(self, plan):
         tier = self.config.optimizer_tier
@@ -574,19 +537,15 @@ class OffloadEngine:
             return DeviceStore(self._acct, self.device, moments)
         if tier is Tier.HOST:
             return HostStore(self._acct, self._host_alloc, moments)
-        # (a tail state kept in host memory never streams through the pipeline)
-        sizes = [shard_numel_for(sum(p.numel() for p, _ in members), self.world_size, self.config.dtype)
-                 for (_, trainable, members), name in zip(plan[2], _flat_param_names(plan[2]))
-                 if trainable and name not in self._in_host]
-        return NVMeStore(self.swapper, self._acct, self._host_alloc, max(sizes, default=1024),
+        # (a state kept in host memory never streams through the pipeline)
+        return NVMeStore(self.swapper, self._acct, self._host_alloc,
+                         pipeline_shard_numel(self.memory_plan),
                          master_is_param=self._master_is_param_on_nvme(), moment_dtype=moments)
 
     def _master_is_param_on_nvme(self) -> bool:
         """fp32 parameter shards and optimizer state both on NVMe: a trainable shard is read
         from its master's bytes (see ``NVMeParamHome(master_is_param=...)``)."""
-        cfg = self.config
-        return (cfg.param_tier is Tier.NVME and cfg.optimizer_tier is Tier.NVME
-                and cfg.dtype == torch.float32)
+        return self.memory_plan.master_is_param_on_nvme
 
     # -- training loop -----------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
@@ -1279,9 +1238,11 @@ class OffloadEngine:
         ``"state_written_bytes"`` (the optimizer state's part of them, counted as each transfer
         starts); with the optimizer state on NVMe,
         ``"host_cache"`` gives its split between host memory and files (see
-        :meth:`offload_zero.memory.tiers.NVMeStore.cache_report`). ``"pools"`` lists the fixed buffers sized
-        at start-up (the device gather pool for unsharded units, parameter-shard read-ahead, the NVMe
-        optimizer pipeline, the reduce-scatter scratch). Units: bytes.
+        :meth:`offload_zero.memory.tiers.NVMeStore.cache_report`). ``"pools"``
+        lists the fixed buffers sized at start-up, each with its ``"tier"`` (the device gather
+        pool for unsharded units, parameter-shard read-ahead, the NVMe optimizer pipeline, the
+        host staging buffer, the reduce-scatter scratch): exactly :attr:`memory_plan`'s pools
+        (see :mod:`offload_zero.plan`). Units: bytes.
         """
         rep = self._acct.report()
         rep["nvme"]["read_bytes"] = getattr(self.store, "read_bytes", 0)
@@ -1289,15 +1250,34 @@ class OffloadEngine:
         rep["nvme"]["state_read_bytes"] = getattr(self.store, "state_read_bytes", 0)
         rep["nvme"]["state_written_bytes"] = getattr(self.store, "state_written_bytes", 0)
         rep["live_units"] = {"current": self.scheduler.live_units(), "peak": self.scheduler.live_peak}
-        rep["pools"] = {name: pool.report() for name, pool in self.pools.items()}
+        rep["pools"] = self._pools_report()
         if isinstance(self.store, NVMeStore):
-            rep["pools"]["optimizer_pipeline"] = self.store.pool_report()
             rep["host_cache"] = self.store.cache_report()
-        if self.grads.scratch is not None:
-            nbytes = self.grads.scratch.numel() * self.grads.scratch.element_size()
-            rep["pools"]["reduce_scratch"] = {"buffers": 1, "buffer_bytes": nbytes,
-                                              "capacity_bytes": nbytes}
         return rep
+
+    def _pools_report(self) -> dict:
+        """``memory_report()["pools"]``: every fixed buffer set, with its tier."""
+        pools = {name: {"tier": "device" if isinstance(pool, GatherPool) else "host",
+                        **pool.report()} for name, pool in self.pools.items()}
+        if isinstance(self.store, NVMeStore):
+            pools["optimizer_pipeline"] = {"tier": "host", **self.store.pool_report()}
+        for name, tier, buf in (("staging", "host", self._staging),
+                                ("reduce_scratch", "device", self.grads.scratch)):
+            if buf is not None:
+                nbytes = buf.numel() * buf.element_size()
+                pools[name] = {"tier": tier, "buffers": 1, "buffer_bytes": nbytes,
+                               "capacity_bytes": nbytes}
+        return pools
+
+    def _check_pools(self) -> None:
+        """Raise RuntimeError (rank-prefixed, an internal error) unless the pools built are
+        exactly the memory plan's: names, tiers, counts and bytes."""
+        keys = ("tier", "buffers", "buffer_bytes", "capacity_bytes")
+        built = {name: {k: rep[k] for k in keys} for name, rep in self._pools_report().items()}
+        planned = self.memory_plan.pools_report()
+        if built != planned:
+            raise RuntimeError(f"rank {self.rank}: internal error: the pools built {built} "
+                               f"differ from the memory plan's {planned}")
 
     def comm_report(self) -> dict:
         """Bytes this rank moved per collective kind, for the last step and in total (ring
@@ -1642,14 +1622,6 @@ def _flat_shard_fp32(fp: FlatParam, values: List[torch.Tensor]) -> torch.Tensor:
         if a < b:
             shard[a - lo:b - lo].copy_(v.reshape(-1)[a - e.offset:b - e.offset].float())
     return shard
-
-
-def _ahead(prefetch: int, plan) -> int:
-    """Units that can really be in flight ahead of the running one: ``prefetch``, at most the
-    other blocks with parameters in ``plan`` (from ``_plan_units``); pools are sized with
-    this, so a huge ``prefetch`` costs nothing."""
-    n_blocks = len({unit for unit, _, _ in plan[2] if not unit.is_root})
-    return max(0, min(prefetch, n_blocks - 1))
 
 
 def _all_finite(t: torch.Tensor, chunk: int = 1 << 22) -> bool:
