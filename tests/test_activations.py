@@ -54,7 +54,7 @@ def test_checkpointing_keeps_block_inputs_plus_one_block(size, dtype):
     a block's input (its arguments), plus one block's saved tensors (the measured difference
     of one layer more, uncheckpointed)."""
     model = _model(size, dtype)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     kept = {}
 
     def keep_inputs(module, args, kwargs):
