@@ -113,6 +113,17 @@ def placement_need(placement: "estimator.Placement", activations: int,
     return {"device": placement.device_bytes + activations, "host": host, "nvme": nvme}
 
 
+def placement_shortfall(placement: "estimator.Placement", budgets: Dict[str, Optional[int]],
+                        activations: int = 0, per_node: bool = False):
+    """``(need, short)`` of one placement: :func:`placement_need` (``activations`` bytes per
+    device, e.g. ``activation_bytes(...).total``; per rank unless ``per_node``) checked by
+    :func:`shortfall` against ``budgets`` (``{"device", "host", "nvme", "shared"}``, the dict
+    :func:`offload_zero.placement.measure_budgets` returns). The one call ``offload="auto"``
+    needs to count activations as ``offload-zero estimate`` does."""
+    need = placement_need(placement, activations, per_node)
+    return need, shortfall(need, budgets)
+
+
 def verdicts(est: "estimator.MemoryEstimate", activations: ActivationBytes,
              budgets: Dict[str, Optional[int]]) -> List[Verdict]:
     """One :class:`Verdict` per row of ``est.table`` that the engine runs (stages 1-3),

@@ -134,3 +134,18 @@ def test_a_model_the_formula_does_not_cover(tmp_path, capsys):
     assert cli.main(["estimate", "--model", str(tmp_path), "--batch-size", "1", "--seq-len",
                      "8", "--gpu-memory", "1GB"]) == 2
     assert "activations of GPT2Config are not estimated" in capsys.readouterr().err
+
+
+def test_placement_shortfall_per_rank_and_per_node():
+    """What offload="auto" calls: per rank by default, per node on request."""
+    from offload_zero.fit import placement_shortfall
+    est = estimator.estimate_memory(2e9, world_size=2, gpus_per_node=2)
+    p = est.placement(3, "nvme")
+    budgets = {"device": p.device_bytes + 99, "host": p.host_bytes_per_rank,
+               "nvme": p.nvme_bytes_per_rank, "shared": False}
+    need, short = placement_shortfall(p, budgets, activations=100)
+    assert need == {"device": p.device_bytes + 100, "host": p.host_bytes_per_rank,
+                    "nvme": p.nvme_bytes_per_rank} and short == {"device": 1}
+    need, short = placement_shortfall(p, budgets, activations=99, per_node=True)
+    assert need["host"] == 2 * p.host_bytes_per_rank > 0
+    assert short == {"host": p.host_bytes_per_rank, "nvme": p.nvme_bytes_per_rank}
