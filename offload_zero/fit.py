@@ -54,7 +54,8 @@ class Verdict:
     """Whether one placement fits.
 
     Fields: stage, offload (the placement); need: ``{tier: bytes}`` per node (device: per
-    device), activations included; activation_bytes: the activations in ``need["device"]``;
+    device, or all of the node's ranks where device and host are one memory), activations
+    included; activation_bytes: the activations in ``need["device"]``;
     short: ``{tier: bytes}`` over budget (empty: it fits); unchecked: tiers without a budget.
     """
 
