@@ -496,7 +496,8 @@ for ZeRO stages 0-3 x offload none/cpu/nvme (stage 0 is plain data parallelism, 
 Model states follow Rajbhandari et al., 2019 (ZeRO): 2 bytes of parameters + 2 of gradients +
 12 of fp32 optimizer state per parameter (bf16/fp16), partitioned over N = gpus x nodes ranks.
 The engine's extra buffers (the gather pool at stage 3, a gradient in flight, NVMe pipeline
-buffers) are shown apart. Activations are not counted. GB = 1e9 bytes.
+buffers) are shown apart. Activations are not counted in the table (the verdict
+below counts them). GB = 1e9 bytes.
 
 examples:
   offload-zero estimate --params 7.5e9 --gpus 8 --nodes 8  # the paper's example: 120/31.4/16.6/1.9
@@ -544,6 +545,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> MemoryEstimate:
     """Run ``offload-zero estimate``: print the table (or JSON) and return the estimate."""
+    est = estimate_from_args(args)
+    print(json.dumps(est.to_dict(), indent=2) if args.json else format_table(est, args.unit))
+    return est
+
+
+def estimate_from_args(args: argparse.Namespace) -> MemoryEstimate:
+    """The :class:`MemoryEstimate` of the flags of :func:`add_arguments` (nothing printed)."""
     for name in ("gpus", "nodes"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name} {getattr(args, name)} is not valid; it must be >= 1")
@@ -553,7 +561,6 @@ def run(args: argparse.Namespace) -> MemoryEstimate:
                           prefetch=args.prefetch, accelerator=not args.cpu_device,
                           step_in_forward=args.step_in_forward,
                           host_cache_bytes=args.host_cache_bytes, moment_dtype=args.moment_dtype)
-    print(json.dumps(est.to_dict(), indent=2) if args.json else format_table(est, args.unit))
     return est
 
 
