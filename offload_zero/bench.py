@@ -13,7 +13,8 @@ import argparse
 import json
 import os
 
-from offload_zero.memory.swapper import BACKENDS, measure_bandwidth
+from offload_zero.memory.swapper import measure_bandwidth
+from offload_zero.tables import AIO_BACKENDS as BACKENDS
 
 __all__ = ["DESCRIPTION", "add_arguments", "run", "TARGETS"]
 

@@ -20,7 +20,6 @@ import torch.nn as nn
 from offload_zero.config import EngineConfig, Tier
 from offload_zero.lifetime import exit_on_sigterm
 from offload_zero.memory.accounting import StateKind, TierAccountant
-from offload_zero.memory.host_cache import plan_host_cache
 from offload_zero.memory.param_homes import HostParamHome, NVMeParamHome
 from offload_zero.memory.pool import GatherPool, HostBufferPool, storage_rebinding_supported
 from offload_zero.memory.state_stores import DeviceStore, HostStore, NVMeStore
@@ -28,7 +27,8 @@ from offload_zero.partition.flat_param import FlatParam, build_entries, shard_nu
 from offload_zero.partition.grads import GradientShards
 from offload_zero.partition.reduce_order import OrderedReduction, grad_order
 from offload_zero.partition.schedule import UnitScheduler, runs_itself
-from offload_zero.partition.units import Unit, host_tail_index, plan_flat_params
+from offload_zero.partition.units import Unit, plan_flat_params
+from offload_zero.plan import layout_of, memory_plan, pipeline_shard_numel, settings_of
 from offload_zero.update.adam import ShardAdam
 from offload_zero.update.rules import BACKWARD, NEXT_FORWARD
 from offload_zero.update.state import UpdateStates
@@ -40,7 +40,9 @@ log = logging.getLogger("offload_zero")
 class EngineParts:
     """What :func:`build_parts` builds (every field None, or empty, until built).
 
-    Fields: ``plan`` (``(blocks, root, [(unit, trainable, members)], users)``), ``tail`` (the
+    Fields: ``plan`` (``(blocks, root, [(unit, trainable, members)], users)``),
+    ``memory_plan`` (the :class:`offload_zero.plan.MemoryPlan` every byte below comes from:
+    the engine allocates exactly its pools), ``tail`` (the
     name of the flat parameter ``tail_state_in_host`` keeps, or None), ``in_host`` (names of
     flat parameters whose NVMe-placed state stays in host memory), ``swapper``, ``param_home``,
     ``pools`` (``{name: HostBufferPool | GatherPool}``), ``store``, ``blocks``, ``root``,
@@ -50,7 +52,8 @@ class EngineParts:
     """
 
     def __init__(self):
-        self.plan = self.tail = self.swapper = self.param_home = self.store = None
+        self.plan = self.memory_plan = self.tail = None
+        self.swapper = self.param_home = self.store = None
         self.blocks = self.root = self.grads = self.staging = self.reduction = None
         self.updates = self.adam = self.scheduler = self.grad_order = None
         self.in_host: set = set()
@@ -89,6 +92,10 @@ class _Builder:
         plan = p.plan = self._plan_units(model)
         if not any(members for _, _, members in plan[2]):
             raise ValueError("model has no parameters to train")
+        # every byte held below, pools included, comes from this plan (see offload_zero/plan.py)
+        p.memory_plan = memory_plan(
+            layout_of([(-1 if u.is_root else u.index, t, m) for u, t, m in plan[2]]),
+            settings_of(cfg, self.world_size, self.device, storage_rebinding_supported()))
         # names of the flat parameters whose optimizer state stays in RAM (see [Note: host cache])
         p.tail, p.in_host = self._state_in_host(plan)
         if "nvme" in (cfg.offload_optimizer, cfg.offload_param):
@@ -98,7 +105,7 @@ class _Builder:
                                 backend=cfg.aio_backend, block_size=cfg.aio_block_size,
                                 queue_depth=cfg.aio_queue_depth, claim=True)
         self._build_param_home(plan)
-        p.store = self._build_store(plan)
+        p.store = self._build_store()
         for name in p.in_host:
             p.store.keep_in_host(name)
         if p.tail is None and cfg.tail_state_in_host:
@@ -124,14 +131,14 @@ class _Builder:
         p.grads = GradientShards(p.trainable, cfg.grad_tier, self.comm, cfg.stage, self.acct,
                                  self.host_alloc, host_dtype=cfg.grad_dtype,
                                  share_near_sizes=cfg.update_timing == BACKWARD)
-        if (self.device.type != "cpu" and cfg.optimizer_tier is not Tier.DEVICE
-                and cfg.param_tier is Tier.DEVICE and p.trainable):
-            n = max(fp.shard_numel for fp in p.trainable)
+        if p.memory_plan.pool("staging") is not None:
+            n = p.memory_plan.pool("staging").buffer_numel
             p.staging = self.host_alloc(n, cfg.dtype)
             self.acct.add(Tier.HOST, StateKind.BUFFERS, n * p.staging.element_size())
         pool_for = self._build_gather_pools()
         self._build_updates()
         self._build_scheduler(pool_for)
+        check_pools(p, self.rank)
         if cfg.activation_checkpointing:
             _checkpoint_blocks(model, p.blocks,
                                cfg.offload_activations and self.device.type != "cpu")
@@ -151,13 +158,10 @@ class _Builder:
         cfg, p = self.cfg, self.parts
         units = blocks + [root]
         # fp32 master weights in the same memory as the fp32 shard: the shard is the master (the
-        # device, or host "offload" where the CPU itself plays the device)
-        same_memory = (cfg.optimizer_tier is Tier.DEVICE
-                       or (cfg.optimizer_tier is Tier.HOST and self.device.type == "cpu"))
-        alias_ok = same_memory and cfg.param_tier is Tier.DEVICE and cfg.dtype == torch.float32
-        # the same for a tail state kept in host memory when the CPU is the device
-        tail_alias_ok = (self.device.type == "cpu" and cfg.param_tier is Tier.DEVICE
-                         and cfg.dtype == torch.float32)
+        # device, or host "offload" where the CPU itself plays the device); the same for a
+        # state kept in host memory when the CPU is the device
+        alias_ok = p.memory_plan.master_aliased
+        tail_alias_ok = p.memory_plan.host_master_aliased
         owner_of, originals = {}, {}
         for (unit, trainable, members), name in zip(planned, flat_param_names(planned)):
             entries = build_entries(members)
@@ -212,12 +216,7 @@ class _Builder:
         """Whether gathered parameters stay allocated: stages 1 and 2 always; stage 3 when one
         rank holds its shards on the device, since its shard already is the whole parameter
         (gathering would only copy it, and freeing the copy would save nothing)."""
-        cfg = self.cfg
-        return cfg.stage < 3 or (self.world_size == 1 and cfg.param_tier is Tier.DEVICE)
-
-    def _shard_of(self, members) -> int:
-        return shard_numel_for(sum(param.numel() for param, _ in members), self.world_size,
-                               self.cfg.dtype)
+        return self.parts.memory_plan.keeps_full_params
 
     # -- optimizer state ----------------------------------------------------------------------
     def _state_in_host(self, plan):
@@ -225,51 +224,29 @@ class _Builder:
         update_timing "backward" or "next_forward" and the state on NVMe; see
         :func:`offload_zero.partition.units.host_tail_index`) or None, and the names of every
         flat parameter whose optimizer state stays in host memory: that one and those
-        ``host_cache_bytes`` takes (see [Note: host cache]). Empty unless the state is on NVMe."""
-        cfg = self.cfg
-        if cfg.optimizer_tier is not Tier.NVME:
-            return None, set()
-        entries = plan[2]
-        names = flat_param_names(entries)
-        flat = [(None if u.is_root else u.index, trainable, self._shard_of(members))
-                for u, trainable, members in entries]
-        tail = None
-        if cfg.update_timing in (BACKWARD, NEXT_FORWARD):
-            tail = host_tail_index([(b is None, t, n) for b, t, n in flat], cfg.tail_state_in_host)
-        chosen = plan_host_cache(flat, cfg.host_cache_bytes, self._state_bytes_per_element(),
-                                 tail=tail, blocks_reversed=cfg.update_timing == BACKWARD)
-        return (None if tail is None else names[tail]), {names[i] for i in chosen}
+        ``host_cache_bytes`` takes (see [Note: host cache]): the memory plan's choice, by name.
+        Empty unless the state is on NVMe."""
+        names = flat_param_names(plan[2])
+        mplan = self.parts.memory_plan
+        tail = mplan.tail
+        return (None if tail is None else names[tail]), {names[i] for i in mplan.in_host}
 
-    def _state_bytes_per_element(self) -> int:
-        """Host bytes of one element's optimizer state kept in host memory: 4 (fp32 master)
-        plus two moments (4 bytes each, 2 in bf16), the master's 4 less when it is the
-        parameter shard itself (fp32 on a CPU device, parameter shards on the device)."""
-        cfg = self.cfg
-        aliased = (self.device.type == "cpu" and cfg.param_tier is Tier.DEVICE
-                   and cfg.dtype == torch.float32)
-        moments = 2 * torch.empty(0, dtype=cfg.moment_torch_dtype).element_size()
-        return moments + (0 if aliased else 4)
-
-    def _build_store(self, plan):
+    def _build_store(self):
         cfg, p = self.cfg, self.parts
         moments = cfg.moment_torch_dtype
         if cfg.optimizer_tier is Tier.DEVICE:
             return DeviceStore(self.acct, self.device, moments)
         if cfg.optimizer_tier is Tier.HOST:
             return HostStore(self.acct, self.host_alloc, moments)
-        # (a tail state kept in host memory never streams through the pipeline)
-        sizes = [self._shard_of(members)
-                 for (_, trainable, members), name in zip(plan[2], flat_param_names(plan[2]))
-                 if trainable and name not in p.in_host]
-        return NVMeStore(p.swapper, self.acct, self.host_alloc, max(sizes, default=1024),
+        # (a state kept in host memory never streams through the pipeline)
+        return NVMeStore(p.swapper, self.acct, self.host_alloc,
+                         pipeline_shard_numel(p.memory_plan),
                          master_is_param=self._master_is_param_on_nvme(), moment_dtype=moments)
 
     def _master_is_param_on_nvme(self) -> bool:
         """fp32 parameter shards and optimizer state both on NVMe: a trainable shard is read
         from its master's bytes (see ``NVMeParamHome(master_is_param=...)``)."""
-        cfg = self.cfg
-        return (cfg.param_tier is Tier.NVME and cfg.optimizer_tier is Tier.NVME
-                and cfg.dtype == torch.float32)
+        return self.parts.memory_plan.master_is_param_on_nvme
 
     # -- parameter shards off the device ------------------------------------------------------
     def _build_param_home(self, plan) -> None:
@@ -279,41 +256,29 @@ class _Builder:
             return
         if cfg.param_tier is not Tier.NVME:
             return
-        block_shard = max((self._shard_of(m) for u, _, m in plan[2] if not u.is_root), default=0)
-        root_shard = max((self._shard_of(m) for u, _, m in plan[2] if u.is_root), default=0)
+        mplan = p.memory_plan
         # fp32 shards are their own master weights: read from the optimizer's files and
         # never written back separately, so no write-back ring either
-        share = self._master_is_param_on_nvme()
-        ring = 0 if share else NVMeParamHome._WRITE_RING
+        share = mplan.master_is_param_on_nvme
         # in flight at once: (prefetch + 1) units of at most 2 flat parameters, plus the
         # write-back ring of the step. An outsized root unit (embeddings) gets buffers of
         # its own, so the main pool's buffers are block-sized: one per flat parameter when
         # they are all trainable (each keeps its updated shard for the next forward), else
-        # one, through which its flat parameters are read one after the other.
-        count = 2 * (ahead(cfg.prefetch, plan) + 2) + ring
-        main = HostBufferPool("param_shards", count, max(block_shard, 1), cfg.dtype,
-                              self.host_alloc, self.acct)
-        p.pools["param_shards"] = main
+        # one, through which its flat parameters are read one after the other; the root's
+        # small flat parameters (a final norm split off by gradient order, frozen ones) go
+        # through the block-sized pool like a block's (see [Note: pools])
+        main = self._host_pool(mplan.pool("param_shards"))
         pool_for = lambda fp: main  # noqa: E731
         keep = None
         # a state kept in host memory is, in fp32, the shard itself: no buffer, no file
         in_host = p.in_host if share else set()
-        if root_shard > block_shard:
-            # the root's outsized flat parameters (embeddings, LM head) get root-sized
-            # buffers; its small ones (a final norm split off by gradient order, frozen
-            # parameters) go through the block-sized pool like a block's
+        spec = mplan.pool("param_shards_root")
+        if spec is not None:
             names = flat_param_names(plan[2])
-            outsized = {n for n, (u, _, m) in zip(names, plan[2])
-                        if u.is_root and self._shard_of(m) > block_shard}
-            keep_root = all(trainable for u, trainable, _ in plan[2] if u.is_root)
-            # (none when the only outsized one is a tail kept in host memory)
-            root_count = len(outsized - in_host) if keep_root else 1
-        if root_shard > block_shard and root_count:
-            root = HostBufferPool("param_shards_root", root_count, root_shard, cfg.dtype,
-                                  self.host_alloc, self.acct)
-            p.pools["param_shards_root"] = root
+            outsized = {names[i] for i in mplan.outsized_root}
+            root = self._host_pool(spec)
             pool_for = lambda fp: root if fp.name in outsized else main  # noqa: E731
-            if keep_root:
+            if mplan.keep_root:
                 # the root's buffers are idle between its update and the next forward,
                 # which gathers the root first: the updated shards stay there instead of
                 # being read back from the files
@@ -328,34 +293,33 @@ class _Builder:
         p.param_home = NVMeParamHome(p.swapper, pool_for, self.acct, master_is_param=share,
                                      keep_after_update=keep)
 
+    def _host_pool(self, spec, dtype=None) -> HostBufferPool:
+        """The plan's host pool ``spec`` (a :class:`offload_zero.plan.PoolSpec`), built and
+        registered in the parts' pools; buffers in ``dtype`` (default: the compute dtype)."""
+        pool = HostBufferPool(spec.name, spec.count, spec.buffer_numel,
+                              dtype or self.cfg.dtype, self.host_alloc, self.acct)
+        self.parts.pools[spec.name] = pool
+        return pool
+
     def _build_gather_pools(self):
         """Device slots for gathered units, sized now (see [Note: gather pool]); returns
         ``f(unit) -> GatherPool | None`` for the scheduler, or None when nothing is gathered.
 
-        Blocks share ``prefetch + 1`` slots of the largest block (at most one per block; one
-        when shards live on NVMe: the units ahead are read into host buffers, not gathered); the
-        root unit, gathered from the start of forward to the end of backward, has a slot of its
-        own size."""
+        Blocks share the plan's ``gather`` slots, the root unit (gathered from the start of
+        forward to the end of backward) has ``gather_root`` (see [Note: pools] in
+        :mod:`offload_zero.plan`)."""
         if self._keeps_full_params():
             return None
-        if not storage_rebinding_supported():
+        if not self.parts.memory_plan.settings.rebinding:
             log.info("this torch cannot rebind storages: gathered units are allocated per gather")
             return None
 
-        def unit_bytes(unit):
-            return sum(fp.padded_numel * fp.itemsize for fp in unit.flat_params)
-
-        cfg, p = self.cfg, self.parts
-        block_bytes = max((unit_bytes(u) for u in p.blocks), default=0)
-        count = 1 if cfg.param_tier is Tier.NVME else ahead(cfg.prefetch, p.plan) + 1
         pools = {}
-        if block_bytes:
-            pools["blocks"] = GatherPool("gather", count, block_bytes, self.device, self.acct)
-            p.pools["gather"] = pools["blocks"]
-        if unit_bytes(p.root):
-            pools["root"] = GatherPool("gather_root", 1, unit_bytes(p.root), self.device,
-                                       self.acct)
-            p.pools["gather_root"] = pools["root"]
+        for key, name in (("blocks", "gather"), ("root", "gather_root")):
+            spec = self.parts.memory_plan.pool(name)
+            if spec is not None:
+                pools[key] = self.parts.pools[name] = GatherPool(
+                    name, spec.count, spec.buffer_bytes, self.device, self.acct)
         return lambda unit: pools.get("root" if unit.is_root else "blocks")
 
     # -- updates and the schedule -------------------------------------------------------------
@@ -372,21 +336,17 @@ class _Builder:
         forward_reads_params = any(fp.home is not None and fp.home.tier is Tier.NVME
                                    for u in p.blocks for fp in u.flat_params)
         ring = None
-        # (a state kept in host memory needs no read-ahead)
-        numel = max((fp.shard_numel for u in p.blocks for fp in u.flat_params
-                     if fp.requires_grad and fp.name not in p.in_host), default=0)
-        if (cfg.update_timing in (BACKWARD, NEXT_FORWARD) and isinstance(p.store, NVMeStore)
-                and numel):
+        mplan = p.memory_plan
+        spec = mplan.pool("optimizer_prefetch")
+        if spec is not None:
             # read-ahead of a block's whole state (master | exp_avg | exp_avg_sq) while other
-            # units run: two buffers; a third when the next unit's parameters are gathered
-            # from it in backward (see prefetch_state), and with "next_forward", where the
-            # next forward's compute is all there is to hide the state's reads and writes
-            # behind: a block's read then need not wait for the write-back two blocks before
-            from_state = getattr(p.param_home, "master_source", None) is not None
-            count = 3 if cfg.update_timing == NEXT_FORWARD or from_state else 2
-            ring = HostBufferPool("optimizer_prefetch", count, p.store.fmt.buffer_numel(numel),
-                                  torch.float32, self.host_alloc, self.acct)
-            p.pools["optimizer_prefetch"] = ring
+            # units run (see [Note: pools]; a state kept in host memory needs no read-ahead):
+            # a third buffer when the next unit's parameters are gathered from it in backward
+            # (see prefetch_state), and with "next_forward", where the next forward's compute
+            # is all there is to hide the state's reads and writes behind
+            numel = max(sh for i, (f, sh) in enumerate(zip(mplan.layout, mplan.shard_numel))
+                        if f.unit != -1 and f.trainable and i not in mplan.in_host)
+            ring = self._host_pool(spec, torch.float32)
             p.store.enable_prefetch(ring, numel)
         p.updates = UpdateTimings(cfg, p.store, p.grads, self.comm, p.adam, self.states,
                                   p.param_home, ring, self.loss_scaler, p.blocks, p.root,
@@ -432,6 +392,33 @@ class _Builder:
         updates.scheduler = p.scheduler
 
 
+def pools_report(parts: EngineParts) -> dict:
+    """``memory_report()["pools"]``: every fixed buffer set of ``parts``, with its tier
+    (``{name: {"tier", "buffers", "buffer_bytes", "capacity_bytes", ...}}``, bytes)."""
+    pools = {name: {"tier": "device" if isinstance(pool, GatherPool) else "host",
+                    **pool.report()} for name, pool in parts.pools.items()}
+    if isinstance(parts.store, NVMeStore):
+        pools["optimizer_pipeline"] = {"tier": "host", **parts.store.pool_report()}
+    for name, tier, buf in (("staging", "host", parts.staging),
+                            ("reduce_scratch", "device", parts.grads.scratch)):
+        if buf is not None:
+            nbytes = buf.numel() * buf.element_size()
+            pools[name] = {"tier": tier, "buffers": 1, "buffer_bytes": nbytes,
+                           "capacity_bytes": nbytes}
+    return pools
+
+
+def check_pools(parts: EngineParts, rank: int) -> None:
+    """Raise RuntimeError (rank-prefixed, an internal error) unless the pools built are
+    exactly the memory plan's: names, tiers, counts and bytes."""
+    keys = ("tier", "buffers", "buffer_bytes", "capacity_bytes")
+    built = {name: {k: rep[k] for k in keys} for name, rep in pools_report(parts).items()}
+    planned = parts.memory_plan.pools_report()
+    if built != planned:
+        raise RuntimeError(f"rank {rank}: internal error: the pools built {built} "
+                           f"differ from the memory plan's {planned}")
+
+
 def build_segments(parts: EngineParts, group_of: Dict[int, int]) -> Dict[FlatParam, List[int]]:
     """Each trainable flat parameter's group segments (see [Note: parameter groups] in
     :mod:`offload_zero.optim.facade`): fills ``parts.segments[fp]`` with its shard's runs
@@ -460,14 +447,6 @@ def flat_param_names(planned) -> List[str]:
         taken[name] = taken.get(name, 0) + 1
         names.append(name if taken[name] == 1 else f"{name}.{taken[name] - 1}")
     return names
-
-
-def ahead(prefetch: int, plan) -> int:
-    """Units that can really be in flight ahead of the running one: ``prefetch``, at most the
-    other blocks with parameters in ``plan`` (from ``_plan_units``); pools are sized with
-    this, so a huge ``prefetch`` costs nothing."""
-    n_blocks = len({unit for unit, _, _ in plan[2] if not unit.is_root})
-    return max(0, min(prefetch, n_blocks - 1))
 
 
 def _flat_shard_fp32(fp: FlatParam, values: List[torch.Tensor]) -> torch.Tensor:

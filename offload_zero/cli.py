@@ -28,8 +28,9 @@ COMMANDS = [
               "checkpoint, with ZeRO stage 1/2/3 and CPU/NVMe offload",
      "offload_zero.train"),
     ("estimate", "memory per device, host and NVMe for a model, world size, ZeRO stage and "
-                 "offload choice (the ZeRO paper's arithmetic plus this engine's buffers)",
-     "offload_zero.estimator"),
+                 "offload choice (the ZeRO paper's arithmetic plus this engine's buffers), and "
+                 "whether each placement fits a machine, activations included",
+     "offload_zero.fit"),
     ("bench", "measure the NVMe tier: the swapper's read and write GB/s on a file under a folder",
      "offload_zero.bench"),
 ]

@@ -16,11 +16,13 @@ from typing import Optional, Tuple
 
 import torch
 
-OFFLOAD_CHOICES = ("none", "cpu", "nvme", "auto")
-TIER_CHOICES = ("none", "cpu", "nvme")
+from offload_zero.tables import (AIO_BACKENDS, DTYPES, OFFLOADS, TIER_OF_OFFLOAD,
+                                 default_offload_param)
+
+OFFLOAD_CHOICES = OFFLOADS + ("auto",)
+TIER_CHOICES = OFFLOADS
 STAGE_CHOICES = (1, 2, 3)
-DTYPE_CHOICES = (torch.float32, torch.bfloat16, torch.float16)
-AIO_BACKENDS = ("auto", "libaio", "threads")
+DTYPE_CHOICES = tuple(DTYPES.values())
 
 
 class Tier(enum.Enum):
@@ -243,8 +245,8 @@ class EngineConfig:
             if self.offload_optimizer is None:
                 object.__setattr__(self, "offload_optimizer", self.offload)
             if self.offload_param is None:
-                default = "nvme" if (self.offload == "nvme" and self.stage == 3) else "none"
-                object.__setattr__(self, "offload_param", default)
+                object.__setattr__(self, "offload_param",
+                                   default_offload_param(self.offload, self.stage))
             for name in ("offload_optimizer", "offload_param"):
                 value = getattr(self, name)
                 if value not in TIER_CHOICES:
@@ -412,7 +414,7 @@ class EngineConfig:
         return Tier.DEVICE if self.offload_optimizer == "none" else Tier.HOST
 
 
-_TIERS = {"none": Tier.DEVICE, "cpu": Tier.HOST, "nvme": Tier.NVME}
+_TIERS = {offload: Tier(tier) for offload, tier in TIER_OF_OFFLOAD.items()}
 
 
 def _scalar(value):

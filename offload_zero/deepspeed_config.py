@@ -42,6 +42,8 @@ from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 
+from offload_zero.tables import OFFLOADS
+
 log = logging.getLogger("offload_zero")
 
 MAPPED, AUTO, REFUSED = "mapped", "auto", "refused"
@@ -529,7 +531,7 @@ def _zero_kwargs(res: _Resolver) -> dict:
     for section, name in ((_OO, "offload_optimizer"), (_OP, "offload_param")):
         device = res.get(section + "device")
         if device is not None:
-            if device not in ("none", "cpu", "nvme"):
+            if device not in OFFLOADS:
                 raise ValueError(f"{section}device={device!r} is not valid; choose 'none', "
                                  "'cpu' or 'nvme'")
             kw[name] = device

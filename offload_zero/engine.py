@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 
 from offload_zero.accelerate_guard import RefusePrepare, refuse_in_accelerate
-from offload_zero.build import EngineParts, build_parts, build_segments
+from offload_zero.build import EngineParts, build_parts, build_segments, pools_report
 from offload_zero.comm import Comm, init_from_env
 from offload_zero.config import EngineConfig, check_number
 from offload_zero.lifetime import WRAPPED, collective_error, not_replacing, release
@@ -112,6 +112,8 @@ class OffloadEngine:
             steps after each update it makes (not after a skipped one, nor between accumulated
             micro-batches), as DeepSpeed steps its configured schedule
             (:func:`offload_zero.from_deepspeed_config` sets it). Do not step it yourself too.
+        memory_plan: the :class:`offload_zero.plan.MemoryPlan` the engine was built from:
+            its pools (exactly those of :meth:`memory_report`) and its bytes per tier and kind.
         load_report: ``{"missing_keys": [...], "unexpected_keys": [...]}`` of ``load_from``
             (empty lists without it, and always when ``strict``).
 
@@ -227,6 +229,8 @@ class OffloadEngine:
         self.flat_params, self.trainable = parts.flat_params, parts.trainable
         self.grads, self.scheduler = parts.grads, parts.scheduler
         self._updates: UpdateTimings = parts.updates
+        self.memory_plan = parts.memory_plan
+        self._parts = parts  # (the pools' report reads them)
         self._step_count: Dict[FlatParam, int] = parts.step_count  # (checkpoints read it)
 
     @property
@@ -453,8 +457,10 @@ class OffloadEngine:
         starts); with the optimizer state on NVMe,
         ``"host_cache"`` gives its split between host memory and files (see
         :meth:`offload_zero.memory.state_stores.NVMeStore.cache_report`). ``"pools"``
-        lists the fixed buffers sized at start-up (the device gather pool for unsharded units,
-        parameter-shard read-ahead, the NVMe optimizer pipeline, the reduce-scatter scratch). Units: bytes.
+        lists the fixed buffers sized at start-up, each with its ``"tier"`` (the device gather
+        pool for unsharded units, parameter-shard read-ahead, the NVMe optimizer pipeline, the
+        host staging buffer, the reduce-scatter scratch): exactly :attr:`memory_plan`'s pools
+        (see :mod:`offload_zero.plan`). Units: bytes.
         """
         rep = self._acct.report()
         rep["nvme"]["read_bytes"] = getattr(self.store, "read_bytes", 0)
@@ -462,14 +468,9 @@ class OffloadEngine:
         rep["nvme"]["state_read_bytes"] = getattr(self.store, "state_read_bytes", 0)
         rep["nvme"]["state_written_bytes"] = getattr(self.store, "state_written_bytes", 0)
         rep["live_units"] = {"current": self.scheduler.live_units(), "peak": self.scheduler.live_peak}
-        rep["pools"] = {name: pool.report() for name, pool in self.pools.items()}
+        rep["pools"] = pools_report(self._parts)
         if isinstance(self.store, NVMeStore):
-            rep["pools"]["optimizer_pipeline"] = self.store.pool_report()
             rep["host_cache"] = self.store.cache_report()
-        if self.grads.scratch is not None:
-            nbytes = self.grads.scratch.numel() * self.grads.scratch.element_size()
-            rep["pools"]["reduce_scratch"] = {"buffers": 1, "buffer_bytes": nbytes,
-                                              "capacity_bytes": nbytes}
         return rep
 
     def update_states(self) -> Dict[str, str]:

@@ -16,67 +16,20 @@ Offload moves the partitioned state off the device: ``"cpu"`` puts the fp32 mast
 moments (12Ψ/N) and the reduced gradient shards (fp32: 4Ψ/N) in host memory (ZeRO-Offload);
 ``"nvme"`` puts master weights and moments in NVMe files and keeps the gradient shards in host
 memory (ZeRO-Infinity); at stage 3 it puts the compute-dtype parameter shards (KΨ/N) in NVMe
-files too. At stages 0 and 1 the full gradient (KΨ) stays on the device until the
-step whatever the offload. With fp32 compute the master weights are the parameter shard itself
-when both sit on the device (no offload, or ``"cpu"`` when the CPU itself is the device) or
-both in NVMe files (``"nvme"`` at stage 3: the parameter shard is read from the master's
-bytes), so they cost 0 bytes beyond the parameters.
-With ``update_timing`` ``"backward"`` or ``"next_forward"`` and ``"nvme"``, the flat parameter updated
-last in backward and needed first by the next forward (the root's part used before the blocks:
-input embeddings) may keep its master weights and moments in host memory (``tail_state_in_host``; by default when its shard is at most a quarter of all
-trainable shards): 12 bytes per element there, its fp32 parameter shard then being that
-host master (0 on NVMe), and 8 when its master is the CPU device's shard itself. With
-``host_cache_bytes`` (any mode) more flat parameters keep their state there by the same
-arithmetic, chosen by :func:`offload_zero.memory.host_cache.plan_host_cache`.
-With ``moment_dtype="bf16"`` the moments take 2 bytes each per element instead of 4 (8Ψ/N
-of optimizer state instead of 12Ψ/N; in NVMe files each moment of a shard is padded to 4096
-bytes, see [Note: state layout] in :mod:`offload_zero.memory.state_format`), and every buffer
-that holds states (pipeline, read-ahead) is sized in that format.
-Frozen parameters (``requires_grad=False``) cost only their compute-dtype copy.
+files too. With ``moment_dtype="bf16"`` the moments take 2 bytes each per element instead of
+4. Frozen parameters (``requires_grad=False``) cost only their compute-dtype copy.
 
-[Note: engine extras]
-Besides model states this engine holds, at the peak of a step:
-- stage 3: the gather pool (device buffers, fixed at start-up): ``prefetch + 1`` slots (at most
-  one per block: ``prefetch`` counts at most the other blocks, here and below) the size
-  of the largest block unit (its flat parameters' ``padded_numel * K`` bytes) plus one slot the
-  size of the root unit; with parameters on NVMe the units ahead are read into host buffers
-  instead, so one block slot plus the root's; with one rank and the shards on the device
-  nothing is gathered (the shard is the whole parameter);
-- stages 2 and 3: one unit's full gradient in flight before it is reduce-scattered (the largest
-  trainable flat parameter, ``padded_numel * K`` bytes, device gradients; on a CPU device a
-  device buffer kept from step to step, the size of the largest flat parameter of several
-  parameters or with padding, beside which the largest of one parameter without padding is a
-  device gradient while it is reduced (its gradient is taken as autograd made it), except where
-  one rank's fp32 host shards adopt the gradients);
-- (stage 1 needs no gradient buffer beyond the full gradients: without offload it reduces in
-  place and the shard is a window of the full gradient);
-- ``"nvme"``: three pipeline host buffer sets of ``3 * min(largest shard_numel, chunk) * 4``
-  bytes each (read k+1 | update k | write k-1; chunks of ``NVMeStore.CHUNK_NUMEL`` elements); at stage 3 also the pool of parameter-shard buffers,
-  ``2 * (prefetch + 2) + 2`` buffers of ``largest shard_numel * K`` bytes (reads ahead of use and
-  the step's write-back ring; no ring at fp32 with the optimizer state on NVMe too, where the
-  shard is the master and the update writes it once), and for an outsized root unit buffers of
-  its size: one per root flat parameter larger than a block's shard when all the root's
-  parameters are trainable (each keeps its updated shard for the next forward), else one (the
-  root's small flat parameters, such as the final norm's part of its split, go
-  through the block-sized buffers);
-- with ``update_timing="backward"`` and ``"nvme"``: two read-ahead buffers of the largest trainable block
-  shard's whole state, ``2 * 12 * shard_numel`` bytes (three when fp32 parameter shards on NVMe
-  are gathered from them); the outsized root's buffers then hold one shard fewer when its tail
-  state is in host memory (see above);
-- with ``update_timing="next_forward"`` and ``"nvme"`` (stage 3): three read-ahead buffers of the largest
-  trainable block shard's whole state, ``3 * 12 * shard_numel`` bytes;
-- with an accelerator and any offload: one host staging buffer of ``largest shard_numel * K``;
-- with N > 1: one reduce-scatter scratch shard on the device, ``largest shard_numel * K``.
-Activations, the allocator's fragmentation and the framework's own workspace are not counted.
+Every byte the engine holds beyond that arithmetic (its padding, the state it keeps in host
+memory, the fp32 cases where one tensor serves twice, and its fixed pools of buffers) is the
+engine's own memory plan, :func:`offload_zero.plan.memory_plan`: this module builds the
+layout and sums the plan, so a model's estimate equals ``OffloadEngine.memory_report()``.
 
 [Note: padding]
-Each flat parameter (one per unit and ``requires_grad`` value) is padded so that its shard,
-``shard_numel``, is a multiple of ``4096 / K`` elements: 4096-byte aligned for O_DIRECT. When a
-model is given, the estimate uses the engine's exact layout, so its bytes equal
-``OffloadEngine.memory_report()``. When only a parameter count is given there is no layout:
-model states are the paper's unpadded arithmetic, exactly (each kind's bytes rounded to the
-nearest byte when Ψ/N is not whole), and the engine extras use an assumed layout (see
-:func:`assumed_layout`).
+Each flat parameter (one per unit and ``requires_grad`` value) is padded so that its shard is
+4096-byte aligned for O_DIRECT. When a model is given, the estimate uses the engine's exact
+layout. When only a parameter count is given there is no layout: model states are the paper's
+unpadded arithmetic, exactly (each kind's bytes rounded to the nearest byte when Ψ/N is not
+whole), and the plan runs on an assumed layout (see :func:`assumed_layout`).
 
 Units everywhere: bytes; "GB" in printed tables is 1e9 bytes.
 """
@@ -88,44 +41,32 @@ import json
 import math
 import numbers
 import os
-from fractions import Fraction
-from typing import Dict, List, Optional, Sequence, Tuple, Union
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
 
 from offload_zero.config import check_int
+from offload_zero.memory.pool import storage_rebinding_supported
 from offload_zero.memory.state_format import StateFormat, moment_dtype_of
+from offload_zero.plan import (KINDS, FlatSpec, MemoryPlan, PlanSettings, layout_of,
+                               memory_plan)
+from offload_zero.plan import shard_numel as _shard_numel  # noqa: F401 (the name callers import)
+from offload_zero.tables import (DTYPE_LONG_NAMES, DTYPES, OFFLOADS, SHORT_NAME as _SHORT,
+                                 TIERS, default_offload_param)
+
+__all__ = ["estimate_memory", "placement_bytes", "model_layout", "assumed_layout", "FlatSpec",
+           "Placement", "MemoryEstimate", "default_offload_param", "format_table", "STAGES",
+           "OFFLOADS", "TIERS", "KINDS"]
 
 STAGES = (0, 1, 2, 3)
-OFFLOADS = ("none", "cpu", "nvme")
-TIERS = ("device", "host", "nvme")
-KINDS = ("parameters", "gradients", "master_weights", "moments", "buffers")
-ALIGN_BYTES = 4096
-_DTYPE_NAMES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
-                "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
-_SHORT = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+_DTYPE_NAMES = {**DTYPES, **DTYPE_LONG_NAMES}
 # Assumed shape of a model known only by its parameter count (see assumed_layout).
 _ASPECT = 128          # hidden size per layer (GPT-3 175B: 12288 / 96)
 _ASSUMED_VOCAB = 32000  # Llama vocabulary
 
-Number = Union[int, Fraction]
-_FP32_STATE = StateFormat()  # fp32 master weights and moments
-
-
-@dataclasses.dataclass(frozen=True)
-class FlatSpec:
-    """One flat parameter of the layout: ``numel`` real elements of one unit.
-
-    ``unit``: the unit's index (the root unit is ``-1``); ``trainable``: its ``requires_grad``;
-    ``single``: it holds one parameter (unpadded, its gradient is taken as autograd made it; see
-    [Note: reused gradient memory] in offload_zero/partition/grads.py).
-    """
-
-    numel: int
-    unit: int
-    trainable: bool
-    single: bool = False
+MAX_PARAMS = 10 ** 15  # a parameter count the estimate takes (16 PB of training state)
+MAX_UNITS = 100_000    # blocks an assumed layout may have (one row of work each)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,11 +78,11 @@ class Placement:
         model_states: ``{tier: {kind: bytes}}`` per rank — parameters, gradients, master
             weights, moments (see [Note: model-state arithmetic]).
         extras: ``{tier: {kind: bytes}}`` per rank — this engine's buffers at the step's peak
-            (see [Note: engine extras]).
+            (see [Note: pools] and [Note: bytes in flight] in :mod:`offload_zero.plan`).
         gpus_per_node: ranks per node, to turn per-rank host and NVMe bytes into per-node bytes.
         engine_supported: False for stage 0 (plain data parallelism; a reference row only).
-        update_timing: the engine's ``update_timing`` the row counts (``"next_forward"``: the
-            embeddings' state in host memory when small, its read-ahead buffers).
+        update_timing: the engine's ``update_timing`` the row counts.
+        plan: the :class:`offload_zero.plan.MemoryPlan` the bytes are summed from.
     """
 
     stage: int
@@ -151,6 +92,7 @@ class Placement:
     gpus_per_node: int
     engine_supported: bool
     update_timing: str = "step"
+    plan: Optional[MemoryPlan] = dataclasses.field(default=None, compare=False, repr=False)
 
     def tier_bytes(self, tier: str, model_states: bool = True, extras: bool = True) -> int:
         """Bytes per rank on ``tier`` ("device", "host", "nvme"): model states and/or extras."""
@@ -298,15 +240,11 @@ def model_layout(model: nn.Module, unit_classes: Sequence[type] = (),
     """
     from offload_zero.partition.units import plan_flat_params
     block_mods, planned, _ = plan_flat_params(model, tuple(unit_classes), tuple(leaf_modules))
-    specs = [FlatSpec(sum(p.numel() for p, _ in members), -1 if i == len(block_mods) else i,
-                      trainable, len(members) == 1) for i, trainable, members in planned]
-    if not specs:
-        raise ValueError(f"model {type(model).__name__} has no parameters")
-    return specs
-
-
-MAX_PARAMS = 10 ** 15  # a parameter count the estimate takes (16 PB of training state)
-MAX_UNITS = 100_000    # blocks an assumed layout may have (one row of work each)
+    try:
+        return list(layout_of([(-1 if i == len(block_mods) else i, trainable, members)
+                               for i, trainable, members in planned]))
+    except ValueError:
+        raise ValueError(f"model {type(model).__name__} has no parameters") from None
 
 
 def assumed_layout(num_params: int, largest_unit_numel: Optional[int] = None,
@@ -379,214 +317,23 @@ def _preset_or_checkpoint(name: str) -> Tuple[nn.Module, str]:
 
 
 # -- arithmetic ----------------------------------------------------------------------------------
-def _shard_numel(numel: int, world_size: int, itemsize: int, padded: bool) -> Number:
-    """Elements per rank of one flat parameter: padded to the engine's 4096-byte alignment
-    (as :class:`offload_zero.partition.flat_param.FlatParam`), or the exact fraction numel / N."""
-    if not padded:
-        return Fraction(numel, world_size)
-    align = ALIGN_BYTES // itemsize
-    return max(1, math.ceil(numel / (world_size * align))) * align
-
-
-def _zeros() -> Dict[str, Dict[str, Number]]:
-    return {t: {k: 0 for k in KINDS} for t in TIERS}
-
-
-_TIER_OF = {"none": "device", "cpu": "host", "nvme": "nvme"}
-
-
-def default_offload_param(offload: str, stage: int) -> str:
-    """Where ``offload=`` alone puts parameter shards: NVMe for ``"nvme"`` at stage 3, else the
-    device (as :class:`offload_zero.config.EngineConfig`)."""
-    return "nvme" if (offload == "nvme" and stage == 3) else "none"
-
-
-def _cached_in_host(layout, stage, offload, n, k, padded, in_backward, setting,
-                    in_forward=False, host_cache_bytes=0, offload_param=None,
-                    accelerator=True, fmt=_FP32_STATE):
-    """Indices in ``layout`` of the flat parameters whose optimizer state the engine keeps in
-    host memory: the one ``tail_state_in_host`` keeps (see
-    :func:`offload_zero.partition.units.host_tail_index`) and those ``host_cache_bytes`` takes
-    (see [Note: host cache] in :mod:`offload_zero.memory.host_cache`); empty unless the
-    state is on NVMe."""
-    if offload != "nvme":
-        return frozenset()
-    from offload_zero.memory.host_cache import plan_host_cache
-    from offload_zero.partition.units import host_tail_index
-    flat = [(None if spec.unit == -1 else spec.unit, spec.trainable,
-             _shard_numel(spec.numel, n, k, padded)) for spec in layout]
-    tail = None
-    if (in_backward and stage >= 2) or (in_forward and stage == 3):
-        tail = host_tail_index([(b is None, t, sh) for b, t, sh in flat], setting)
+def _plan(layout, stage, offload_optimizer, offload_param, world_size, dtype, prefetch,
+          accelerator, padded, **timing_and_cache) -> MemoryPlan:
+    """The engine's :func:`offload_zero.plan.memory_plan` for one row (``offload_param=None``:
+    :func:`offload_zero.tables.default_offload_param`)."""
     if offload_param is None:
-        offload_param = default_offload_param(offload, stage)
-    param_tier = _TIER_OF[offload_param] if stage == 3 else "device"
-    aliased = k == 4 and param_tier == "device" and not accelerator
-    per_element = fmt.bytes_per_element - (4 if aliased else 0)
-    return frozenset(plan_host_cache(flat, host_cache_bytes, per_element, tail=tail,
-                                     blocks_reversed=in_backward))
+        offload_param = default_offload_param(offload_optimizer, stage)
+    return memory_plan(layout, PlanSettings(
+        stage=stage, offload_optimizer=offload_optimizer, offload_param=offload_param,
+        world_size=world_size, dtype=dtype, prefetch=prefetch, accelerator=accelerator,
+        padded=padded, rebinding=storage_rebinding_supported(), **timing_and_cache))
 
 
-def _state_bytes(fmt: StateFormat, numel, padded: bool, moments_only: bool = False):
-    """Bytes of a state of ``numel`` elements in format ``fmt`` (master and moments, or the
-    moments alone): the padded layout of [Note: state layout], or the plain arithmetic
-    (``bytes_per_element``) for an unpadded estimate."""
-    if padded:
-        return fmt.moment_bytes(numel) if moments_only else fmt.nbytes(numel)
-    return (fmt.bytes_per_element - (4 if moments_only else 0)) * numel
-
-
-def _model_states(layout, stage, offload, n, k, padded, offload_param=None,
-                  accelerator=True, cached=frozenset(),
-                  fmt=_FP32_STATE) -> Dict[str, Dict[str, Number]]:
-    """Per-rank model-state bytes by tier and kind; see [Note: model-state arithmetic].
-    ``cached``: indices of the flat parameters whose state is kept in host memory (see
-    :func:`_cached_in_host`)."""
-    out = _zeros()
-    dev = out["device"]
-    opt_tier = _TIER_OF[offload]
-    if offload_param is None:
-        offload_param = default_offload_param(offload, stage)
-    param_tier = _TIER_OF[offload_param] if stage == 3 else "device"
-    for i, spec in enumerate(layout):
-        shard = _shard_numel(spec.numel, n, k, padded)
-        full = shard * n
-        if i in cached:
-            # its state in host memory: an fp32 shard that lived in the master's NVMe bytes
-            # is that host master now; on a CPU device the master is the shard itself
-            on_nvme = param_tier == "nvme" and k == 4
-            out[param_tier]["parameters"] += 0 if on_nvme else k * (full if stage < 3 else shard)
-            if stage < 2:
-                dev["gradients"] += k * full     # full gradients held until the step
-            out["host"]["gradients"] += 4 * shard
-            aliased = k == 4 and param_tier == "device" and not accelerator
-            out["host"]["master_weights"] += 0 if aliased else 4 * shard
-            out["host"]["moments"] += 2 * fmt.moment_itemsize * shard
-            continue
-        out[param_tier]["parameters"] += k * (full if stage < 3 else shard)
-        if not spec.trainable:
-            continue
-        opt = full if stage == 0 else shard  # optimizer state is partitioned from stage 1
-        if stage < 2:
-            dev["gradients"] += k * full     # full gradients held until the step
-        if offload != "none":
-            out["host"]["gradients"] += 4 * opt   # fp32 reduced gradient shards
-        elif stage >= 2:
-            dev["gradients"] += k * shard
-        # fp32 master is the parameter shard itself: on the device, or the same NVMe bytes
-        aliased = k == 4 and (offload == "none" or (offload == "nvme" and param_tier == "nvme")
-                              or (offload == "cpu" and param_tier == "device" and not accelerator))
-        out[opt_tier]["master_weights"] += 0 if aliased else 4 * opt
-        # (in NVMe files with the padding of [Note: state layout])
-        out[opt_tier]["moments"] += (_state_bytes(fmt, opt, padded, moments_only=True)
-                                     if opt_tier == "nvme" else 2 * fmt.moment_itemsize * opt)
-    return out
-
-
-def _grad_as_is(spec: FlatSpec, shard, n: int, padded: bool) -> bool:
-    """Whether the flat parameter ``spec`` (``shard`` elements per rank of ``n``) takes
-    autograd's gradient as it is: one parameter and no padding (unpadded arithmetic assumes
-    none), as :attr:`offload_zero.partition.flat_param.FlatParam.grad_as_is`."""
-    return spec.single and (not padded or shard * n == spec.numel)
-
-
-def _shards_adopt_grads(stage, offload, n, k, accelerator) -> bool:
-    """Whether the host gradient shards are the full gradients' own memory: one rank on a CPU
-    device at stage 2 or 3, with offload and fp32 gradients (``GradientShards``' adoption; see
-    [Note: reused gradient memory] in offload_zero/partition/grads.py)."""
-    return stage >= 2 and n == 1 and offload != "none" and k == 4 and not accelerator
-
-
-def _extras(layout, stage, offload, n, k, padded, prefetch, accelerator, offload_param=None,
-            in_backward=False, cached=frozenset(), in_forward=False,
-            fmt=_FP32_STATE):
-    """Per-rank bytes of this engine's buffers at the step's peak; see [Note: engine extras].
-    ``cached``: as for :func:`_model_states`."""
-    out = _zeros()
-    if offload_param is None:
-        offload_param = default_offload_param(offload, stage)
-    if stage == 0:
-        return out
-    # units in flight ahead of the running one: prefetch, at most the other blocks
-    ahead = max(0, min(prefetch, len({spec.unit for spec in layout if spec.unit != -1}) - 1))
-    full = {}     # unit -> gathered bytes
-    shards = []   # trainable shard_numel
-    grad_full = []  # (bytes, taken as autograd made it) per trainable flat parameter
-    all_shards, units_of = [], []
-    for spec in layout:
-        shard = _shard_numel(spec.numel, n, k, padded)
-        all_shards.append(shard)
-        units_of.append(spec.unit)
-        full[spec.unit] = full.get(spec.unit, 0) + k * shard * n
-        if spec.trainable:
-            shards.append(shard)
-            grad_full.append((k * shard * n, _grad_as_is(spec, shard, n, padded)))
-    if stage == 3 and not (n == 1 and offload_param == "none"):
-        # (one rank with its shards on the device keeps them as the parameters: nothing gathered)
-        # the gather pool: slots of the largest block, and one of the root's size
-        largest = max((b for u, b in full.items() if u != -1), default=0)
-        # NVMe-resident shards are read ahead, not gathered ahead: one block on the device
-        gathered = 1 if offload_param == "nvme" else ahead + 1
-        out["device"]["buffers"] += gathered * largest + full.get(-1, 0)
-    if stage >= 2 and grad_full:
-        # on a CPU device the gradient in flight is one buffer kept from step to step, beside
-        # which a gradient taken as autograd made it (one parameter, no padding) is briefly a
-        # device gradient while it is reduced, unless one rank's fp32 host shards adopt the
-        # gradients themselves (see [Note: reused gradient memory] in
-        # offload_zero/partition/grads.py)
-        adopted = _shards_adopt_grads(stage, offload, n, k, accelerator)
-        if accelerator or adopted:
-            out["device"]["gradients"] += max(b for b, _ in grad_full)
-        else:
-            out["device"]["buffers"] += max((b for b, as_is in grad_full if not as_is), default=0)
-            out["device"]["gradients"] += max((b for b, as_is in grad_full if as_is), default=0)
-    if n > 1 and shards:  # the reduce-scatter scratch shard, sized at start-up
-        out["device"]["buffers"] += max(shards) * k
-    biggest = max(shards, default=0)
-    if offload == "nvme":
-        # (a state kept in host memory never streams through the pipeline)
-        streamed = [_shard_numel(spec.numel, n, k, padded) for i, spec in enumerate(layout)
-                    if spec.trainable and i not in cached]
-        # with nothing to stream the engine sizes its buffers for 1024 elements
-        from offload_zero.memory.tiers import NVMeStore
-        out["host"]["buffers"] += 3 * _state_bytes(
-            fmt, min(max(streamed, default=1024), NVMeStore.CHUNK_NUMEL), padded)
-    if stage == 3 and offload_param == "nvme" and all_shards:
-        block_shard = max([sh for sh, u in zip(all_shards, units_of) if u != -1], default=0)
-        root_shard = max([sh for sh, u in zip(all_shards, units_of) if u == -1], default=0)
-        # an fp32 shard on NVMe beside its optimizer state is its master: no write-back ring
-        ring = 0 if (k == 4 and offload == "nvme") else 2
-        out["host"]["buffers"] += (2 * (ahead + 2) + ring) * max(block_shard, 1) * k
-        if root_shard > block_shard:
-            # one buffer per outsized root flat parameter when all are trainable (each keeps
-            # its updated shard for the next forward), else one; the root's small ones go
-            # through the block-sized buffers above
-            root = [i for i, u in enumerate(units_of) if u == -1]
-            outsized = [i for i in root if all_shards[i] > block_shard]
-            if all(layout[i].trainable for i in root):
-                # a state kept in host memory is, in fp32, its own shard: no buffer
-                count = len([i for i in outsized if not (ring == 0 and i in cached)])
-            else:
-                count = 1
-            out["host"]["buffers"] += count * root_shard * k
-    if offload == "nvme" and ((in_backward and stage >= 2) or (in_forward and stage == 3)):
-        # read-ahead buffers of a block's whole state (master + moments, fp32): two, three
-        # when fp32 parameter shards on NVMe are gathered from them in backward, and with
-        # update_timing="next_forward"
-        # (a state kept in host memory is not read ahead)
-        trainable_blocks = [sh for i, (sh, u, spec) in enumerate(zip(all_shards, units_of, layout))
-                            if u != -1 and spec.trainable and i not in cached]
-        count = 3 if (in_forward or (in_backward and stage == 3
-                                          and offload_param == "nvme" and k == 4)) else 2
-        out["host"]["buffers"] += count * _state_bytes(fmt, max(trainable_blocks, default=0),
-                                                       padded)
-    if offload != "none" and offload_param == "none" and accelerator and shards:
-        out["host"]["buffers"] += biggest * k
-    return out
-
-
-def _to_bytes(d: Dict[str, Dict[str, Number]]) -> Dict[str, Dict[str, int]]:
-    return {t: {k: int(round(v)) for k, v in kinds.items()} for t, kinds in d.items()}
+def _placement(plan: MemoryPlan, offload: str, gpus_per_node: int) -> "Placement":
+    """A plan's bytes as a table row."""
+    s = plan.settings
+    return Placement(s.stage, offload, plan.states(), plan.extras(), gpus_per_node,
+                     engine_supported=s.stage > 0, update_timing=s.update_timing, plan=plan)
 
 
 # -- public entry point --------------------------------------------------------------------------
@@ -619,14 +366,13 @@ def estimate_memory(model_or_num_params, world_size: int = 1, gpus_per_node: int
         unit_classes: module classes that make units (as ``OffloadEngine(unit_classes=...)``).
         largest_unit_numel, root_numel: elements of the largest block and of the root unit,
             only for a parameter count (default: :func:`assumed_layout`).
-        accelerator: whether the device is an accelerator (False: the CPU-only engine, which
-            needs no host staging buffer).
-        update_timing: the engine's option of that name (:mod:`offload_zero.update.rules`):
-            ``"next_forward"`` counts the stage-3 rows with it (the embeddings' state in host
-            memory when small, three read-ahead buffers); ``"step"`` none; ``"auto"`` (its
-            default) counts it where the engine chooses it, the optimizer state on NVMe (see
-            :func:`offload_zero.update.rules.default_timing`). ``"backward"`` is counted by
-            :func:`placement_bytes`, not here (ValueError). For a parameter count the root's
+        accelerator: whether the device is an accelerator (False: the CPU-only engine, whose
+            device and host are one memory).
+        update_timing: the engine's option of that name for the stage-3 rows
+            (:mod:`offload_zero.update.rules`): ``"next_forward"`` counts it and its buffers
+            (see :mod:`offload_zero.plan`), ``"step"`` none, ``"auto"`` (its default) where the
+            engine chooses it, the optimizer state on NVMe; ``"backward"`` is counted by
+            :func:`placement_bytes` (ValueError here). For a parameter count the root's
             split by gradient order (every mode) assumes its two embeddings of equal size (a
             final norm is too small to count).
         host_cache_bytes: bytes of optimizer state kept in host memory instead of NVMe in the
@@ -641,8 +387,8 @@ def estimate_memory(model_or_num_params, world_size: int = 1, gpus_per_node: int
 
     Raises:
         ValueError: a bad stage, offload, world size, dtype, parameter count, folder or preset,
-            or update_timing (not one of the timings; ``"next_forward"`` below stage 3;
-            ``"backward"``), naming the value.
+            or update_timing (not a timing; ``"next_forward"`` below stage 3; ``"backward"``),
+            naming the value.
     """
     if isinstance(stage, bool) or stage not in STAGES:
         raise ValueError(f"stage={stage!r} is not valid; choose one of {STAGES}")
@@ -674,15 +420,10 @@ def estimate_memory(model_or_num_params, world_size: int = 1, gpus_per_node: int
     for s in STAGES:
         for o in OFFLOADS:
             sif = s == 3 and rules.resolve(update_timing, s, o) == rules.NEXT_FORWARD
-            cached = _cached_in_host(layout, s, o, world_size, itemsize, padded, False, None,
-                                     sif, host_cache_bytes, accelerator=accelerator, fmt=fmt)
-            states = _model_states(layout, s, o, world_size, itemsize, padded,
-                                   accelerator=accelerator, cached=cached, fmt=fmt)
-            extras = _extras(layout, s, o, world_size, itemsize, padded, prefetch, accelerator,
-                             cached=cached, in_forward=sif, fmt=fmt)
-            rows.append(Placement(s, o, _to_bytes(states), _to_bytes(extras), gpus_per_node,
-                                  engine_supported=s > 0,
-                                  update_timing=rules.NEXT_FORWARD if sif else rules.STEP))
+            plan = _plan(layout, s, o, None, world_size, dt, prefetch, accelerator, padded,
+                         update_timing=rules.NEXT_FORWARD if sif else rules.STEP, host_cache_bytes=host_cache_bytes,
+                         moment_dtype=fmt.moment_dtype)
+            rows.append(_placement(plan, o, gpus_per_node))
     selected = next(p for p in rows if p.stage == stage and p.offload == offload)
     units = {}
     for spec in layout:
@@ -707,9 +448,8 @@ def placement_bytes(model: nn.Module, stage: int, offload_optimizer: str, offloa
     ``offload_optimizer`` / ``offload_param``: "none", "cpu" or "nvme" (parameters off the
     device only at stage 3). ``layout``: a precomputed :func:`model_layout` (saves a walk of
     the model). ``update_timing``, ``tail_state_in_host``: the engine's
-    options of those names (its NVMe read-ahead buffers; the state it keeps in host memory;
-    ``update_timing="auto"``: the engine's default for this placement, see
-    :func:`offload_zero.update.rules.default_timing`); ``host_cache_bytes``: bytes of
+    options of those names (``update_timing="auto"``: the engine's default for this placement,
+    see :func:`offload_zero.update.rules.default_timing`); ``host_cache_bytes``: bytes of
     optimizer state the engine keeps in host memory instead of NVMe (see [Note: host cache] in
     :mod:`offload_zero.memory.host_cache`); ``moment_dtype``: ``"fp32"`` or ``"bf16"``, the
     engine's option. Returns a :class:`Placement` whose
@@ -718,38 +458,13 @@ def placement_bytes(model: nn.Module, stage: int, offload_optimizer: str, offloa
     """
     from offload_zero.update import rules
     update_timing = rules.resolve(update_timing, stage, offload_optimizer)
-    in_backward = update_timing == rules.BACKWARD
-    in_forward = update_timing == rules.NEXT_FORWARD
-    dt = _resolve_dtype(dtype)
-    k = torch.empty(0, dtype=dt).element_size()
     if layout is None:
         layout = model_layout(model, unit_classes)
-    fmt = StateFormat(moment_dtype_of(moment_dtype))
-    cached = _cached_in_host(layout, stage, offload_optimizer, world_size, k, True,
-                             in_backward, tail_state_in_host, in_forward,
-                             host_cache_bytes, offload_param, accelerator, fmt=fmt)
-    states = _model_states(layout, stage, offload_optimizer, world_size, k, True, offload_param,
-                           accelerator=accelerator, cached=cached, fmt=fmt)
-    if in_backward and _shards_adopt_grads(stage, offload_optimizer, world_size, k,
-                                                accelerator):
-        # one rank on a CPU device: the host shards are the gradients' own memory, each used up
-        # by its update in backward and reused by the next gradient of its size (see [Note:
-        # reused gradient memory] in offload_zero/partition/grads.py): one of each size class,
-        # and one gradient taken as autograd made it (one parameter, no padding: no buffer is
-        # kept for those, and each is used up before the next)
-        from offload_zero.partition.grads import size_classes
-        sizes = [(_shard_numel(spec.numel, 1, k, True), spec) for spec in layout
-                 if spec.trainable]
-        borrowed = [n for n, spec in sizes if not _grad_as_is(spec, n, 1, True)]
-        taken = [n for n, spec in sizes if _grad_as_is(spec, n, 1, True)]
-        states["host"]["gradients"] = 4 * (sum(set(size_classes(borrowed).values()))
-                                           + max(taken, default=0))
-    extras = _extras(layout, stage, offload_optimizer, world_size, k, True, prefetch, accelerator,
-                     offload_param, in_backward=in_backward, cached=cached,
-                     in_forward=in_forward, fmt=fmt)
-    return Placement(stage, f"{offload_optimizer}+{offload_param}", _to_bytes(states),
-                     _to_bytes(extras), 1, engine_supported=stage > 0,
-                     update_timing=update_timing)
+    plan = _plan(layout, stage, offload_optimizer, offload_param, world_size,
+                 _resolve_dtype(dtype), prefetch, accelerator, True,
+                 update_timing=update_timing, tail_state_in_host=tail_state_in_host, host_cache_bytes=host_cache_bytes,
+                 moment_dtype=moment_dtype_of(moment_dtype))
+    return _placement(plan, f"{offload_optimizer}+{offload_param}", 1)
 
 
 def _layout_of(obj, unit_classes, largest_unit_numel, root_numel):
@@ -785,7 +500,8 @@ for ZeRO stages 0-3 x offload none/cpu/nvme (stage 0 is plain data parallelism, 
 Model states follow Rajbhandari et al., 2019 (ZeRO): 2 bytes of parameters + 2 of gradients +
 12 of fp32 optimizer state per parameter (bf16/fp16), partitioned over N = gpus x nodes ranks.
 The engine's extra buffers (the gather pool at stage 3, a gradient in flight, NVMe pipeline
-buffers) are shown apart. Activations are not counted. GB = 1e9 bytes.
+buffers) are shown apart. Activations are not counted in the table (the verdict
+below counts them). GB = 1e9 bytes.
 
 examples:
   offload-zero estimate --params 7.5e9 --gpus 8 --nodes 8  # the paper's example: 120/31.4/16.6/1.9
@@ -828,12 +544,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(the engine's host_cache_bytes; default 0)")
     parser.add_argument("--cpu-device", action="store_true",
                         help="the CPU plays the device (no accelerator): device and host are one "
-                             "memory, so an fp32 master offloaded to the host is the shard itself "
-                             "and no staging buffer is needed (default: an accelerator)")
+                             "memory (default: an accelerator)")
 
 
 def run(args: argparse.Namespace) -> MemoryEstimate:
     """Run ``offload-zero estimate``: print the table (or JSON) and return the estimate."""
+    est = estimate_from_args(args)
+    print(json.dumps(est.to_dict(), indent=2) if args.json else format_table(est, args.unit))
+    return est
+
+
+def estimate_from_args(args: argparse.Namespace) -> MemoryEstimate:
+    """The :class:`MemoryEstimate` of the flags of :func:`add_arguments` (nothing printed)."""
     for name in ("gpus", "nodes"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name} {getattr(args, name)} is not valid; it must be >= 1")
@@ -843,7 +565,6 @@ def run(args: argparse.Namespace) -> MemoryEstimate:
                           prefetch=args.prefetch, accelerator=not args.cpu_device,
                           update_timing=args.update_timing,
                           host_cache_bytes=args.host_cache_bytes, moment_dtype=args.moment_dtype)
-    print(json.dumps(est.to_dict(), indent=2) if args.json else format_table(est, args.unit))
     return est
 
 
@@ -886,9 +607,10 @@ def format_table(est: MemoryEstimate, unit: str = "GB") -> str:
     sif = [f"{p.stage} {p.offload}" for p in est.table if p.update_timing == "next_forward"]
     if sif:
         nvme = any(p.update_timing == "next_forward" and p.offload == "nvme" for p in est.table)
-        lines.append(f"with update_timing next_forward ({', '.join(sif)}): updates applied in the next "
+        lines.append(f"with update_timing next_forward ({', '.join(sif)}): updates applied in "
+                     "the next "
                      "forward" + ("; with NVMe the embeddings' optimizer state in host memory "
-                                  "when small and three read-ahead buffers of a block's state"
+                                  "when small and read-ahead buffers of a block's state"
                                   if nvme else ""))
     if not est.padded:
         lines.append(f"layout assumed from the parameter count: largest unit "

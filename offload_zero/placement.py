@@ -8,8 +8,8 @@ Candidates, cheapest first (each moves more state off the device, at more cost p
 4. optimizer state to NVMe, parameter shards in host RAM (stage 3);
 5. optimizer state and parameter shards to NVMe (stage 3).
 
-The bytes of each come from :func:`offload_zero.estimator.placement_bytes` (the ZeRO paper's
-accounting on the engine's padded layout plus its buffers). Budgets: free device memory
+The bytes of each come from :func:`offload_zero.estimator.placement_bytes`: the sum of the
+engine's own memory plan for that placement (:func:`offload_zero.plan.memory_plan`). Budgets: free device memory
 (``torch.cuda.mem_get_info``; on a CPU-only machine the device is host RAM), available host RAM
 (``psutil.virtual_memory().available``) and free disk at ``path`` (``shutil.disk_usage``), each
 with 10% headroom for activations and the allocator; ``max_device_bytes`` / ``max_host_bytes``
@@ -25,6 +25,8 @@ from typing import List, Optional, Tuple
 
 import torch
 import torch.nn as nn
+
+from offload_zero.tables import TIERS
 
 log = logging.getLogger("offload_zero")
 
@@ -133,7 +135,7 @@ def choose_placement(model: nn.Module, stage: int, world_size: int, dtype: torch
                                 unit_classes, accelerator, layout=layout,
                                 update_timing=timing, tail_state_in_host=tail_state_in_host,
                                 host_cache_bytes=cache, moment_dtype=moment_dtype)
-            return {t: p.tier_bytes(t) for t in ("device", "host", "nvme")}
+            return {t: p.tier_bytes(t) for t in TIERS}
 
         cache = 0 if host_cache_bytes == "auto" else host_cache_bytes
         need = need_with(cache)

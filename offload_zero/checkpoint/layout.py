@@ -63,6 +63,7 @@ from typing import Dict, Iterator, List, Optional, Tuple
 import torch
 
 from offload_zero.optim.facade import json_group
+from offload_zero.tables import DTYPE_LONG_NAMES
 
 FORMAT_NAME = "offload-zero-checkpoint"
 FORMAT_VERSION = 1
@@ -71,8 +72,7 @@ STATE_KEYS = ("master", "exp_avg", "exp_avg_sq")
 RANK_FILE_RE = re.compile(r"rank\d{5,}\.safetensors")
 _ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
               torch.int64: "I64"}
-COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16,
-                  "float16": torch.float16}  # checkpoint.json's "dtype" -> torch dtype
+COMPUTE_DTYPES = DTYPE_LONG_NAMES  # checkpoint.json's "dtype" -> torch dtype
 
 TensorSpec = Tuple[str, torch.dtype, Tuple[int, ...]]
 

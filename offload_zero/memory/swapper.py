@@ -31,10 +31,11 @@ import torch
 from offload_zero.memory.aligned import ALIGNMENT, aligned_empty
 from offload_zero.memory.aio_threads import ThreadsBackend
 from offload_zero.memory.owner import claim_folder, release_folder
+from offload_zero.tables import AIO_BACKENDS
 
 __all__ = ["Swapper", "SwapHandle", "SwapIOError", "measure_bandwidth", "BACKENDS"]
 
-BACKENDS = ("auto", "libaio", "threads")
+BACKENDS = AIO_BACKENDS
 _KEY_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,199}$")
 _FAST_PATH_HINT = (
     "for the fast path install the libaio bindings (`pip install libaio`, which needs the system "

@@ -9,11 +9,11 @@ import os
 
 import torch
 
+from offload_zero.tables import DTYPES  # (the --dtype names -> torch dtypes)
 from offload_zero.train.hf_folder import WEIGHTS_NAME, check_save_dir
 from offload_zero.train.model import DEFAULT_PRESET, PRESETS
 from offload_zero.train.resume import check_checkpoint_args
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DEFAULTS = dict(offload="cpu", stage=3, steps=50, seq_len=128, batch_size=8, lr=2e-3,
                 weight_decay=0.0, seed=0, dtype="fp32", log_every=10)
 DESCRIPTION = f"""\

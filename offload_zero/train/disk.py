@@ -27,7 +27,8 @@ def nvme_bytes_needed(args: argparse.Namespace, model: torch.nn.Module,
     """Bytes the swap files of ``--offload nvme`` take on ``--path``'s file system: one rank's
     (:func:`offload_zero.estimator.placement_bytes` on the engine's layout, at the world size
     of ``WORLD_SIZE``) times the ranks of this node (``LOCAL_WORLD_SIZE``), which share it."""
-    from offload_zero.estimator import default_offload_param, placement_bytes
+    from offload_zero.estimator import placement_bytes
+    from offload_zero.tables import default_offload_param
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size)))
     placement = placement_bytes(model, args.stage, "nvme",

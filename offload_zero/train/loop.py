@@ -11,6 +11,7 @@ import time
 from typing import Any, Dict, List, Optional, Tuple
 
 from offload_zero import data as data_lib
+from offload_zero.tables import TIERS
 from offload_zero.train.arguments import (DTYPES, apply_deepspeed_config, check_args,
                                           update_timing as cli_update_timing)
 from offload_zero.train.disk import (check_disk_space, disk_full_as_value_error,
@@ -82,7 +83,7 @@ def _train_loop(engine, batches, args, warmup: int, tokens_per_step: int,
             if memory_trace is not None:
                 rep = engine.memory_report()
                 sample = {}
-                for tier in ("device", "host", "nvme"):
+                for tier in TIERS:
                     sample[tier] = rep[tier]["current_bytes"]
                     sample[tier + "_peak"] = rep[tier]["peak_bytes"]
                 memory_trace.append(sample)

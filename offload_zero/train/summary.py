@@ -7,6 +7,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
+from offload_zero.tables import TIERS
 from offload_zero.train.hf_folder import WEIGHTS_NAME
 
 
@@ -52,7 +53,7 @@ def summarize(losses: List[float], report: Dict[str, Any], *, wall_s: float, tok
         last_loss=mean_of(losses[-k:]),
         loss_window_steps=k,
         losses=losses,
-        peak_bytes={tier: _peak(report, tier) for tier in ("device", "host", "nvme")},
+        peak_bytes={tier: _peak(report, tier) for tier in TIERS},
         nvme_read_bytes=int(nvme.get("read_bytes", 0)),
         nvme_written_bytes=int(nvme.get("written_bytes", 0)),
         wall_s=wall_s,
@@ -162,7 +163,7 @@ def reduce_across_ranks(losses: List[float], report: Dict[str, Any], peak_rss: i
         return losses, report, peak_rss
     loss_sum = torch.tensor(losses, dtype=torch.float64)
     dist.all_reduce(loss_sum)
-    tiers = ("device", "host", "nvme")
+    tiers = TIERS
     peaks = torch.tensor([report.get(t, {}).get("peak_bytes", 0) for t in tiers] + [peak_rss],
                          dtype=torch.int64)
     dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
