@@ -133,7 +133,7 @@ def test_host_memory_flat_over_200_steps_with_nvme(tmp_path):
     """Fixed pools sized at start-up: peak RSS after step 20 and after step 200 within 2%."""
     import json
     import sys
-    job = os.path.join(os.path.dirname(__file__), "rss_job.py")
+    job = os.path.join(os.path.dirname(os.path.dirname(__file__)), "rss_job.py")  # (tests/)
     r = subprocess.run([sys.executable, job, str(tmp_path), "200", "20"], capture_output=True,
                        text=True, timeout=300)
     assert r.returncode == 0, r.stderr
