@@ -97,7 +97,8 @@ def test_update_in_next_forward_is_on_where_the_nvme_step_is_not_in_backward(tmp
                              "next_forward", "--no-progress", *FAST))  # fp32: asked, not auto
     assert asked["update_timing"] == "next_forward"
     capsys.readouterr()
-    for flags, message in ((["--update-timing", "sideways"], "invalid choice: 'sideways'"),
+    for flags, message in ((["--update-timing", "backward", "--stage", "1"],
+                            "--update-timing backward needs --stage 2 or 3, got --stage 1"),
                            (["--update-timing", "next_forward", "--stage", "2"],
                             "--update-timing next_forward needs --stage 3, got --stage 2")):
         assert cli.main(["train", "--preset", "tiny", "--steps", "2", *flags, *FAST]) == 2
