@@ -33,7 +33,8 @@ parameter ``<fp>`` (its name, e.g. ``unit3.trainable``) it holds this rank's sha
   trainable flat parameter: the fp32 master weights and Adam's two moments (float32, or
   bfloat16 with ``moment_dtype="bf16"``: ``checkpoint.json``'s ``moment_dtype``, float32 when
   absent; loading into an engine with the other moment dtype converts them, bf16 -> fp32
-  exactly, fp32 -> bf16 rounding to nearest even);
+  exactly, fp32 -> bf16 rounding to nearest even; int8 moments are saved decoded, as float32,
+  and encode back to the same codes and scales on loading);
 - ``<fp>/step``: int64, shape (), its Adam step count (trainable only);
 - ``<fp>/param``: the compute dtype, shape (shard_numel,): the parameter shard, for a frozen flat
   parameter and for every flat parameter when the compute dtype is not float32 (an fp32
@@ -403,7 +404,7 @@ def _layout(engine) -> dict:
         "world_size": engine.world_size,
         "stage": engine.config.stage,
         "dtype": _dtype_name(engine.config.dtype),
-        "moment_dtype": _dtype_name(engine.config.moment_torch_dtype),
+        "moment_dtype": _dtype_name(engine.store.fmt.exchange_dtype),  # (int8: fp32 values)
         "flat_params": [{"name": fp.name, "requires_grad": fp.requires_grad, "numel": fp.numel,
                          "shard_numel": fp.shard_numel,
                          "parameters": [[e.names, list(e.shape)] for e in fp.entries],
@@ -759,7 +760,7 @@ def _buffer_specs(engine) -> List[TensorSpec]:
 def _tensor_specs(engine) -> List[TensorSpec]:
     """(name, dtype, shape) of every tensor in a rank file of ``engine``, in file order."""
     flat = [(fp.name, fp.requires_grad, fp.shard_numel) for fp in engine.flat_params]
-    return _flat_specs(flat, engine.config.dtype, engine.config.moment_torch_dtype) + \
+    return _flat_specs(flat, engine.config.dtype, engine.store.fmt.exchange_dtype) + \
         _buffer_specs(engine)
 
 
@@ -943,7 +944,7 @@ def _load_shards(final: str, engine, segments: Dict[object, List[tuple]], source
     from contextlib import ExitStack
     from safetensors import safe_open
     saved_moments = _saved_moment_dtype(_read_metadata(final))
-    moments = engine.config.moment_torch_dtype
+    moments = engine.store.fmt.exchange_dtype
     with ExitStack() as stack:
         files = {r: stack.enter_context(safe_open(os.path.join(final, rank_file_name(r)),
                                                   framework="pt")) for r in sources}

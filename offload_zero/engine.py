@@ -30,6 +30,7 @@ from offload_zero.memory.accounting import StateKind, TierAccountant
 from offload_zero.memory.aligned import aligned_empty
 from offload_zero.memory.host_cache import plan_host_cache
 from offload_zero.memory.pool import GatherPool, HostBufferPool, storage_rebinding_supported
+from offload_zero.memory.state_format import StateFormat
 from offload_zero.memory.tiers import (DeviceStore, HostParamHome, HostStore, NVMeParamHome,
                                        NVMeStore)
 from offload_zero.partition.flat_param import FlatParam, build_entries, shard_numel_for
@@ -520,15 +521,16 @@ class OffloadEngine:
                                  tail=tail, blocks_reversed=cfg.step_in_backward)
         return (None if tail is None else names[tail]), {names[i] for i in chosen}
 
-    def _state_bytes_per_element(self) -> int:
+    def _state_bytes_per_element(self) -> float:
         """Host bytes of one element's optimizer state kept in host memory: 4 (fp32 master)
-        plus two moments (4 bytes each, 2 in bf16), the master's 4 less when it is the
-        parameter shard itself (fp32 on a CPU device, parameter shards on the device)."""
+        plus two moments (4 bytes each, 2 in bf16, 1 + 4/256 in int8), the master's 4 less
+        when it is the parameter shard itself (fp32 on a CPU device, parameter shards on the
+        device)."""
         cfg = self.config
         aliased = (self.device.type == "cpu" and cfg.param_tier is Tier.DEVICE
                    and cfg.dtype == torch.float32)
-        moments = 2 * torch.empty(0, dtype=cfg.moment_torch_dtype).element_size()
-        return moments + (0 if aliased else 4)
+        per_element = StateFormat(cfg.moment_torch_dtype).resident_bytes_per_element
+        return per_element - (4 if aliased else 0)
 
     def _build_gather_pools(self):
         """Device slots for gathered units, sized now (see [Note: gather pool]); returns
@@ -1201,10 +1203,14 @@ class OffloadEngine:
             # (bf16 moments: rounding keyed by the element's place in the flat parameter, the
             # same however the update is cut into chunks and at any world size)
             base = self.rank * fp.shard_numel + lo  # (the chunk's place in the flat parameter)
-            overflow = any([self._adam_cpu(fp, master[a:b], grad[a:b], m[a:b], v[a:b], hp,
-                                           coef, None if out is None else out[a:b],
-                                           check_overflow, key)
-                            for r0, r1, hp in runs for a, b, key in _sr_pieces(r0, r1, base)])
+            if m.dtype == torch.uint8:  # int8 moments: whole 256-element blocks, one call
+                overflow = self._adam_cpu_int8(fp, lo, hi, master, grad, m, v, runs, coef, out,
+                                               check_overflow, base)
+            else:
+                overflow = any([self._adam_cpu(fp, master[a:b], grad[a:b], m[a:b], v[a:b], hp,
+                                               coef, None if out is None else out[a:b],
+                                               check_overflow, key)
+                                for r0, r1, hp in runs for a, b, key in _sr_pieces(r0, r1, base)])
             if (not overflow and out is not None and fp.home is None
                     and out.data_ptr() != fp.sharded[lo:hi].data_ptr()):
                 # staging buffer -> accelerator shard, chunk by chunk: the buffer is free again
@@ -1232,6 +1238,20 @@ class OffloadEngine:
                           betas=hp.betas, eps=hp.eps, weight_decay=hp.weight_decay,
                           adamw=self.config.adamw, grad_scale=coef, out=out,
                           check_overflow=check_overflow, sr_seed=_sr_seed(fp), sr_offset=offset)
+
+    def _adam_cpu_int8(self, fp: FlatParam, lo: int, hi: int, master, grad, m, v, runs,
+                       coef: float, out, check_overflow: bool, base: int) -> bool:
+        """The C++ Adam on elements [lo, hi) of ``fp``'s shard with int8 moments (uint8 codes
+        ``m``, ``v`` and the store's scales; ``lo`` a multiple of 256) and the runs of each
+        parameter group (a block two groups share is updated as one: see
+        :func:`offload_zero.optim.int8_moments.adam_step_runs_`); ``base``: element ``lo``'s
+        place in the whole flat parameter. Returns True on overflow."""
+        from offload_zero.optim.int8_moments import BLOCK_NUMEL, adam_step_runs_
+        scales = self.store.scales(fp)[:, lo // BLOCK_NUMEL:-(-hi // BLOCK_NUMEL)]
+        return adam_step_runs_(master, grad, m, v, scales[0], scales[1], runs,
+                               step=self._step_count[fp], adamw=self.config.adamw,
+                               grad_scale=coef, out=out, check_overflow=check_overflow,
+                               sr_seed=_sr_seed(fp), sr_offset=base)
 
     def _finish_update(self, fp: FlatParam, ok: bool) -> None:
         """After the last chunk: write the new compute-dtype shard back to an NVMe home (an
