@@ -159,8 +159,8 @@ class EngineConfig:
             ``offload="auto"`` only): when the chosen placement puts the optimizer state on
             NVMe, half the host memory the measured budget leaves beside it (see
             :mod:`offload_zero.placement`). Default 0.
-        moment_dtype: ``"fp32"`` (default: exact AdamW, as torch's), ``"bf16"`` or ``"int8"``: the dtype of
-            Adam's two moments wherever the optimizer state lives (host buffers, NVMe files,
+        moment_dtype: ``"fp32"`` (default: exact AdamW, as torch's), ``"bf16"`` or ``"int8"``:
+            the dtype of Adam's two moments wherever the optimizer state lives (host buffers, NVMe files,
             the read-ahead ring, the pipeline, checkpoints). bf16 moments are updated in fp32
             by the C++ kernel and stored with stochastic rounding (see
             :func:`offload_zero.optim.kernel.adam_step_`), so the state takes 8 bytes per

@@ -3,6 +3,7 @@ round-trip error against the bound the format documents, decoding then encoding 
 identity, unbiased stochastic rounding, the fused kernel of every instruction set against the
 scalar reference element by element, the fused pass against decode + fp32 step + encode, and
 runs of several parameter groups."""
+import copy
 import math
 from types import SimpleNamespace
 
@@ -286,3 +287,61 @@ def test_bad_absmax_raises_value_error():
                         step=1, sr_offset=100)
     with pytest.raises(ValueError, match=r"codes dtype torch.float32 is not one of torch.uint8"):
         quantize_(p, torch.zeros(n), torch.zeros(2), signed=True)
+
+
+def test_cpu_adam_with_int8_moments_matches_the_kernel_and_round_trips_its_state():
+    """CPUAdam(state_dtype=torch.uint8): the kernel's codes and scales step by step; its
+    state_dict loads back bit for bit (torch casts the codes to fp32 on the way: exact), into
+    an fp32 CPUAdam decoded, and an fp32 state into an 8-bit one encoded to nearest."""
+    from offload_zero.optim import CPUAdam
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(33, 17))
+    opt = CPUAdam([w], lr=1e-2, state_dtype=torch.uint8)
+    p, mc, vc = w.detach().clone().view(-1), torch.zeros(561, dtype=torch.uint8), \
+        torch.zeros(561, dtype=torch.uint8)
+    ma, va = torch.zeros(3), torch.zeros(3)
+    grads = [torch.randn(33, 17) for _ in range(3)]
+    for step, g in enumerate(grads, start=1):
+        w.grad = g
+        opt.step()
+        adam_step_(p, g.view(-1), mc, vc, step=step, lr=1e-2, sr_seed=1, exp_avg_absmax=ma,
+                   exp_avg_sq_absmax=va)
+    st = opt.state[w]
+    assert torch.equal(w.detach().view(-1), p) and torch.equal(st["exp_avg"].view(-1), mc)
+    assert torch.equal(st["exp_avg_sq_absmax"], va)
+    w2 = torch.nn.Parameter(w.detach().clone())
+    again = CPUAdam([w2], lr=1e-2, state_dtype=torch.uint8)
+    again.load_state_dict(copy.deepcopy(opt.state_dict()))  # (torch would alias the absmax)
+    w.grad = w2.grad = grads[0]
+    opt.step()
+    again.step()
+    assert torch.equal(w, w2)
+    assert torch.equal(again.state[w2]["exp_avg"], opt.state[w]["exp_avg"])
+    exact = CPUAdam([torch.nn.Parameter(w.detach().clone())], lr=1e-2)
+    exact.load_state_dict(copy.deepcopy(opt.state_dict()))
+    exact.param_groups[0]["state_dtype"] = torch.float32  # (loading took the saved group's)
+    (q,) = exact.param_groups[0]["params"]
+    q.grad = torch.zeros_like(q)
+    exact.step()
+    m_dec = dequantize(opt.state[w]["exp_avg"].view(-1), opt.state[w]["exp_avg_absmax"],
+                       signed=True)
+    assert torch.allclose(exact.state[q]["exp_avg"].view(-1), 0.9 * m_dec, rtol=1e-6, atol=0)
+    ref = torch.nn.Parameter(w.detach().clone())
+    torch_opt = torch.optim.AdamW([ref], lr=1e-2)
+    ref.grad = grads[1]
+    torch_opt.step()
+    coded = CPUAdam([torch.nn.Parameter(ref.detach().clone())], lr=1e-2,
+                    state_dtype=torch.uint8)
+    sd = copy.deepcopy(torch_opt.state_dict())
+    sd["param_groups"][0]["state_dtype"] = torch.uint8
+    coded.load_state_dict(sd)
+    (c,) = coded.param_groups[0]["params"]
+    c.grad = torch.zeros_like(c)
+    coded.step()
+    codes, absmax = torch.empty(561, dtype=torch.uint8), torch.empty(3)
+    fp32_m = torch_opt.state[ref]["exp_avg"].reshape(-1).contiguous()
+    quantize_(fp32_m, codes, absmax, signed=True)
+    decoded = dequantize(codes, absmax, signed=True)
+    got = dequantize(coded.state[c]["exp_avg"].view(-1), coded.state[c]["exp_avg_absmax"],
+                     signed=True)
+    assert torch.allclose(got, 0.9 * decoded, rtol=0.02, atol=1e-6 * float(absmax.max()))
