@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import sys
 import tempfile
 import time
 from typing import Dict, List
@@ -69,6 +70,9 @@ def _run(model, fmt: str, args) -> Dict[str, object]:
                 eng.backward(out.loss)
                 eng.step()
                 losses.append(float(out.loss.detach()))
+                if args.log_every and (step + 1) % args.log_every == 0:
+                    print(f"  {fmt} step {step + 1}/{args.steps} loss {losses[-1]:.4f} "
+                          f"({time.perf_counter() - start:.0f} s)", file=sys.stderr, flush=True)
             if hasattr(eng, "apply_pending_updates"):
                 eng.apply_pending_updates()
             seconds = time.perf_counter() - start
@@ -115,6 +119,7 @@ def main() -> None:
     p.add_argument("--formats", nargs="+", default=["fp32", "bf16", "int8"],
                    choices=["fp32", "bf16", "int8"])
     p.add_argument("--png", default="benchmarks/results/bench_moments.png")
+    p.add_argument("--log-every", type=int, default=10, help="progress to stderr (0: none)")
     args = p.parse_args()
     if args.vocab < 259:
         p.error(f"--vocab {args.vocab}: the byte tokenizer needs at least 259 ids")

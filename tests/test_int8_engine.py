@@ -158,3 +158,37 @@ def test_int8_on_an_accelerator_state_is_not_implemented(monkeypatch):
                                                   r"state on cuda"):
         OffloadEngine(TinyLM(n_blocks=2), moment_dtype="int8", offload="none",
                       device=torch.device("cuda"))
+
+
+def _two_rank_run(rank, world_size):
+    """Stage 3 at two ranks with int8 moments: all on NVMe with the plain step, with a host
+    cache and step_in_backward, and on the CPU tier; the weights of each on this rank."""
+    import tempfile
+    out = {}
+    runs = {"nvme": {"step_in_forward": False},
+            "cache+sib": {"host_cache_bytes": 150_000, "step_in_backward": True},
+            "cpu": {"offload": "cpu"}}
+    for name, extra in runs.items():
+        torch.manual_seed(0)
+        kw = {"offload": "nvme", "stage": 3, "lr": 1e-2, "weight_decay": 0.1,
+              "moment_dtype": "int8", **extra}
+        with tempfile.TemporaryDirectory() as d:
+            if kw["offload"] == "nvme":
+                kw["path"] = d
+            with OffloadEngine(CacheLM(), **kw) as eng:
+                for x, y in batches(4, seed=1, batch=2 * world_size):
+                    lo = rank * 2
+                    eng.backward(lm_loss(eng(x[lo:lo + 2]), y[lo:lo + 2]))
+                    eng.step()
+                out[name] = {k: v.numpy() for k, v in eng.full_state_dict().items()}
+    return out
+
+
+def test_int8_moments_at_two_ranks():
+    """At world size 2 (blocks at the same places of each flat parameter as at one rank) int8
+    moments give the same weights on NVMe, with a host cache and step_in_backward, and on
+    the CPU tier, on every rank."""
+    from dist_harness import run_ranks
+    for result in run_ranks(_two_rank_run, 2):
+        for other in ("cache+sib", "cpu"):
+            assert all((result["nvme"][k] == result[other][k]).all() for k in result["nvme"])
