@@ -86,17 +86,27 @@ def _run(model, fmt: str, args) -> Dict[str, object]:
 
 
 def _plot(results, args, png: str) -> None:
+    """Left: the loss curves; right: each format's loss minus fp32's, step by step."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+    fig, (ax, dx) = plt.subplots(1, 2, figsize=(12, 4.5))
+    ref = results.get("fp32")
     for fmt, r in results.items():
-        ax.plot(range(1, len(r["losses"]) + 1), r["losses"], label=f"moments {fmt}", lw=1)
+        steps = range(1, len(r["losses"]) + 1)
+        ax.plot(steps, r["losses"], label=f"moments {fmt}", lw=1)
+        if ref is not None and fmt != "fp32":
+            dx.plot(steps, [a - b for a, b in zip(r["losses"], ref["losses"])],
+                    label=f"{fmt} - fp32", lw=1)
     ax.set_xlabel("step")
     ax.set_ylabel("training loss")
-    ax.set_title(f"Llama hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}: "
-                 f"{args.steps} steps, seq {args.seq} x batch {args.batch}")
     ax.legend()
+    dx.axhline(0.0, color="grey", lw=0.5)
+    dx.set_xlabel("step")
+    dx.set_ylabel("loss difference from exact AdamW (fp32 moments)")
+    dx.legend()
+    fig.suptitle(f"Llama hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}: "
+                 f"{args.steps} steps, seq {args.seq} x batch {args.batch}, default corpus")
     fig.tight_layout()
     fig.savefig(png, dpi=120)
 

@@ -108,17 +108,14 @@ class _TensorStore:
         return self._state[fp][0].detach().to("cpu", copy=True)
 
     def scales(self, fp) -> torch.Tensor:
-        """``fp``'s int8 moments' absmax itself, fp32 (2, ceil(shard_numel / 256)) (see
-        [Note: int8 moment scales]); the update changes it in place. KeyError without int8
-        moments."""
+        """``fp``'s int8 moments' absmax, updated in place ([Note: int8 moment scales])."""
         return self._scales[fp]
 
     def read_all(self, fp) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """CPU copies of (master, exp_avg, exp_avg_sq) for ``fp`` (int8 moments decoded to
-        fp32)."""
+        """CPU copies of (master, exp_avg, exp_avg_sq) for ``fp`` (int8 ones decoded)."""
         master, m, v = self._state[fp]
-        return (master.detach().to("cpu", copy=True),
-                *decode_moments(self.fmt, m, v, self._scales.get(fp)))
+        return master.detach().to("cpu", copy=True), *decode_moments(self.fmt, m, v,
+                                                                     self._scales.get(fp))
 
     def write_all(self, fp, master: torch.Tensor, exp_avg: torch.Tensor,
                   exp_avg_sq: torch.Tensor) -> None:
@@ -273,9 +270,7 @@ class NVMeStore:
             self.swapper.swap_out(key, view, offset_bytes=master_base + 4 * lo).wait()
 
     def scales(self, fp) -> torch.Tensor:
-        """``fp``'s int8 moments' absmax, fp32 (2, ceil(shard_numel / 256)), in host memory
-        (see [Note: int8 moment scales]); the update changes it in place. KeyError without
-        int8 moments."""
+        """``fp``'s int8 moments' absmax, in host memory ([Note: int8 moment scales])."""
         return self._host.scales(fp) if self.in_host(fp) else self._scales[fp]
 
     def aliases(self, fp) -> bool:
