@@ -321,8 +321,7 @@ class DeepSpeedSettings:
         parts.append(opt + (" " + " ".join(hyper) if hyper else ""))
         if kw.get("max_grad_norm") is not None:
             parts.append(f"clip {kw['max_grad_norm']:g}")
-        if self.schedule is not None:
-            parts.append(self.schedule.describe())
+        parts.append(self.schedule.describe() if self.schedule is not None else "constant lr")
         if self.train_micro_batch_size_per_gpu is not None:
             parts.append(f"batch {self.train_micro_batch_size_per_gpu} x "
                          f"{self.gradient_accumulation_steps} accum x {self.world_size} "
