@@ -495,6 +495,19 @@ def test_cli_trains_from_a_deepspeed_config(tmp_path):
     assert not summary["step_in_backward"]  # (clipping needs the whole gradient)
 
 
+def test_a_missing_nvme_path_is_made_as_deepspeed_makes_it(tmp_path):
+    swap = tmp_path / "not" / "yet"
+    config = {"zero_optimization": {"stage": 3, "offload_optimizer": {
+        "device": "nvme", "nvme_path": str(swap)}}}
+    with from_deepspeed_config(TinyLM(2), config) as eng:
+        assert swap.is_dir() and eng.config.offload_optimizer == "nvme"
+        assert any(f.endswith(".swp") for _, _, fs in os.walk(swap) for f in fs)
+        for x, y in batches(1):
+            eng.backward(lm_loss(eng(x), y))
+            eng.step()
+    assert swap.is_dir()  # (left in place, as DeepSpeed leaves it)
+
+
 def test_cli_without_a_scheduler_section_keeps_the_learning_rate_constant(tmp_path):
     """As DeepSpeed (and from_deepspeed_config): no ``scheduler`` section, no schedule; the
     CLI's own warmup and cosine decay are not applied behind the config's back."""
