@@ -10,7 +10,7 @@ import sys
 from pybind11.setup_helpers import Pybind11Extension, build_ext
 from setuptools import find_packages, setup
 
-_COMMON = ["-O3", "-std=c++17", "-fno-math-errno", "-pthread"]
+_COMMON = ["-O3", "-std=c++17", "-fno-math-errno", "-ffp-contract=off", "-pthread"]
 
 
 class _PerFileFlagsBuildExt(build_ext):

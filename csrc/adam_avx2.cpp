@@ -4,6 +4,7 @@
 #include <immintrin.h>
 
 #include "adam_common.h"
+#include "adam_q8.h"
 #include "adam_scalar.h"
 
 namespace oz {
@@ -172,6 +173,193 @@ bool update_impl(const AdamBuffers& b, const AdamHyper& h, int64_t begin, int64_
   return bad;
 }
 
+// -- blockwise 8-bit moments ([Note: int8 moments] in adam_q8.h) ----------------------------
+
+// The per-map constants of q8_encode (the 8 per-decade entries permuted by decade).
+struct Q8Vec {
+  __m256 thresh[7], a, b;
+  __m256i base, lo, hi;
+  explicit Q8Vec(const Q8Map& q)
+      : a(_mm256_loadu_ps(q.a)), b(_mm256_loadu_ps(q.b)),
+        base(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q.base))),
+        lo(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q.lo))),
+        hi(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q.hi))) {
+    for (int j = 0; j + 1 < q.bits; ++j) thresh[j] = _mm256_set1_ps(q.thresh[j]);
+  }
+};
+
+inline __m256 abs8(__m256 x) {
+  return _mm256_castsi256_ps(_mm256_and_si256(_mm256_castps_si256(x), _mm256_set1_epi32(0x7fffffff)));
+}
+
+// q8_encode of 8 lanes (u: the dither per lane); the codes as int32 lanes.
+template <int kBits>
+inline __m256i q8_encode8(const Q8Vec& c, int32_t top, __m256 x, float absmax, float inv,
+                          __m256 u) {
+  const __m256 ax = abs8(x);
+  const __m256 r0 = _mm256_mul_ps(ax, _mm256_set1_ps(inv));
+  const __m256 r = _mm256_min_ps(r0, _mm256_set1_ps(1.0f));  // (NaN -> 1, as std::fmin)
+  __m256i z = _mm256_setzero_si256();
+  for (int j = 0; j + 1 < kBits; ++j) {  // (a true compare is -1: subtracting counts it)
+    z = _mm256_sub_epi32(z, _mm256_castps_si256(_mm256_cmp_ps(r, c.thresh[j], _CMP_LT_OQ)));
+  }
+  __m256 t = _mm256_fmadd_ps(r, _mm256_permutevar8x32_ps(c.a, z), _mm256_permutevar8x32_ps(c.b, z));
+  t = _mm256_round_ps(_mm256_add_ps(t, u), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  t = _mm256_min_ps(_mm256_max_ps(t, _mm256_set1_ps(-2.0f)), _mm256_set1_ps(256.0f));
+  __m256i code = _mm256_add_epi32(_mm256_permutevar8x32_epi32(c.base, z), _mm256_cvttps_epi32(t));
+  code = _mm256_max_epi32(code, _mm256_permutevar8x32_epi32(c.lo, z));
+  code = _mm256_min_epi32(code, _mm256_permutevar8x32_epi32(c.hi, z));
+  if (absmax > 0.0f) {
+    const __m256i is_max = _mm256_castps_si256(_mm256_cmp_ps(ax, _mm256_set1_ps(absmax), _CMP_EQ_OQ));
+    code = _mm256_blendv_epi8(code, _mm256_set1_epi32(top), is_max);
+  }
+  if constexpr (kBits == 8) {
+    const __m256i pos = _mm256_castps_si256(_mm256_cmp_ps(r0, _mm256_setzero_ps(), _CMP_GT_OQ));
+    return _mm256_and_si256(code, pos);
+  } else {
+    const __m256i neg = _mm256_and_si256(
+        _mm256_castps_si256(_mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_LT_OQ)),
+        _mm256_cmpgt_epi32(code, _mm256_setzero_si256()));
+    return _mm256_or_si256(code, _mm256_and_si256(neg, _mm256_set1_epi32(0x80)));
+  }
+}
+
+// The low byte of each of 8 int32 lanes, as 8 bytes.
+inline void store_bytes8(uint8_t* dst, __m256i c) {
+  const __m256i pick = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                        0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
+  const __m256i s = _mm256_shuffle_epi8(c, pick);
+  const __m128i both = _mm_unpacklo_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(dst), both);
+}
+
+inline __m256i load_codes8(const uint8_t* src) {
+  return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src)));
+}
+
+inline float hmax8(__m256 x) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
+  return _mm_cvtss_f32(m);
+}
+
+// The 32 random bits of elements i..i+7 (i % 8 == 0): see store_moments8.
+inline __m256i sr_bits8(const AdamHyper& h, int64_t i) {
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const int64_t gi = i + h.sr_offset;
+  const uint32_t base = static_cast<uint32_t>(gi) + sr_key_hi(h.sr_key, gi);
+  return fmix32_8(_mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(base)), lane));
+}
+
+inline __m256 dither8(__m256i bits16) {
+  return _mm256_mul_ps(_mm256_cvtepi32_ps(bits16), _mm256_set1_ps(1.0f / 65536.0f));
+}
+
+// One block [begin, end) (begin % kQ8Block == 0): q8_block of adam_q8.h, 8 lanes at a time.
+// Returns the max |g| bits seen of the vector part (see update_impl).
+template <DType G, DType O, bool kStream>
+inline __m256i q8_block8(const AdamBuffers& b, const AdamHyper& h, const Q8Vec& qm,
+                         const Q8Vec& qv, int64_t begin, int64_t end, __m256i seen) {
+  const Q8Tables& t = q8_tables();
+  const int64_t blk = begin / kQ8Block;
+  uint8_t* mc = static_cast<uint8_t*>(b.exp_avg);
+  uint8_t* vc = static_cast<uint8_t*>(b.exp_avg_sq);
+  const float am = b.exp_avg_absmax[blk], av = b.exp_avg_sq_absmax[blk];
+  alignas(32) float mnew[kQ8Block];
+  alignas(32) float vnew[kQ8Block];
+  const __m256 vam = _mm256_set1_ps(am), vav = _mm256_set1_ps(av);
+  const __m256i abs_mask = _mm256_set1_epi32(0x7fffffff);
+  __m256 maxm = _mm256_setzero_ps(), maxv = _mm256_setzero_ps();
+  int64_t i = begin;
+  for (; i + kLanes <= end; i += kLanes) {
+    __m256 g = load_grad8<G>(b.grad, i);
+    __m256 p = _mm256_loadu_ps(b.param + i);
+    __m256 m = _mm256_mul_ps(vam, _mm256_i32gather_ps(t.m.value, load_codes8(mc + i), 4));
+    __m256 v = _mm256_mul_ps(vav, _mm256_i32gather_ps(t.v.value, load_codes8(vc + i), 4));
+    if (h.scale_grad) g = _mm256_mul_ps(g, _mm256_set1_ps(h.grad_scale));
+    seen = _mm256_max_epu32(seen, _mm256_and_si256(_mm256_castps_si256(g), abs_mask));
+    if (h.l2) g = _mm256_fmadd_ps(p, _mm256_set1_ps(h.l2_decay), g);
+    if (h.decoupled) p = _mm256_mul_ps(p, _mm256_set1_ps(h.decay_factor));
+    m = _mm256_fmadd_ps(_mm256_set1_ps(h.lerp_coeff), _mm256_sub_ps(g, m), h.lerp_small ? m : g);
+    v = _mm256_mul_ps(v, _mm256_set1_ps(h.beta2));
+    v = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(h.one_minus_beta2), g), g, v);
+    const __m256 denom = _mm256_add_ps(_mm256_sqrt_ps(v), _mm256_set1_ps(h.eps));
+    p = _mm256_add_ps(p, _mm256_div_ps(_mm256_mul_ps(_mm256_set1_ps(h.neg_step_size), m), denom));
+    _mm256_storeu_ps(b.param + i, p);
+    store_out8<O, kStream>(b.out, i, p);
+    _mm256_store_ps(mnew + (i - begin), m);
+    _mm256_store_ps(vnew + (i - begin), v);
+    maxm = _mm256_max_ps(maxm, abs8(m));
+    maxv = _mm256_max_ps(maxv, abs8(v));
+  }
+  float mx_m = hmax8(maxm), mx_v = hmax8(maxv);
+  for (int64_t j = i; j < end; ++j) {  // (the last block of a call only)
+    float g = load_grad_scalar(b.grad, b.grad_dtype, j);
+    float p = b.param[j];
+    float m = q8_decode(t.m, mc[j], am);
+    float v = q8_decode(t.v, vc[j], av);
+    adam_math(h, g, p, m, v);
+    b.param[j] = p;
+    store_out_scalar(b.out, b.out_dtype, j, p);
+    mnew[j - begin] = m;
+    vnew[j - begin] = v;
+    mx_m = std::fmax(mx_m, std::fabs(m));
+    mx_v = std::fmax(mx_v, std::fabs(v));
+  }
+  b.exp_avg_absmax[blk] = mx_m;
+  b.exp_avg_sq_absmax[blk] = mx_v;
+  const float im = q8_inverse(mx_m), iv = q8_inverse(mx_v);
+  for (i = begin; i + kLanes <= end; i += kLanes) {
+    const __m256i r = sr_bits8(h, i);
+    store_bytes8(mc + i, q8_encode8<7>(qm, t.m.top, _mm256_load_ps(mnew + (i - begin)), mx_m, im,
+                                       dither8(_mm256_and_si256(r, _mm256_set1_epi32(0xffff)))));
+    store_bytes8(vc + i, q8_encode8<8>(qv, t.v.top, _mm256_load_ps(vnew + (i - begin)), mx_v, iv,
+                                       dither8(_mm256_srli_epi32(r, 16))));
+  }
+  for (; i < end; ++i) {
+    const uint32_t r = sr_bits(h.sr_key, i + h.sr_offset);
+    mc[i] = q8_encode(t.m, mnew[i - begin], mx_m, im, q8_dither(r & 0xffffu, true));
+    vc[i] = q8_encode(t.v, vnew[i - begin], mx_v, iv, q8_dither(r >> 16, true));
+  }
+  return seen;
+}
+
+template <DType G, DType O, bool kStream>
+bool q8_update_impl(const AdamBuffers& b, const AdamHyper& h, int64_t begin, int64_t end) {
+  const Q8Tables& t = q8_tables();
+  const Q8Vec qm(t.m), qv(t.v);
+  __m256i seen = _mm256_setzero_si256();
+  for (int64_t i = begin; i < end; i += kQ8Block) {
+    const int64_t e = i + kQ8Block < end ? i + kQ8Block : end;
+    seen = q8_block8<G, O, kStream>(b, h, qm, qv, i, e, seen);
+  }
+  bool bad = _mm256_movemask_epi8(_mm256_cmpgt_epi32(seen, _mm256_set1_epi32(0x7f7fffff))) != 0;
+  for (int64_t i = begin + (end - begin) / kLanes * kLanes; i < end; ++i) {
+    bad |= element_nonfinite(b, h, i);  // (the lanes the vector loops left to the tail)
+  }
+  if constexpr (kStream) _mm_sfence();
+  return bad;
+}
+
+template <DType G>
+bool q8_update_out(const AdamBuffers& b, const AdamHyper& h, int64_t begin, int64_t end,
+                   bool streaming) {
+  const bool s = streaming;
+  switch (b.out_dtype) {
+    case DType::kF32:
+      return s ? q8_update_impl<G, DType::kF32, true>(b, h, begin, end)
+               : q8_update_impl<G, DType::kF32, false>(b, h, begin, end);
+    case DType::kBF16:
+      return s ? q8_update_impl<G, DType::kBF16, true>(b, h, begin, end)
+               : q8_update_impl<G, DType::kBF16, false>(b, h, begin, end);
+    case DType::kF16:
+      return s ? q8_update_impl<G, DType::kF16, true>(b, h, begin, end)
+               : q8_update_impl<G, DType::kF16, false>(b, h, begin, end);
+    default: return q8_update_impl<G, DType::kNone, false>(b, h, begin, end);
+  }
+}
+
 template <DType G, DType S, DType O>
 bool update_stream(const AdamBuffers& b, const AdamHyper& h, int64_t begin, int64_t end,
                    bool streaming) {
@@ -196,6 +384,7 @@ bool update_state(const AdamBuffers& b, const AdamHyper& h, int64_t begin, int64
   if (b.state_dtype == DType::kBF16) {
     return update_out<G, DType::kBF16>(b, h, begin, end, streaming);
   }
+  if (b.state_dtype == DType::kQ8) return q8_update_out<G>(b, h, begin, end, streaming);
   return update_out<G, DType::kF32>(b, h, begin, end, streaming);
 }
 

@@ -9,6 +9,7 @@
 #include <immintrin.h>
 
 #include "adam_common.h"
+#include "adam_q8.h"
 #include "adam_scalar.h"
 
 namespace oz {
@@ -182,6 +183,178 @@ bool update_impl(const AdamBuffers& b, const AdamHyper& h, int64_t begin, int64_
   return bad;
 }
 
+// -- blockwise 8-bit moments ([Note: int8 moments] in adam_q8.h) ----------------------------
+
+// The 8 per-decade entries of a table as the low half of a vector, for permutexvar by decade.
+inline __m512 table8_ps(const float* t) { return _mm512_zextps256_ps512(_mm256_loadu_ps(t)); }
+inline __m512i table8_epi32(const int32_t* t) {
+  return _mm512_zextsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t)));
+}
+
+// The per-map constants of q8_encode, broadcast once per block.
+struct Q8Vec {
+  __m512 thresh[7], a, b;
+  __m512i base, lo, hi;
+  explicit Q8Vec(const Q8Map& q)
+      : a(table8_ps(q.a)), b(table8_ps(q.b)), base(table8_epi32(q.base)),
+        lo(table8_epi32(q.lo)), hi(table8_epi32(q.hi)) {
+    for (int j = 0; j + 1 < q.bits; ++j) thresh[j] = _mm512_set1_ps(q.thresh[j]);
+  }
+};
+
+// q8_encode of 16 lanes (u: the dither per lane); the codes as int32 lanes.
+template <int kBits>
+inline __m512i q8_encode16(const Q8Vec& c, int32_t top, __m512 x, float absmax, float inv,
+                           __m512 u) {
+  const __m512 ax = _mm512_castsi512_ps(
+      _mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(0x7fffffff)));
+  const __m512 r0 = _mm512_mul_ps(ax, _mm512_set1_ps(inv));
+  const __m512 r = _mm512_min_ps(r0, _mm512_set1_ps(1.0f));  // (NaN -> 1, as std::fmin)
+  __m512i z = _mm512_setzero_si512();
+  for (int j = 0; j + 1 < kBits; ++j) {
+    const __mmask16 below = _mm512_cmp_ps_mask(r, c.thresh[j], _CMP_LT_OQ);
+    z = _mm512_mask_add_epi32(z, below, z, _mm512_set1_epi32(1));
+  }
+  __m512 t = _mm512_fmadd_ps(r, _mm512_permutexvar_ps(z, c.a), _mm512_permutexvar_ps(z, c.b));
+  t = _mm512_roundscale_ps(_mm512_add_ps(t, u), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  t = _mm512_min_ps(_mm512_max_ps(t, _mm512_set1_ps(-2.0f)), _mm512_set1_ps(256.0f));
+  __m512i code = _mm512_add_epi32(_mm512_permutexvar_epi32(z, c.base), _mm512_cvttps_epi32(t));
+  code = _mm512_max_epi32(code, _mm512_permutexvar_epi32(z, c.lo));
+  code = _mm512_min_epi32(code, _mm512_permutexvar_epi32(z, c.hi));
+  if (absmax > 0.0f) {
+    const __mmask16 is_max = _mm512_cmp_ps_mask(ax, _mm512_set1_ps(absmax), _CMP_EQ_OQ);
+    code = _mm512_mask_mov_epi32(code, is_max, _mm512_set1_epi32(top));
+  }
+  if constexpr (kBits == 8) {
+    const __mmask16 pos = _mm512_cmp_ps_mask(r0, _mm512_setzero_ps(), _CMP_GT_OQ);
+    return _mm512_maskz_mov_epi32(pos, code);
+  } else {
+    const __mmask16 neg = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ) &
+                          _mm512_cmpgt_epi32_mask(code, _mm512_setzero_si512());
+    return _mm512_mask_or_epi32(code, neg, code, _mm512_set1_epi32(0x80));
+  }
+}
+
+// The 32 random bits of elements i..i+15 (i % 16 == 0): see store_moments16.
+inline __m512i sr_bits16(const AdamHyper& h, int64_t i) {
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const int64_t gi = i + h.sr_offset;
+  const uint32_t base = static_cast<uint32_t>(gi) + sr_key_hi(h.sr_key, gi);
+  return fmix32_16(_mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(base)), lane));
+}
+
+inline __m512 dither16(__m512i bits16) {
+  return _mm512_mul_ps(_mm512_cvtepi32_ps(bits16), _mm512_set1_ps(1.0f / 65536.0f));
+}
+
+// One block [begin, end) (begin % kQ8Block == 0): q8_block of adam_q8.h, 16 lanes at a time.
+// Returns the max |g| bits seen (> 0x7f7fffff iff some g is inf or nan) of the vector part.
+template <DType G, DType O, bool kStream, bool kBf16Insn>
+inline __m512i q8_block16(const AdamBuffers& b, const AdamHyper& h, const Q8Vec& qm,
+                          const Q8Vec& qv, int64_t begin, int64_t end, __m512i seen) {
+  const Q8Tables& t = q8_tables();
+  const int64_t blk = begin / kQ8Block;
+  uint8_t* mc = static_cast<uint8_t*>(b.exp_avg);
+  uint8_t* vc = static_cast<uint8_t*>(b.exp_avg_sq);
+  const float am = b.exp_avg_absmax[blk], av = b.exp_avg_sq_absmax[blk];
+  alignas(64) float mnew[kQ8Block];
+  alignas(64) float vnew[kQ8Block];
+  const __m512 vam = _mm512_set1_ps(am), vav = _mm512_set1_ps(av);
+  const __m512i abs_mask = _mm512_set1_epi32(0x7fffffff);
+  __m512 maxm = _mm512_setzero_ps(), maxv = _mm512_setzero_ps();
+  int64_t i = begin;
+  for (; i + kLanes <= end; i += kLanes) {
+    __m512 g = load_grad16<G>(b.grad, i);
+    __m512 p = _mm512_loadu_ps(b.param + i);
+    const __m128i cm = _mm_loadu_si128(reinterpret_cast<const __m128i*>(mc + i));
+    const __m128i cv = _mm_loadu_si128(reinterpret_cast<const __m128i*>(vc + i));
+    __m512 m = _mm512_mul_ps(vam, _mm512_i32gather_ps(_mm512_cvtepu8_epi32(cm), t.m.value, 4));
+    __m512 v = _mm512_mul_ps(vav, _mm512_i32gather_ps(_mm512_cvtepu8_epi32(cv), t.v.value, 4));
+    if (h.scale_grad) g = _mm512_mul_ps(g, _mm512_set1_ps(h.grad_scale));
+    seen = _mm512_max_epu32(seen, _mm512_and_si512(_mm512_castps_si512(g), abs_mask));
+    if (h.l2) g = _mm512_fmadd_ps(p, _mm512_set1_ps(h.l2_decay), g);
+    if (h.decoupled) p = _mm512_mul_ps(p, _mm512_set1_ps(h.decay_factor));
+    m = _mm512_fmadd_ps(_mm512_set1_ps(h.lerp_coeff), _mm512_sub_ps(g, m), h.lerp_small ? m : g);
+    v = _mm512_mul_ps(v, _mm512_set1_ps(h.beta2));
+    v = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(h.one_minus_beta2), g), g, v);
+    const __m512 denom = _mm512_add_ps(_mm512_sqrt_ps(v), _mm512_set1_ps(h.eps));
+    p = _mm512_add_ps(p, _mm512_div_ps(_mm512_mul_ps(_mm512_set1_ps(h.neg_step_size), m), denom));
+    _mm512_storeu_ps(b.param + i, p);
+    store_out16<O, kStream, kBf16Insn>(b.out, i, p);
+    _mm512_store_ps(mnew + (i - begin), m);
+    _mm512_store_ps(vnew + (i - begin), v);
+    maxm = _mm512_max_ps(maxm, _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(m), abs_mask)));
+    maxv = _mm512_max_ps(maxv, _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(v), abs_mask)));
+  }
+  float mx_m = _mm512_reduce_max_ps(maxm), mx_v = _mm512_reduce_max_ps(maxv);
+  for (int64_t j = i; j < end; ++j) {  // (the last block of a call only)
+    float g = load_grad_scalar(b.grad, b.grad_dtype, j);
+    float p = b.param[j];
+    float m = q8_decode(t.m, mc[j], am);
+    float v = q8_decode(t.v, vc[j], av);
+    adam_math(h, g, p, m, v);
+    b.param[j] = p;
+    store_out_scalar(b.out, b.out_dtype, j, p);
+    mnew[j - begin] = m;
+    vnew[j - begin] = v;
+    mx_m = std::fmax(mx_m, std::fabs(m));
+    mx_v = std::fmax(mx_v, std::fabs(v));
+  }
+  b.exp_avg_absmax[blk] = mx_m;
+  b.exp_avg_sq_absmax[blk] = mx_v;
+  const float im = q8_inverse(mx_m), iv = q8_inverse(mx_v);
+  for (i = begin; i + kLanes <= end; i += kLanes) {
+    const __m512i r = sr_bits16(h, i);
+    const __m512i m8 = q8_encode16<7>(qm, t.m.top, _mm512_load_ps(mnew + (i - begin)), mx_m, im,
+                                      dither16(_mm512_and_si512(r, _mm512_set1_epi32(0xffff))));
+    const __m512i v8 = q8_encode16<8>(qv, t.v.top, _mm512_load_ps(vnew + (i - begin)), mx_v, iv,
+                                      dither16(_mm512_srli_epi32(r, 16)));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(mc + i), _mm512_cvtepi32_epi8(m8));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(vc + i), _mm512_cvtepi32_epi8(v8));
+  }
+  for (; i < end; ++i) {
+    const uint32_t r = sr_bits(h.sr_key, i + h.sr_offset);
+    mc[i] = q8_encode(t.m, mnew[i - begin], mx_m, im, q8_dither(r & 0xffffu, true));
+    vc[i] = q8_encode(t.v, vnew[i - begin], mx_v, iv, q8_dither(r >> 16, true));
+  }
+  return seen;
+}
+
+template <DType G, DType O, bool kStream, bool kBf16Insn>
+bool q8_update_impl(const AdamBuffers& b, const AdamHyper& h, int64_t begin, int64_t end) {
+  const Q8Tables& t = q8_tables();
+  const Q8Vec qm(t.m), qv(t.v);
+  __m512i seen = _mm512_setzero_si512();
+  for (int64_t i = begin; i < end; i += kQ8Block) {
+    const int64_t e = i + kQ8Block < end ? i + kQ8Block : end;
+    seen = q8_block16<G, O, kStream, kBf16Insn>(b, h, qm, qv, i, e, seen);
+  }
+  bool bad = _mm512_cmpgt_epu32_mask(seen, _mm512_set1_epi32(0x7f7fffff)) != 0;
+  for (int64_t i = begin + (end - begin) / kLanes * kLanes; i < end; ++i) {
+    bad |= element_nonfinite(b, h, i);  // (the lanes the vector loops left to the tail)
+  }
+  if constexpr (kStream) _mm_sfence();
+  return bad;
+}
+
+template <DType G, bool kBf16Insn>
+bool q8_update_out(const AdamBuffers& b, const AdamHyper& h, int64_t begin, int64_t end,
+                   bool streaming) {
+  const bool s = streaming;
+  switch (b.out_dtype) {
+    case DType::kF32:
+      return s ? q8_update_impl<G, DType::kF32, true, kBf16Insn>(b, h, begin, end)
+               : q8_update_impl<G, DType::kF32, false, kBf16Insn>(b, h, begin, end);
+    case DType::kBF16:
+      return s ? q8_update_impl<G, DType::kBF16, true, kBf16Insn>(b, h, begin, end)
+               : q8_update_impl<G, DType::kBF16, false, kBf16Insn>(b, h, begin, end);
+    case DType::kF16:
+      return s ? q8_update_impl<G, DType::kF16, true, kBf16Insn>(b, h, begin, end)
+               : q8_update_impl<G, DType::kF16, false, kBf16Insn>(b, h, begin, end);
+    default: return q8_update_impl<G, DType::kNone, false, kBf16Insn>(b, h, begin, end);
+  }
+}
+
 template <DType G, DType S, DType O, bool kBf16Insn>
 bool update_stream(const AdamBuffers& b, const AdamHyper& h, int64_t begin, int64_t end,
                    bool streaming) {
@@ -206,6 +379,7 @@ bool update_state(const AdamBuffers& b, const AdamHyper& h, int64_t begin, int64
   if (b.state_dtype == DType::kBF16) {
     return update_out<G, DType::kBF16, kI>(b, h, begin, end, streaming);
   }
+  if (b.state_dtype == DType::kQ8) return q8_update_out<G, kI>(b, h, begin, end, streaming);
   return update_out<G, DType::kF32, kI>(b, h, begin, end, streaming);
 }
 

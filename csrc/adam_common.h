@@ -16,6 +16,8 @@ enum class DType : int {
   kF32 = 1,
   kBF16 = 2,
   kF16 = 3,
+  kQ8 = 4,   // moments only: blockwise 8-bit codes + an fp32 absmax per block ([Note: int8
+             // moments] in adam_q8.h)
 };
 
 // Per-call scalars, already reduced to float the way torch.optim.Adam reduces its Python
@@ -39,14 +41,18 @@ struct AdamHyper {
 };
 
 // The buffers of one call; all hold `numel` elements. param is fp32; exp_avg/exp_avg_sq are
-// both state_dtype (kF32, or kBF16 with stochastic rounding: [Note: bf16 moments]).
+// both state_dtype (kF32, kBF16 with stochastic rounding: [Note: bf16 moments], or kQ8: one
+// uint8 code per element and one fp32 absmax per block of kQ8Block elements, counted from
+// element 0 of the call: [Note: int8 moments]).
 struct AdamBuffers {
   float* param;
   const void* grad;
   DType grad_dtype;
   void* exp_avg;
   void* exp_avg_sq;
-  DType state_dtype;  // kF32 or kBF16
+  DType state_dtype;  // kF32, kBF16 or kQ8
+  float* exp_avg_absmax;     // kQ8 only: ceil(numel / kQ8Block) block scales of exp_avg
+  float* exp_avg_sq_absmax;  // kQ8 only: the same for exp_avg_sq
   void* out;          // may be null when out_dtype == kNone
   DType out_dtype;
 };
@@ -62,6 +68,29 @@ struct AdamKernels {
   bool (*update)(const AdamBuffers& b, const AdamHyper& h, int64_t begin, int64_t end,
                  bool streaming);
 };
+
+// Elements per absmax block of kQ8 moments ([Note: int8 moments] in adam_q8.h).
+constexpr int64_t kQ8Block = 256;
+
+// One 8-bit dynamic map ([Note: int8 moments]): the decoded value of each code (times the
+// block's absmax) and, per decade z, the constants of the encoder.
+struct Q8Map {
+  int bits;              // magnitude bits N: 7 (signed, exp_avg) or 8 (unsigned, exp_avg_sq)
+  float value[256];      // value[code], |value| <= 1; value[top code] == 1 exactly
+  float thresh[8];       // thresh[j] = 10^-(j+1), j < N-1: decade z = #{j : r < thresh[j]}
+  float a[8], b[8];      // per decade: fraction index t = floor(fma(r, a[z], b[z]) + u)
+  int32_t base[8], lo[8], hi[8];  // magnitude code = clamp(base[z] + t, lo[z], hi[z])
+  int32_t top;           // the magnitude code of value 1
+};
+
+struct Q8Tables {
+  Q8Map m;  // signed map of exp_avg
+  Q8Map v;  // unsigned map of exp_avg_sq
+};
+
+// The one copy of the tables (built once in adam_scalar.cpp, in double, without any
+// instruction-set flags), shared by every instruction set.
+const Q8Tables& q8_tables();
 
 // Defined in adam_scalar.cpp / adam_avx2.cpp / adam_avx512.cpp.
 const AdamKernels& scalar_kernels();

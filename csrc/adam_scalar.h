@@ -164,12 +164,9 @@ inline void store_out_scalar(void* out, DType dt, int64_t i, float x) {
   }
 }
 
-// The reference: one element of one step (see [Note: Adam math]).
-inline void adam_element(const AdamBuffers& b, const AdamHyper& h, int64_t i) {
-  float g = load_grad_scalar(b.grad, b.grad_dtype, i);
-  float p = b.param[i];
-  float m = load_state_scalar(b.exp_avg, b.state_dtype, i);
-  float v = load_state_scalar(b.exp_avg_sq, b.state_dtype, i);
+// The maths of one element in fp32 (see [Note: Adam math]): gradient g, weight p and moments
+// m, v in, the new p, m, v out.
+inline void adam_math(const AdamHyper& h, float g, float& p, float& m, float& v) {
   if (h.scale_grad) g = g * h.grad_scale;
   if (h.l2) g = std::fma(p, h.l2_decay, g);
   if (h.decoupled) p = p * h.decay_factor;
@@ -178,6 +175,16 @@ inline void adam_element(const AdamBuffers& b, const AdamHyper& h, int64_t i) {
   v = std::fma(h.one_minus_beta2 * g, g, v);
   const float denom = std::sqrt(v) + h.eps;
   p = p + (h.neg_step_size * m) / denom;
+}
+
+// The reference: one element of one step with fp32 or bf16 moments (see [Note: Adam math]);
+// kQ8 moments are updated a block at a time (q8_block in adam_q8.h).
+inline void adam_element(const AdamBuffers& b, const AdamHyper& h, int64_t i) {
+  float g = load_grad_scalar(b.grad, b.grad_dtype, i);
+  float p = b.param[i];
+  float m = load_state_scalar(b.exp_avg, b.state_dtype, i);
+  float v = load_state_scalar(b.exp_avg_sq, b.state_dtype, i);
+  adam_math(h, g, p, m, v);
   b.param[i] = p;
   if (b.state_dtype == DType::kBF16) {
     const uint32_t r = sr_bits(h.sr_key, i + h.sr_offset);

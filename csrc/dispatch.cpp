@@ -13,6 +13,7 @@
 #include <stdexcept>
 #include <thread>
 
+#include "adam_q8.h"
 #include "adam_scalar.h"
 #include "thread_pool.h"
 
@@ -23,8 +24,9 @@ namespace {
 constexpr int64_t kMinNumelPerThread = 1 << 16;
 // Chunks handed to threads, per thread (work is claimed dynamically).
 constexpr int64_t kChunksPerThread = 8;
-// Thread chunks start on multiples of this many elements: 64 bytes of bf16, 128 of fp32.
-constexpr int64_t kChunkAlignNumel = 32;
+// Thread chunks start on multiples of this many elements: whole blocks of 8-bit moments
+// (kQ8Block), 512 bytes of bf16, 1024 of fp32.
+constexpr int64_t kChunkAlignNumel = kQ8Block;
 // Non-temporal stores for the weight copy only pay off once it no longer fits in cache.
 constexpr int64_t kStreamMinNumel = 1 << 18;
 
@@ -209,6 +211,31 @@ StepResult run_adam_step(const AdamKernels& k, const AdamBuffers& b, const AdamH
     if (k.update(b, h, begin, end, streaming)) written.store(true, std::memory_order_relaxed);
   });
   return written.load() ? StepResult::kNonfiniteWritten : StepResult::kUpdated;
+}
+
+// The scalar encoder / decoder of adam_q8.h over whole buffers (loading and saving states:
+// not on the step's path, so one thread and no SIMD).
+void q8_quantize(const float* x, int64_t numel, uint8_t* codes, float* absmax, bool is_signed,
+                 bool stochastic, uint32_t sr_key, int64_t sr_offset) {
+  const Q8Map& q = is_signed ? q8_tables().m : q8_tables().v;
+  for (int64_t begin = 0; begin < numel; begin += kQ8Block) {
+    const int64_t end = std::min(numel, begin + kQ8Block);
+    float amax = 0.0f;
+    for (int64_t i = begin; i < end; ++i) amax = std::fmax(amax, std::fabs(x[i]));
+    absmax[begin / kQ8Block] = amax;
+    const float inv = q8_inverse(amax);
+    for (int64_t i = begin; i < end; ++i) {
+      const uint32_t r = sr_bits(sr_key, i + sr_offset);
+      codes[i] = q8_encode(q, x[i], amax, inv, q8_dither(is_signed ? r & 0xffffu : r >> 16,
+                                                         stochastic));
+    }
+  }
+}
+
+void q8_dequantize(const uint8_t* codes, const float* absmax, int64_t numel, float* x,
+                   bool is_signed) {
+  const Q8Map& q = is_signed ? q8_tables().m : q8_tables().v;
+  for (int64_t i = 0; i < numel; ++i) x[i] = q8_decode(q, codes[i], absmax[i / kQ8Block]);
 }
 
 }  // namespace oz

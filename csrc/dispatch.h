@@ -53,6 +53,17 @@ enum class StepResult : int {
                          // has been written with it: it no longer holds valid values
 };
 
+// Blockwise 8-bit encoding of x[0, numel) ([Note: int8 moments] in adam_q8.h): codes, and
+// one absmax per block of kQ8Block elements. is_signed: exp_avg's map (else exp_avg_sq's);
+// stochastic: the dither of the update (the key and element index counted from sr_offset as
+// there, exp_avg the low 16 bits, exp_avg_sq the high 16), else round to nearest.
+void q8_quantize(const float* x, int64_t numel, uint8_t* codes, float* absmax, bool is_signed,
+                 bool stochastic, uint32_t sr_key, int64_t sr_offset);
+
+// x = absmax[i / kQ8Block] * value[codes[i]] over [0, numel).
+void q8_dequantize(const uint8_t* codes, const float* absmax, int64_t numel, float* x,
+                   bool is_signed);
+
 // One step over `numel` elements with `num_threads` threads (0: default_num_threads()).
 // check_overflow: read every gradient first and write nothing if one is inf or nan
 // ([Note: overflow check before the update]); without it the update runs alone and only

@@ -168,8 +168,8 @@ class EngineConfig:
             ``offload="auto"`` only): when the chosen placement puts the optimizer state on
             NVMe, half the host memory the measured budget leaves beside it (see
             :mod:`offload_zero.placement`). Default 0.
-        moment_dtype: ``"fp32"`` (default: exact AdamW, as torch's) or ``"bf16"``: the dtype of
-            Adam's two moments wherever the optimizer state lives (host buffers, NVMe files,
+        moment_dtype: ``"fp32"`` (default: exact AdamW, as torch's), ``"bf16"`` or ``"int8"``:
+            the dtype of Adam's two moments wherever the optimizer state lives (host buffers, NVMe files,
             the read-ahead ring, the pipeline, checkpoints). bf16 moments are updated in fp32
             by the C++ kernel and stored with stochastic rounding (see
             :func:`offload_zero.optim.kernel.adam_step_`), so the state takes 8 bytes per
@@ -178,8 +178,13 @@ class EngineConfig:
             stay close; see the README); deterministic, and independent of how the update is
             chunked and of the world size. A checkpoint records its moments' dtype; loading
             one of the other dtype converts them (bf16 -> fp32 exactly, fp32 -> bf16 rounding
-            to nearest). bf16 on an accelerator's optimizer state (``offload="none"`` with
-            CUDA) raises NotImplementedError (its update runs in torch ops).
+            to nearest). ``"int8"``: blockwise 8-bit moments (a dynamic 8-bit map and an fp32
+            absmax per 256 elements, updated in the same fused pass with stochastic rounding;
+            see :mod:`offload_zero.optim.int8_moments` and docs/moments.md): 6 bytes per
+            parameter on NVMe and per step each way, 6.03 in host memory (the scales stay
+            there); checkpoints hold them decoded as fp32, which encode back exactly. bf16 or
+            int8 on an accelerator's optimizer state (``offload="none"`` with CUDA) raises
+            NotImplementedError (its update runs in torch ops).
         loss_scale: ``"dynamic"``, a number > 0 (a static scale) or None: dynamic with
             ``dtype=torch.float16``, none otherwise. The loss is multiplied by the scale before
             backward and the gradients divided by it in the update (fused into the C++ Adam's
@@ -349,12 +354,12 @@ class EngineConfig:
         if not isinstance(self.check_collectives, bool):
             raise ValueError(f"check_collectives={self.check_collectives!r} must be True or False")
         object.__setattr__(self, "device", _resolve_device(self.device))
-        if (self.moment_dtype == "bf16" and self.offload_optimizer == "none"
+        if (self.moment_dtype in ("bf16", "int8") and self.offload_optimizer == "none"
                 and self.device.type != "cpu"):
             raise NotImplementedError(
-                f"moment_dtype='bf16' with the optimizer state on {self.device} "
+                f"moment_dtype={self.moment_dtype!r} with the optimizer state on {self.device} "
                 "(offload_optimizer='none'): its update runs in torch ops, which have no "
-                "stochastically rounded bf16 moments; use offload='cpu' or 'nvme', or "
+                "stochastically rounded bf16 or 8-bit moments; use offload='cpu' or 'nvme', or "
                 "moment_dtype='fp32'")
         # name the setting that asked for NVMe: offload="nvme" alone, or the finer keywords
         nvme = [f"{k}='nvme'" for k, v in (("offload_optimizer", self.offload_optimizer),
@@ -394,7 +399,7 @@ class EngineConfig:
 
     @property
     def moment_torch_dtype(self) -> torch.dtype:
-        """``moment_dtype`` as a torch dtype (float32 or bfloat16)."""
+        """``moment_dtype`` as a torch dtype (float32, bfloat16, or uint8: int8's codes)."""
         from offload_zero.memory.state_format import MOMENT_DTYPES
         return MOMENT_DTYPES[self.moment_dtype]
 

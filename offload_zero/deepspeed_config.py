@@ -294,10 +294,17 @@ class DeepSpeedSettings:
 
     def build(self, model: torch.nn.Module, **extra):
         """The :class:`OffloadEngine` for ``model`` (``extra``: further engine keywords), with
-        ``lr_scheduler``, ``train_micro_batch_size_per_gpu`` and ``train_batch_size`` set."""
+        ``lr_scheduler``, ``train_micro_batch_size_per_gpu`` and ``train_batch_size`` set. A
+        missing ``nvme_path`` folder is made first (with its parents), as DeepSpeed makes it."""
         from offload_zero.engine import OffloadEngine
 
-        engine = OffloadEngine(model, **{**self.engine_kwargs, **extra})
+        kw = {**self.engine_kwargs, **extra}
+        path = kw.get("path")
+        if path is not None and not os.path.lexists(path):
+            # (as DeepSpeed: a missing nvme_path is made, not refused; left in place after)
+            os.makedirs(path, exist_ok=True)
+            log.info("DeepSpeed config: made the swap folder nvme_path=%r", path)
+        engine = OffloadEngine(model, **kw)
         if self.schedule is not None:
             engine.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(engine.optimizer,
                                                                     self.schedule)
@@ -321,8 +328,7 @@ class DeepSpeedSettings:
         parts.append(opt + (" " + " ".join(hyper) if hyper else ""))
         if kw.get("max_grad_norm") is not None:
             parts.append(f"clip {kw['max_grad_norm']:g}")
-        if self.schedule is not None:
-            parts.append(self.schedule.describe())
+        parts.append(self.schedule.describe() if self.schedule is not None else "constant lr")
         if self.train_micro_batch_size_per_gpu is not None:
             parts.append(f"batch {self.train_micro_batch_size_per_gpu} x "
                          f"{self.gradient_accumulation_steps} accum x {self.world_size} "

@@ -532,13 +532,14 @@ class OffloadEngine:
         with self._together(Phase.EXPORT):
             yield from iter_full_parameters(self, dtype)
 
-    def save_pretrained(self, folder, dtype: torch.dtype = torch.bfloat16,
+    def save_pretrained(self, folder, dtype: Optional[torch.dtype] = None,
                         max_shard_size="5GB", tokenizer=None) -> dict:
         """Write the model as a Hugging Face checkpoint folder that ``from_pretrained`` loads:
         safetensors shards of at most ``max_shard_size`` (bytes, or ``"5GB"``/``"500MiB"``)
         named as transformers names them (``model.safetensors`` when one is enough, else
         ``model-0000k-of-0000N.safetensors`` and ``model.safetensors.index.json``), weights in
-        ``dtype`` (float32, bfloat16, float16), plus ``config.json`` (its ``dtype`` set to
+        ``dtype`` (float32, bfloat16, float16; default None: the compute dtype, the dtype
+        ``model.save_pretrained`` writes too), plus ``config.json`` (its ``dtype`` set to
         ``dtype``), ``generation_config.json`` and ``tokenizer``'s files when given. A tied
         parameter is written once, under the name transformers keeps.
 

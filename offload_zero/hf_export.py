@@ -246,9 +246,12 @@ def _write_index(tmp: str, specs, weight_map: Dict[str, str]) -> None:
         os.fsync(f.fileno())
 
 
-def save_pretrained(engine, folder, dtype: torch.dtype = torch.bfloat16,
+def save_pretrained(engine, folder, dtype: Optional[torch.dtype] = None,
                     max_shard_size="5GB", tokenizer=None) -> dict:
-    """See :meth:`OffloadEngine.save_pretrained`; [Note: streamed export]."""
+    """See :meth:`OffloadEngine.save_pretrained`; [Note: streamed export]. ``dtype`` None: the
+    engine's compute dtype."""
+    if dtype is None:
+        dtype = engine.config.dtype
     from offload_zero.checkpoint.agree import agree as _agree
     from offload_zero.checkpoint.folder import fsync_folder as _fsync_folder, swap_in as _swap_in
 

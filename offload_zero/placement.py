@@ -92,8 +92,9 @@ def choose_placement(model: nn.Module, stage: int, world_size: int, dtype: torch
     ``host_cache_bytes``: the engine's option (bytes of NVMe-placed optimizer state kept in
     host memory; see [Note: host cache] in :mod:`offload_zero.memory.host_cache`), counted in
     the candidates with the state on NVMe; ``"auto"``: a candidate with the state on NVMe that
-    fits gets half the host memory left beside it as its cache (the other half is a margin); ``moment_dtype``: ``"fp32"`` or ``"bf16"``, the
-    moments' dtype (12 or 8 bytes of state per parameter).
+    fits gets half the host memory left beside it as its cache (the other half is a margin); ``moment_dtype``: ``"fp32"``, ``"bf16"`` or
+    ``"int8"``, the moments' format (12, 8 or 6.03 bytes of state per parameter; the last two
+    only with the state off an accelerator).
 
     Raises:
         ValueError: nothing fits; the message names, for the placement that needs the least
@@ -117,10 +118,10 @@ def choose_placement(model: nn.Module, stage: int, world_size: int, dtype: torch
         sif = timing == rules.NEXT_FORWARD
         if param != "none" and stage != 3:
             continue
-        if opt == "none" and moment_dtype == "bf16" and device.type != "cpu":
-            # (bf16 moments need the host kernel: see EngineConfig's moment_dtype)
-            tried.append(f"{opt}+{param}: skipped, moment_dtype='bf16' needs the optimizer "
-                         "state off the accelerator")
+        if opt == "none" and moment_dtype != "fp32" and device.type != "cpu":
+            # (bf16 and int8 moments need the host kernel: see EngineConfig's moment_dtype)
+            tried.append(f"{opt}+{param}: skipped, moment_dtype={moment_dtype!r} needs the "
+                         "optimizer state off the accelerator")
             continue
         twin = (opt, param, rules.NEXT_FORWARD) in options and not sif  # (the plain step's 2nd try)
         if "nvme" in (opt, param) and path is None:

@@ -364,8 +364,11 @@ def _keeps_full(s: PlanSettings) -> bool:
     return s.stage < 3 or (s.world_size == 1 and s.param_tier == "device")
 
 
-def _host_state_bytes_per_element(s: PlanSettings, fmt: StateFormat) -> int:
-    return fmt.bytes_per_element - (4 if _host_alias(s) else 0)
+def _host_state_bytes_per_element(s: PlanSettings, fmt: StateFormat) -> float:
+    """Host bytes per element of a state kept in host memory (int8 moments' scales
+    included: :attr:`StateFormat.resident_bytes_per_element`), less the master's 4 when it is
+    the parameter shard itself."""
+    return fmt.resident_bytes_per_element - (4 if _host_alias(s) else 0)
 
 
 def _in_host(layout, shards, s: PlanSettings, fmt: StateFormat):
@@ -451,7 +454,7 @@ def _model_states(layout, shards, s: PlanSettings, fmt: StateFormat, in_host):
             out[param_tier]["parameters"] += 0 if on_nvme else k * (full if s.stage < 3 else shard)
             out["host"]["gradients"] += 4 * shard
             out["host"]["master_weights"] += 0 if _host_alias(s) else 4 * shard
-            out["host"]["moments"] += 2 * fmt.moment_itemsize * shard
+            out["host"]["moments"] += fmt.resident_moment_bytes(shard)
             continue
         out[param_tier]["parameters"] += k * (full if s.stage < 3 else shard)
         if not spec.trainable:
@@ -462,8 +465,11 @@ def _model_states(layout, shards, s: PlanSettings, fmt: StateFormat, in_host):
         elif s.stage >= 2:
             dev["gradients"] += k * shard
         out[opt_tier]["master_weights"] += 0 if aliased else 4 * opt
-        out[opt_tier]["moments"] += (_state_bytes(fmt, opt, s.padded, moments_only=True)
-                                     if opt_tier == "nvme" else 2 * fmt.moment_itemsize * opt)
+        if opt_tier == "nvme":  # (the codes in the file; int8 moments' scales in host memory)
+            out["nvme"]["moments"] += _state_bytes(fmt, opt, s.padded, moments_only=True)
+            out["host"]["moments"] += fmt.scale_bytes(opt)
+        else:
+            out[opt_tier]["moments"] += fmt.resident_moment_bytes(opt)
     if s.in_backward and _shards_adopt_grads(s):
         # one rank on a CPU device: the host shards are the gradients' own memory, each used up
         # by its update in backward and reused by the next gradient of its size class; a

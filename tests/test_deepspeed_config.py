@@ -495,6 +495,39 @@ def test_cli_trains_from_a_deepspeed_config(tmp_path):
     assert summary["update_timing"] != "backward"  # (clipping needs the whole gradient)
 
 
+def test_a_missing_nvme_path_is_made_as_deepspeed_makes_it(tmp_path):
+    swap = tmp_path / "not" / "yet"
+    config = {"zero_optimization": {"stage": 3, "offload_optimizer": {
+        "device": "nvme", "nvme_path": str(swap)}}}
+    with from_deepspeed_config(TinyLM(2), config) as eng:
+        assert swap.is_dir() and eng.config.offload_optimizer == "nvme"
+        assert any(f.endswith(".swp") for _, _, fs in os.walk(swap) for f in fs)
+        for x, y in batches(1):
+            eng.backward(lm_loss(eng(x), y))
+            eng.step()
+    assert swap.is_dir()  # (left in place, as DeepSpeed leaves it)
+
+
+def test_cli_without_a_scheduler_section_keeps_the_learning_rate_constant(tmp_path):
+    """As DeepSpeed (and from_deepspeed_config): no ``scheduler`` section, no schedule; the
+    CLI's own warmup and cosine decay are not applied behind the config's back."""
+    config = {k: v for k, v in CLI_CONFIG.items() if k != "scheduler"}
+    (tmp_path / "ds.json").write_text(json.dumps(config))
+    run = _cli(["--deepspeed", "ds.json", "--steps", "4", "--preset", "tiny", "--seq-len", "32",
+                "--log-every", "1", "--no-progress"], tmp_path)
+    assert run.returncode == 0, run.stderr
+    lrs = [l.split("  lr ")[1].split()[0] for l in run.stderr.splitlines() if "  lr " in l]
+    assert lrs == ["1.00e-03"] * 4, run.stderr
+    line = next(l for l in run.stdout.splitlines() if l.strip().startswith("deepspeed"))
+    assert "constant lr" in line, line
+    warm = _cli(["--deepspeed", "ds.json", "--steps", "4", "--preset", "tiny", "--warmup", "2"],
+                tmp_path)
+    assert warm.returncode == 2
+    assert warm.stderr.strip().splitlines()[-1].startswith(
+        "offload-zero train: error: --warmup 2: --deepspeed ds.json has "
+        "no scheduler section"), warm.stderr
+
+
 @pytest.mark.slow
 def test_cli_resume_continues_the_configured_schedule(tmp_path):
     config = copy.deepcopy(CLI_CONFIG)

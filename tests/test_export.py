@@ -83,6 +83,23 @@ def test_one_shard_is_model_safetensors_and_iterator_names(tmp_path):
     eng.close()
 
 
+def test_default_export_dtype_is_the_compute_dtype_as_model_save_pretrained(tmp_path):
+    """Without ``dtype=`` the export keeps the engine's compute dtype, as the wrapped model's
+    own ``save_pretrained`` does: an fp32 run reloads bit for bit (not rounded to bf16)."""
+    from safetensors.torch import load_file
+    eng = _trained(False)
+    eng.save_pretrained(tmp_path / "ours")
+    eng.module.save_pretrained(tmp_path / "hf")
+    ours = load_file(str(tmp_path / "ours" / "model.safetensors"))
+    theirs = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    full = eng.full_state_dict()
+    assert {t.dtype for t in ours.values()} == {t.dtype for t in theirs.values()} == {torch.float32}
+    for name, tensor in ours.items():
+        assert torch.equal(tensor, full[name]), name
+    assert json.loads((tmp_path / "ours" / "config.json").read_text())["dtype"] == "float32"
+    eng.close()
+
+
 def test_failed_export_leaves_the_earlier_folder(tmp_path, monkeypatch):
     eng = _trained(False)
     out = tmp_path / "export"

@@ -188,7 +188,7 @@ def test_bf16_checkpoint_resumes_bit_for_bit_and_converts_across_dtypes(tmp_path
 @pytest.mark.parametrize("value", ["fp16", "float32", torch.float16, 2, None])
 def test_bad_moment_dtype_raises_value_error(value):
     with pytest.raises(ValueError, match=r"moment_dtype=.* is not valid; choose one of "
-                                         r"\('fp32', 'bf16'\)"):
+                                         r"\('fp32', 'bf16', 'int8'\)"):
         OffloadEngine(TinyLM(n_blocks=2), moment_dtype=value)
 
 

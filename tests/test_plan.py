@@ -14,6 +14,7 @@ from dist_harness import run_ranks
 from models import WIDTH, Block, TinyLM, UnpaddedHeadLM, big_root_lm, lm_loss
 from offload_zero import OffloadEngine
 from offload_zero.estimator import placement_bytes
+from offload_zero.memory.state_format import StateFormat, moment_dtype_of
 from offload_zero.placement import CANDIDATES
 from offload_zero.plan import KINDS, FlatSpec, PlanSettings, memory_plan
 from offload_zero.tables import OFFLOADS, TIERS, default_offload_param
@@ -64,21 +65,22 @@ def _grid(models, stages=(1, 2, 3), offloads=OFFLOADS, dtypes=DTYPES, timings=tu
             if t in TIMINGS_OF_STAGE[s]]
 
 
-def _mismatches(name, stage, offload, dtype, timing, world_size=1) -> list:
+def _mismatches(name, stage, offload, dtype, timing, world_size=1, moment_dtype="fp32") -> list:
     """Build and train the engine of one grid cell; the differences between what it holds and
     its plan, and between its plan and the estimate, as lines (empty: none)."""
     make, vocab = MODELS[name]
     torch.manual_seed(0)
     model = make()
-    kw = dict(TIMINGS[timing])
+    kw = dict(TIMINGS[timing], moment_dtype=moment_dtype)
     offload, _, param = offload.partition("+")  # ("opt+param": offload="auto"'s candidates)
     param = param or default_offload_param(offload, stage)
     if offload == "nvme" and name in CACHED:
         # about 37% of the optimizer state in host memory instead of its files
         numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        kw["host_cache_bytes"] = int(0.37 * 12 * numel)
+        kw["host_cache_bytes"] = int(0.37 * StateFormat(moment_dtype_of(moment_dtype))
+                                     .resident_bytes_per_element * numel)
     est = placement_bytes(model, stage, offload, param, world_size, dtype, accelerator=False, **kw)
-    cell = (name, stage, offload, param, str(dtype), timing, world_size)
+    cell = (name, stage, offload, param, str(dtype), timing, world_size, moment_dtype)
     with tempfile.TemporaryDirectory() as path:
         with OffloadEngine(model, stage=stage, offload=offload, offload_param=param, dtype=dtype,
                            path=path if "nvme" in (offload, param) else None, **kw) as eng:
@@ -116,6 +118,17 @@ def test_engine_holds_exactly_its_plan_at_world_size_1(name, torch_single_thread
     cells = _grid([name])
     assert len(cells) == 3 * 3 * (1 + 2 + 3)
     bad = [line for cell in cells for line in _mismatches(*cell)]
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.parametrize("moment_dtype", ["bf16", "int8"])
+def test_low_precision_moments_hold_exactly_their_plan(moment_dtype, torch_single_thread):
+    """bf16 and int8 moments (the int8 codes on their tier, their per-block scales in host
+    memory): stages 2-3 x cpu/nvme (the host cache too) x every update timing, in fp32 and
+    bf16 compute."""
+    cells = _grid(["untied_odd"], stages=(2, 3), offloads=("cpu", "nvme"),
+                  dtypes=(torch.float32, torch.bfloat16))
+    bad = [line for cell in cells for line in _mismatches(*cell, moment_dtype=moment_dtype)]
     assert not bad, "\n".join(bad)
 
 

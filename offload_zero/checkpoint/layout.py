@@ -30,7 +30,8 @@ parameter ``<fp>`` (its name, e.g. ``unit3.trainable``) it holds this rank's sha
   trainable flat parameter: the fp32 master weights and Adam's two moments (float32, or
   bfloat16 with ``moment_dtype="bf16"``: ``checkpoint.json``'s ``moment_dtype``, float32 when
   absent; loading into an engine with the other moment dtype converts them, bf16 -> fp32
-  exactly, fp32 -> bf16 rounding to nearest even);
+  exactly, fp32 -> bf16 rounding to nearest even; int8 moments are saved decoded, as float32,
+  and encode back to the same codes and scales on loading);
 - ``<fp>/step``: int64, shape (), its Adam step count (trainable only);
 - ``<fp>/param``: the compute dtype, shape (shard_numel,): the parameter shard, for a frozen flat
   parameter and for every flat parameter when the compute dtype is not float32 (an fp32
@@ -103,7 +104,7 @@ def engine_layout(engine) -> dict:
         "world_size": engine.world_size,
         "stage": engine.config.stage,
         "dtype": _dtype_name(engine.config.dtype),
-        "moment_dtype": _dtype_name(engine.config.moment_torch_dtype),
+        "moment_dtype": _dtype_name(engine.store.fmt.exchange_dtype),  # (int8: fp32 values)
         "flat_params": [{"name": fp.name, "requires_grad": fp.requires_grad, "numel": fp.numel,
                          "shard_numel": fp.shard_numel,
                          "parameters": [[e.names, list(e.shape)] for e in fp.entries],
@@ -243,7 +244,7 @@ def _buffer_specs(engine) -> List[TensorSpec]:
 def tensor_specs(engine) -> List[TensorSpec]:
     """(name, dtype, shape) of every tensor in a rank file of ``engine``, in file order."""
     flat = [(fp.name, fp.requires_grad, fp.shard_numel) for fp in engine.flat_params]
-    return _flat_specs(flat, engine.config.dtype, engine.config.moment_torch_dtype) + \
+    return _flat_specs(flat, engine.config.dtype, engine.store.fmt.exchange_dtype) + \
         _buffer_specs(engine)
 
 

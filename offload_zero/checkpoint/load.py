@@ -183,7 +183,7 @@ def _load_shards(final: str, engine, segments: Dict[object, List[tuple]], source
     from contextlib import ExitStack
     from safetensors import safe_open
     saved_moments = saved_moment_dtype(read_metadata_file(final))
-    moments = engine.config.moment_torch_dtype
+    moments = engine.store.fmt.exchange_dtype
     with ExitStack() as stack:
         files = {r: stack.enter_context(safe_open(os.path.join(final, rank_file_name(r)),
                                                   framework="pt")) for r in sources}

@@ -4,11 +4,13 @@ A run killed with SIGKILL cannot remove its swap files, and the next run with th
 refused to overwrite them until the user deleted the folder by hand. :func:`claim_folder`
 records the owner in ``<folder>/.owner`` (JSON: ``pid``, ``start`` (the process's start time
 in clock ticks after boot, from ``/proc/<pid>/stat``, or null), ``boot_id``
-(``/proc/sys/kernel/random/boot_id``) and ``host``). A later claim of the folder then
+(``/proc/sys/kernel/random/boot_id``), ``host`` and ``created_folder`` (whether the run made
+the folder, so that whoever ends up owning it removes it when done)). A later claim of the folder then
 
 - takes it over, with a warning, when the owner is gone: same host, and another boot id, or
   no process of that pid (or one started at another time: the pid was reused); the owner's
-  ``*.swp`` files are removed;
+  ``*.swp`` files are removed, and a folder the gone owner had made is removed when the new
+  owner releases it (as the gone owner would have);
 - refuses it (``ValueError``) while the owner runs;
 - leaves it as it is when the owner is this process (another swapper of it), when the owner
   file is of another host (a shared file system: its processes cannot be seen from here), and
@@ -57,11 +59,12 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
-def owner_record(pid: Optional[int] = None) -> dict:
-    """The owner file's contents for process ``pid`` (default: this one)."""
+def owner_record(pid: Optional[int] = None, created_folder: bool = False) -> dict:
+    """The owner file's contents for process ``pid`` (default: this one); ``created_folder``:
+    whether the folder is the owner's to remove when it is done."""
     pid = os.getpid() if pid is None else pid
     return {"pid": pid, "start": _start_ticks(pid), "boot_id": _boot_id(),
-            "host": socket.gethostname()}
+            "host": socket.gethostname(), "created_folder": bool(created_folder)}
 
 
 def _read_owner(path: str) -> Optional[dict]:
@@ -87,16 +90,17 @@ def _is_gone(owner: dict) -> bool:
     return start is not None and now is not None and start != now
 
 
-def claim_folder(folder: str) -> Optional[str]:
+def claim_folder(folder: str, created_folder: bool = False) -> Optional[str]:
     """Record this process as the owner of the swap folder ``folder`` (an existing folder),
     taking it over from an owner that is gone (its ``*.swp`` files removed, with a
     ``RuntimeWarning``). Returns the owner file's path when this call wrote it (remove it with
     :func:`release_folder` when done), None when the folder is left as it is (see the module
     docstring; also when the owner file cannot be written, a full disk say: the folder is then
     used as one without it). Raises ValueError naming the folder and the pid while the owner
-    runs."""
+    runs. ``created_folder``: this process made ``folder`` (it inherits that from a gone owner
+    that had made it); :func:`release_folder` then removes the folder if it is empty."""
     path = os.path.join(folder, OWNER_NAME)
-    owner, me = _read_owner(path), owner_record()
+    owner, me = _read_owner(path), owner_record(created_folder=created_folder)
     if owner is not None:
         if owner.get("host") != me["host"]:
             return None
@@ -114,6 +118,7 @@ def claim_folder(folder: str) -> Optional[str]:
                       RuntimeWarning, stacklevel=3)
         for f in stale:
             os.unlink(f)
+        me["created_folder"] = bool(created_folder or owner.get("created_folder"))
     elif os.path.lexists(path):
         return None  # unreadable: not ours to replace
     try:
@@ -126,9 +131,16 @@ def claim_folder(folder: str) -> Optional[str]:
 
 
 def release_folder(path: Optional[str]) -> None:
-    """Remove the owner file :func:`claim_folder` wrote at ``path`` (None: nothing to do)."""
+    """Remove the owner file :func:`claim_folder` wrote at ``path`` (None: nothing to do), and
+    its folder when the record says the owner made it and nothing else is left in it."""
     if path is not None:
+        owner = _read_owner(path) or {}
         try:
             os.unlink(path)
         except FileNotFoundError:
             pass
+        if owner.get("created_folder"):
+            try:
+                os.rmdir(os.path.dirname(path))
+            except OSError:
+                pass  # someone else's files are there: leave them

@@ -6,7 +6,9 @@ tensors of shape (hi - lo,) that the caller updates in place; whatever the calle
 persisted by the store. Resident stores yield each shard whole; the NVMe store in chunks of at
 most ``chunk_numel`` elements, so its buffers do not grow with the largest unit.
 
-The moments are ``moment_dtype`` (float32 or bfloat16) in every store; the master is fp32.
+The moments are ``moment_dtype`` (float32, bfloat16, or int8 codes with per-block scales that
+every store keeps in memory: [Note: int8 moment scales] in
+:mod:`offload_zero.memory.state_format`) in every store; the master is fp32.
 Every store also copies a flat parameter's whole state out (``read_all``: exports, checkpoints)
 and overwrites it (``write_all``: loading a checkpoint).
 
@@ -31,7 +33,7 @@ import torch
 from offload_zero.config import Tier
 from offload_zero.memory.accounting import StateKind, TierAccountant
 from offload_zero.memory.read_ahead import ReadAheadRing
-from offload_zero.memory.state_format import StateFormat
+from offload_zero.memory.state_format import StateFormat, decode_moments, encode_moments_
 
 StateTuple = Tuple[object, int, int, torch.Tensor, torch.Tensor, torch.Tensor]
 
@@ -46,6 +48,7 @@ class _TensorStore:
         self.fmt = StateFormat(moment_dtype)
         self._state: Dict[object, Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._held: Dict[object, Tuple[int, int]] = {}
+        self._scales: Dict[object, torch.Tensor] = {}  # int8 moments' absmax (2, blocks)
 
     def add(self, fp, master_shard: torch.Tensor, alias: Optional[torch.Tensor] = None) -> None:
         """Register ``fp`` with initial fp32 master values ``master_shard`` (shard_numel,).
@@ -61,8 +64,10 @@ class _TensorStore:
         m.zero_()
         v.zero_()
         self._state[fp] = (master, m, v)
+        if self.fmt.blockwise:
+            self._scales[fp] = self.fmt.new_scales(n, device=master.device)
         master_bytes = 0 if alias is not None else 4 * n
-        moment_bytes = 2 * self.fmt.moment_itemsize * n
+        moment_bytes = self.fmt.resident_moment_bytes(n)
         self._held[fp] = (master_bytes, moment_bytes)
         self._acct.add(self.tier, StateKind.MASTER, master_bytes)
         self._acct.add(self.tier, StateKind.MOMENTS, moment_bytes)
@@ -104,9 +109,15 @@ class _TensorStore:
         """This rank's fp32 master shard of ``fp`` (a copy on the CPU), shape (shard_numel,)."""
         return self._state[fp][0].detach().to("cpu", copy=True)
 
+    def scales(self, fp) -> torch.Tensor:
+        """``fp``'s int8 moments' absmax, updated in place ([Note: int8 moment scales])."""
+        return self._scales[fp]
+
     def read_all(self, fp) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """CPU copies of (master, exp_avg, exp_avg_sq) for ``fp``."""
-        return tuple(t.detach().to("cpu", copy=True) for t in self._state[fp])
+        """CPU copies of (master, exp_avg, exp_avg_sq) for ``fp`` (int8 ones decoded)."""
+        master, m, v = self._state[fp]
+        return master.detach().to("cpu", copy=True), *decode_moments(self.fmt, m, v,
+                                                                     self._scales.get(fp))
 
     def write_all(self, fp, master: torch.Tensor, exp_avg: torch.Tensor,
                   exp_avg_sq: torch.Tensor) -> None:
@@ -115,7 +126,11 @@ class _TensorStore:
         device (a checkpoint being loaded). Raises ValueError naming ``fp`` for a wrong shape
         or dtype."""
         _check_state_shapes(fp, self._state[fp][0].numel(), (master, exp_avg, exp_avg_sq),
-                            self.fmt.moment_dtype)
+                            self.fmt.exchange_dtype)
+        if self.fmt.blockwise:  # (fp32 moments encoded to nearest)
+            self._state[fp][0].copy_(master)
+            encode_moments_(self.fmt, exp_avg, exp_avg_sq, *self._state[fp][1:], self._scales[fp])
+            return
         for dst, src in zip(self._state[fp], (master, exp_avg, exp_avg_sq)):
             dst.copy_(src)
 
@@ -126,6 +141,7 @@ class _TensorStore:
             self._acct.sub(self.tier, StateKind.MOMENTS, sb)
         self._held.clear()
         self._state.clear()
+        self._scales.clear()
 
 
 class DeviceStore(_TensorStore):
@@ -203,6 +219,8 @@ class NVMeStore(ReadAheadRing):
         self._pending_write = [None] * self._DEPTH
         self._numel: Dict[object, int] = {}
         self._keys: Dict[object, str] = {}
+        # int8 moments' absmax of the states in files, in host memory for the whole run
+        self._scales: Dict[object, torch.Tensor] = {}
         self._host = HostStore(accountant, host_alloc, moment_dtype)  # state kept in host memory
         self._host_names: set = set()
         self._moved = [0, 0]  # state bytes submitted: [read, written]
@@ -234,6 +252,9 @@ class NVMeStore(ReadAheadRing):
         self._numel[fp], self._keys[fp] = n, key
         self._acct.add(Tier.NVME, StateKind.MASTER, self._master_bytes(n))
         self._acct.add(Tier.NVME, StateKind.MOMENTS, self.fmt.moment_bytes(n))
+        if self.fmt.blockwise:
+            self._scales[fp] = self.fmt.new_scales(n)
+            self._acct.add(Tier.HOST, StateKind.MOMENTS, self.fmt.scale_bytes(n))
         c = self._chunk
         # the moments' regions are left as allocated: a new file (fallocate'd or sparse)
         # reads as zeros, so their bytes are never written
@@ -244,6 +265,10 @@ class NVMeStore(ReadAheadRing):
             view = self._views(0, hi - lo, padded=True)[0]  # (as _io transfers it)
             self._moved[True] += view.numel() * view.element_size()
             self.swapper.swap_out(key, view, offset_bytes=master_base + 4 * lo).wait()
+
+    def scales(self, fp) -> torch.Tensor:
+        """``fp``'s int8 moments' absmax, in host memory ([Note: int8 moment scales])."""
+        return self._host.scales(fp) if self.in_host(fp) else self._scales[fp]
 
     def aliases(self, fp) -> bool:
         """Whether ``fp``'s master weights are its parameter shard itself: only for state kept
@@ -390,7 +415,7 @@ class NVMeStore(ReadAheadRing):
 
     def read_all(self, fp) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """CPU copies of (master, exp_avg, exp_avg_sq) for ``fp``, read from its file (or from
-        host memory, see :meth:`keep_in_host`)."""
+        host memory, see :meth:`keep_in_host`); int8 moments decoded to fp32."""
         if self.in_host(fp):
             return self._host.read_all(fp)
         self.drain()
@@ -403,6 +428,8 @@ class NVMeStore(ReadAheadRing):
                 h.wait()
             for dst, src in zip(out, self._views(0, hi - lo)):
                 dst[lo:hi].copy_(src)
+        if self.fmt.blockwise:  # (decoded to fp32)
+            return (out[0], *decode_moments(self.fmt, out[1], out[2], self._scales[fp]))
         return out
 
     def read_master(self, fp) -> torch.Tensor:
@@ -412,16 +439,21 @@ class NVMeStore(ReadAheadRing):
     def write_all(self, fp, master: torch.Tensor, exp_avg: torch.Tensor,
                   exp_avg_sq: torch.Tensor) -> None:
         """Write ``fp``'s (master, exp_avg, exp_avg_sq), CPU tensors of shape (shard_numel,)
-        (fp32 master, moments in ``moment_dtype``), to its file chunk by chunk through the pipeline's first buffer set, and
+        (fp32 master, moments in ``moment_dtype``, fp32 for int8 ones: encoded to nearest),
+        to its file chunk by chunk through the pipeline's first buffer set, and
         wait for every write (a checkpoint being loaded). Read-ahead of any state is dropped
         first: it would be stale. Raises ValueError naming ``fp`` for a wrong shape or dtype,
         SwapIOError if a write failed (file and offset named)."""
         if self.in_host(fp):
             return self._host.write_all(fp, master, exp_avg, exp_avg_sq)
         n = self._numel[fp]
-        _check_state_shapes(fp, n, (master, exp_avg, exp_avg_sq), self.fmt.moment_dtype)
+        _check_state_shapes(fp, n, (master, exp_avg, exp_avg_sq), self.fmt.exchange_dtype)
         self.release_prefetched()
         self.drain()
+        if self.fmt.blockwise:  # (fp32 moments encoded to nearest, then written as codes)
+            codes = (torch.empty(n, dtype=torch.uint8), torch.empty(n, dtype=torch.uint8))
+            encode_moments_(self.fmt, exp_avg, exp_avg_sq, *codes, self._scales[fp])
+            exp_avg, exp_avg_sq = codes
         for lo in range(0, n, self._chunk):
             hi = min(n, lo + self._chunk)
             for dst, src in zip(self._views(0, hi - lo), (master, exp_avg, exp_avg_sq)):
@@ -491,7 +523,9 @@ class NVMeStore(ReadAheadRing):
             for fp, n in self._numel.items():
                 self._acct.sub(Tier.NVME, StateKind.MASTER, self._master_bytes(n))
                 self._acct.sub(Tier.NVME, StateKind.MOMENTS, self.fmt.moment_bytes(n))
+                self._acct.sub(Tier.HOST, StateKind.MOMENTS, self.fmt.scale_bytes(n))
             self._numel.clear()
+            self._scales.clear()
             self._host.close()
             self._acct.sub(Tier.HOST, StateKind.BUFFERS, self._buf_bytes)
             self._bufs = []

@@ -366,7 +366,7 @@ class Swapper:
         self._finalizer = weakref.finalize(self, _SwapperState.close, self._state)
         try:
             if claim:
-                self._state.owner_file = claim_folder(folder)
+                self._state.owner_file = claim_folder(folder, created)
             if block_size is None or queue_depth is None:
                 self._apply_tuning(backend)
             self._state.backend, self._direct = self._pick_backend(backend)

@@ -39,11 +39,12 @@ import torch
 from offload_zero import _C
 
 __all__ = ["adam_step_", "selected_isa", "available_isas", "set_num_threads",
-           "get_num_threads"]
+           "get_num_threads", "Q8_BLOCK_NUMEL"]
 
 _GRAD_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _OUT_DTYPES = _GRAD_DTYPES
-_STATE_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
+_STATE_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.uint8: "q8"}
+Q8_BLOCK_NUMEL = int(_C.q8_block_numel())  # elements per absmax block of int8 moments (256)
 
 
 def selected_isa() -> str:
@@ -134,15 +135,17 @@ def adam_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
                weight_decay: float = 0.0, adamw: bool = True, bias_correction: bool = True,
                grad_scale: float = 1.0, out: Optional[torch.Tensor] = None,
                num_threads: Optional[int] = None, state_dtype: Optional[torch.dtype] = None,
-               sr_seed: int = 0, check_overflow: bool = True, sr_offset: int = 0) -> bool:
+               sr_seed: int = 0, check_overflow: bool = True, sr_offset: int = 0,
+               exp_avg_absmax: Optional[torch.Tensor] = None,
+               exp_avg_sq_absmax: Optional[torch.Tensor] = None) -> bool:
     """One Adam/AdamW step over flat CPU buffers, in place; returns True on overflow.
 
     Args:
         param: fp32 master weights, contiguous, CPU, any shape with N elements. Updated in place.
         grad: gradient, contiguous CPU tensor of N elements, float32, bfloat16 or float16.
             Read only.
-        exp_avg: first moment, contiguous CPU, N elements, float32 or bfloat16. Updated in
-            place.
+        exp_avg: first moment, contiguous CPU, N elements, float32, bfloat16 or uint8 (the
+            codes of blockwise 8-bit moments, see ``exp_avg_absmax``). Updated in place.
         exp_avg_sq: second moment, same dtype as ``exp_avg``. Updated in place.
         step: the step count including this update (1 on the first call), int >= 1.
         lr: learning rate, >= 0.
@@ -176,6 +179,17 @@ def adam_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
             buffer with ``sr_offset=lo`` (its step, seed, all else equal) rounds them exactly
             as one call on the whole buffer would, so an update streamed in chunks gives the
             same bf16 moments as one made whole. Ignored for float32 moments.
+        exp_avg_absmax, exp_avg_sq_absmax: with uint8 moments only (required then): the
+            fp32 absmax of each block of ``Q8_BLOCK_NUMEL`` = 256 elements of ``exp_avg`` /
+            ``exp_avg_sq``, counted from element 0 (contiguous CPU tensors of ceil(N / 256)
+            elements), updated in place. The moments are then decoded, updated in fp32 as
+            above, and encoded again in the same pass with each block's new absmax and
+            stochastic rounding keyed as for bf16 (``sr_seed``, ``step``, ``sr_offset``): the
+            dynamic 8-bit map of Dettmers et al. 2021 ("8-bit Optimizers via Block-wise
+            Quantization"), signed for exp_avg, unsigned for exp_avg_sq; its exact definition
+            and error bound are in :mod:`offload_zero.optim.int8_moments` and csrc/adam_q8.h
+            ([Note: int8 moments]). A call on part of a larger buffer must start on a block
+            (elements [256 k, ...), with the absmax views from block k).
         check_overflow: True (default): read every gradient before writing anything, so an
             inf/nan leaves all state unchanged (costs one more read of the gradients, 4 B per
             fp32 gradient, ~14% of the step's traffic). False: for a caller that already knows
@@ -213,6 +227,18 @@ def adam_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
     if out is not None:
         _check_tensor("out", out, numel, tuple(_OUT_DTYPES))
     _check_scalars(step, lr, betas, eps, weight_decay, grad_scale, num_threads)
+    absmax = (exp_avg_absmax, exp_avg_sq_absmax)
+    if exp_avg.dtype == torch.uint8:
+        blocks = -(-numel // Q8_BLOCK_NUMEL)
+        for name, t in zip(("exp_avg_absmax", "exp_avg_sq_absmax"), absmax):
+            if t is None:
+                raise ValueError(f"{name} is required with uint8 (8-bit) moments: a float32 "
+                                 f"tensor of ceil({numel} / {Q8_BLOCK_NUMEL}) = {blocks} "
+                                 "elements")
+            _check_tensor(name, t, blocks, (torch.float32,))
+    elif any(t is not None for t in absmax):
+        raise ValueError(f"exp_avg_absmax/exp_avg_sq_absmax given with {exp_avg.dtype} moments "
+                         "(only uint8 moments have them)")
     return _C.adam_step(
         param.data_ptr(), grad.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(), numel,
         _GRAD_DTYPES[grad.dtype],
@@ -221,4 +247,5 @@ def adam_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
         int(step), float(lr), float(betas[0]), float(betas[1]), float(eps),
         float(weight_decay), bool(adamw), bool(bias_correction), float(grad_scale),
         0 if num_threads is None else int(num_threads), _STATE_DTYPES[exp_avg.dtype],
-        int(sr_seed), bool(check_overflow), int(sr_offset))
+        int(sr_seed), bool(check_overflow), int(sr_offset),
+        *(0 if t is None else t.data_ptr() for t in absmax))

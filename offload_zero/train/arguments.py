@@ -279,5 +279,10 @@ def apply_deepspeed_config(args: argparse.Namespace):
     kw.pop("offload", None)
     if settings.schedule is not None:
         args.warmup = min(settings.schedule.params["warmup_num_steps"], args.steps)
+    elif "warmup" in explicit:
+        raise ValueError(f"--warmup {args.warmup}: --deepspeed {args.deepspeed} has no "
+                         "scheduler section, so it trains at a constant learning rate (as "
+                         "DeepSpeed does); add a scheduler (WarmupLR, WarmupDecayLR, "
+                         "WarmupCosineLR) to the config, or leave out --warmup")
     args.ds_kwargs = kw
     return settings

@@ -37,14 +37,17 @@ def lr_at(step: int, steps: int, peak_lr: float, warmup: int) -> float:
 
 def _train_loop(engine, batches, args, warmup: int, tokens_per_step: int,
                 is_rank0: bool, memory_trace: Optional[List[Dict[str, int]]] = None,
-                start_step: int = 0, run_state: Optional[Dict[str, Any]] = None
-                ) -> Tuple[List[float], float]:
+                start_step: int = 0, run_state: Optional[Dict[str, Any]] = None,
+                schedule: bool = True) -> Tuple[List[float], float]:
     """Run optimizer steps ``start_step`` .. ``args.steps - 1`` (``batches`` already past the
     first ``start_step * args.grad_accum`` batches), each of ``--grad-accum`` micro-batches
     (forward, backward and step on each: the engine updates on the last); return ``(per-step
     losses, wall seconds)``, a step's loss the mean of its micro-batches'. With
     ``--checkpoint`` the training state is saved with ``run_state`` every
     ``--checkpoint-every`` steps and after the last one (see :func:`save_training_state`).
+    The learning rate follows :func:`lr_at` when ``schedule`` (the CLI's own warmup and cosine),
+    else the engine's ``lr_scheduler`` where it has one, else stays at the engine's ``lr``
+    (``--deepspeed`` with no ``scheduler`` section: a constant rate, as DeepSpeed).
 
     With ``memory_trace`` a list, appends after each step ``{tier: current_bytes,
     tier + "_peak": peak_bytes so far}`` for tiers device, host, nvme.
@@ -64,7 +67,7 @@ def _train_loop(engine, batches, args, warmup: int, tokens_per_step: int,
     start = time.perf_counter()
     try:
         for step in range(start_step, args.steps):
-            if getattr(engine, "lr_scheduler", None) is None:
+            if schedule and getattr(engine, "lr_scheduler", None) is None:
                 engine.set_lr(lr_at(step, args.steps, args.lr, warmup))
             lr = engine.lr  # (a DeepSpeed schedule steps itself after each update)
             micro = []
@@ -176,7 +179,8 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         trace: Optional[List[Dict[str, int]]] = [] if args.memory_plot else None
         losses, wall_s = _train_loop(engine, batches, args, warmup, tokens_per_step,
                                      is_rank0=rank == 0, memory_trace=trace,
-                                     start_step=start_step, run_state=run_state)
+                                     start_step=start_step, run_state=run_state,
+                                     schedule=settings is None)
         report = engine.memory_report()
         skipped = engine.skipped_steps - skipped_before
         loss_scale = engine.loss_scaler.scale if engine.loss_scaler is not None else None

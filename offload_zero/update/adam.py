@@ -142,7 +142,7 @@ class ShardAdam:
     def update(self, fp, lo: int, hi: int, master, m, v, coef: float, hypers: tuple,
                check_overflow: bool) -> bool:
         """Adam/AdamW on elements [lo, hi) of ``fp``'s shard (``master``, ``m``, ``v``: 1-d
-        views of that chunk; fp32 master, fp32 or bf16 moments), each run of one parameter
+        views of that chunk; fp32 master, fp32, bf16 or int8-coded moments), each run of one parameter
         group with that group's ``hypers`` (see [Note: parameter groups] in
         :mod:`offload_zero.optim.facade`); returns False on overflow (nothing then changed)."""
         grad = self.grads.buf[fp][lo:hi]
@@ -160,10 +160,14 @@ class ShardAdam:
             # (bf16 moments: rounding keyed by the element's place in the flat parameter, the
             # same however the update is cut into chunks and at any world size)
             base = self.rank * fp.shard_numel + lo  # (the chunk's place in the flat parameter)
-            overflow = any([self._adam_cpu(fp, master[a:b], grad[a:b], m[a:b], v[a:b], hp,
-                                           coef, None if out is None else out[a:b],
-                                           check_overflow, key)
-                            for r0, r1, hp in runs for a, b, key in sr_pieces(r0, r1, base)])
+            if m.dtype == torch.uint8:  # int8 moments: whole 256-element blocks, one call
+                overflow = self._adam_cpu_int8(fp, lo, hi, master, grad, m, v, runs, coef, out,
+                                               check_overflow, base)
+            else:
+                overflow = any([self._adam_cpu(fp, master[a:b], grad[a:b], m[a:b], v[a:b], hp,
+                                               coef, None if out is None else out[a:b],
+                                               check_overflow, key)
+                                for r0, r1, hp in runs for a, b, key in sr_pieces(r0, r1, base)])
             if (not overflow and out is not None and fp.home is None
                     and out.data_ptr() != fp.sharded[lo:hi].data_ptr()):
                 # staging buffer -> accelerator shard, chunk by chunk: the buffer is free again
@@ -190,6 +194,20 @@ class ShardAdam:
                           betas=hp.betas, eps=hp.eps, weight_decay=hp.weight_decay,
                           adamw=self.adamw, grad_scale=coef, out=out,
                           check_overflow=check_overflow, sr_seed=sr_seed(fp), sr_offset=offset)
+
+    def _adam_cpu_int8(self, fp, lo: int, hi: int, master, grad, m, v, runs, coef: float, out,
+                       check_overflow: bool, base: int) -> bool:
+        """The C++ Adam on elements [lo, hi) of ``fp``'s shard with int8 moments (uint8 codes
+        ``m``, ``v`` and the store's scales; ``lo`` a multiple of 256) and the runs of each
+        parameter group (a block two groups share is updated as one: see
+        :func:`offload_zero.optim.int8_moments.adam_step_runs_`); ``base``: element ``lo``'s
+        place in the whole flat parameter. Returns True on overflow."""
+        from offload_zero.optim.int8_moments import BLOCK_NUMEL, adam_step_runs_
+        scales = self.store.scales(fp)[:, lo // BLOCK_NUMEL:-(-hi // BLOCK_NUMEL)]
+        return adam_step_runs_(master, grad, m, v, scales[0], scales[1], runs,
+                               step=self.step_count[fp], adamw=self.adamw,
+                               grad_scale=coef, out=out, check_overflow=check_overflow,
+                               sr_seed=sr_seed(fp), sr_offset=base)
 
     def finish(self, fp, ok: bool) -> None:
         """After the last chunk: write the new compute-dtype shard back to an NVMe home (an
