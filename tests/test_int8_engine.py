@@ -107,7 +107,7 @@ def test_parameter_groups_that_cut_a_block_train(tmp_path):
                      "nvme": {"moment_dtype": "int8"}, "exact": {"offload": "cpu"}}.items():
         m = copy.deepcopy(model)
         with _engine(m, tmp_path, name, stage=3, param_groups=groups(m), **kw) as eng:
-            cuts = [a for runs in eng._segments.values() for a, _, _ in runs[1:]]
+            cuts = [a for runs in eng._updates.adam.segments.values() for a, _, _ in runs[1:]]
             assert any(a % 256 for a in cuts)
             _train(eng, steps=4)
             out[name] = eng.full_state_dict()
