@@ -66,7 +66,24 @@ class ModelExposure:
         for fp in engine.flat_params:
             if not fp.keep_unsharded:
                 fp.write_hook = lambda *call, fp=fp: self.write_to_shards(fp, *call)
-        self._handles = [
+        # (the weights are gone once the engine is: these stay after close() and raise)
+        self._guards = [model.register_forward_pre_hook(self._refuse_closed, prepend=True),
+                        model.register_state_dict_pre_hook(self._refuse_closed),
+                        model.register_load_state_dict_pre_hook(self._refuse_closed)]
+        self._entry = None  # the module a forward entered below the model started at
+        self._inside: Dict[torch.nn.Module, List] = {}  # module -> block units holding it
+        for unit in engine.blocks:
+            for sub in unit.module.modules():
+                if sub is not unit.module:
+                    self._inside.setdefault(sub, []).append(unit)
+        self._handles = []
+        for sub in _entry_modules(engine):
+            self._guards += [sub.register_forward_pre_hook(self._entry_pre, prepend=True),
+                             sub.register_state_dict_pre_hook(self._refuse_closed),
+                             sub.register_load_state_dict_pre_hook(self._refuse_closed)]
+            self._handles += [sub.register_forward_hook(self._entry_post),
+                              sub.register_forward_hook(self._entry_failed, always_call=True)]
+        self._handles += [
             model.register_forward_pre_hook(self._before_forward, prepend=True),
             model.register_forward_hook(self._after_forward),
             model.register_state_dict_post_hook(
@@ -81,10 +98,49 @@ class ModelExposure:
         return None if eng is None or eng._closed else eng
 
     def remove(self) -> None:
-        """Take the hooks off the model (idempotent)."""
+        """Take the hooks off the model (idempotent), but for those that make its forward,
+        ``state_dict()``, ``load_state_dict()`` (and so ``save_pretrained()``) raise once the
+        engine is closed (see :meth:`_refuse_closed`)."""
         for h in self._handles:
             h.remove()
         self._handles.clear()
+
+    def _refuse_closed(self, module, *args) -> None:
+        """Raise RuntimeError if the engine is closed or gone: its weights went with it, so
+        the model has no parameters left, and its ``state_dict()`` would be empty (a silent
+        empty save) and its forward would have nothing to compute with."""
+        if self._live() is None:
+            raise RuntimeError(
+                f"{type(module).__name__}: its OffloadEngine is closed, and the weights went "
+                "with it (the model has no parameters left). Take model.state_dict() or "
+                "engine.full_state_dict(), or call save_pretrained(), before engine.close()")
+
+    # -- a forward entered below the model ----------------------------------------------------
+    def _entry_pre(self, module, args) -> None:
+        """Pre-forward hook (first) on every module below the model that holds or contains
+        the engine's parameters: when no forward of the model runs, this module's forward is
+        where one starts (see [Note: forward entered below the model])."""
+        self._refuse_closed(module)
+        eng = self._engine()
+        if self._entry is not None or eng.scheduler.forward_running:
+            return
+        self._entry = module
+        self.take_outside_writes()
+        eng.scheduler.begin_forward(module, args, self._inside.get(module, ()))
+
+    def _entry_post(self, module, args, output) -> None:
+        if self._entry is module and self._live() is not None:
+            self._live().scheduler.end_forward(module, args, output)
+            self._after_forward(module, args, output)
+
+    def _entry_failed(self, module, args, output) -> None:
+        """Runs last after this module's forward, whether it raised or not."""
+        if self._entry is not module:
+            return
+        self._entry = None
+        eng = self._live()
+        if eng is not None:
+            eng.scheduler.forward_failed(module, args, output)
 
     # -- writes from outside ---------------------------------------------------------------
     def record_versions(self) -> None:
@@ -230,6 +286,14 @@ class ModelExposure:
         self._loaded_keys = []
         incompatible_keys.missing_keys[:] = [k for k in incompatible_keys.missing_keys
                                              if k not in taken]
+
+
+def _entry_modules(engine) -> List[torch.nn.Module]:
+    """The modules below ``engine.module`` whose forward can need the engine's parameters:
+    those that hold one, and those that contain such a module."""
+    users = {id(m) for fp in engine.flat_params for e in fp.entries for m, _, _ in e.refs}
+    return [m for m in engine.module.modules()
+            if m is not engine.module and any(id(s) in users for s in m.modules())]
 
 
 def load_parameters(engine, values: Dict[FlatParam, List[Tuple[ParamEntry, torch.Tensor]]]
