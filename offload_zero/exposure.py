@@ -31,6 +31,25 @@ alone keep their full-precision master (a write to one layer does not round the 
 write is thus seen at the compute dtype's precision: ``fill_(0.1)`` in bfloat16 trains from
 bfloat16(0.1). With several ranks each rank takes its own shard from its own copy, so (as
 with DDP) a script writes the same values on every rank.
+
+[Note: forward entered below the model]
+The engine gathers the root unit (everything outside the blocks) in the model's own
+pre-forward hook. A forward can start lower down, with no forward of the model running: PEFT's
+``PeftModel.generate`` calls the base model's ``generate``, which runs the base model's
+forward; a script calls ``model.get_input_embeddings()(ids)`` or one layer's MLP. Every module
+below the model that holds the engine's parameters or contains such a module therefore carries
+a pre-forward hook (first): when no forward of the model (nor a backward) runs, its forward
+starts one, as the model's own hooks do (writes from outside taken in, the root gathered, the
+phase set, updates still pending for what is gathered applied), the block units enclosing
+the module gathered too (their hooks sit above it); its post-forward hooks (last) end it the
+same way. (With one rank and the shards on the device the shard is the parameter and nothing
+needs a gather; with the shards on the host or NVMe the module would meet placeholders.)
+
+Once the engine is closed (or collected) the model has no parameters left: the same hooks, and
+state-dict and load-state-dict pre-hooks on the model and those modules, stay behind and raise
+RuntimeError, so ``state_dict()`` (and PEFT's ``save_pretrained``) cannot return an empty
+dict and save nothing. Keeping the weights on the model at close was not chosen: it would take
+the whole model in host memory, which a model offloaded to NVMe does not fit.
 """
 from __future__ import annotations
 
@@ -54,7 +73,9 @@ class ModelExposure:
     Hooks installed on ``engine.module``: a forward pre-hook (first) that takes in writes
     from outside, a forward hook (last) that drops the gathered views from the modules so
     between forwards their attributes are the registered parameters, a state-dict post-hook
-    and load-state-dict pre/post hooks. :meth:`remove` takes them off (engine close).
+    and load-state-dict pre/post hooks; on the modules below it that use the engine's
+    parameters, the hooks of [Note: forward entered below the model]. :meth:`remove` takes
+    them off (engine close), but for those that raise once the engine is closed.
     """
 
     def __init__(self, engine):

@@ -19,7 +19,9 @@ end of backward. A root flat parameter that ``gather_late`` names when a trainin
 (one whose pending update, ``step_in_forward``, runs while the blocks compute) is gathered only
 then, into its part of the root's slot, after ``before_late_gather``. The forward order is
 recorded on the first training forward and replayed for prefetch; it is re-recorded if a later
-forward runs another order.
+forward runs another order. A forward entered below the model (see [Note: forward entered below
+the model] in :mod:`offload_zero.exposure`) runs the root's hooks at that module
+(:meth:`UnitScheduler.begin_forward`).
 """
 from __future__ import annotations
 
