@@ -120,11 +120,19 @@ class ModelExposure:
 
     def remove(self) -> None:
         """Take the hooks off the model (idempotent), but for those that make its forward,
-        ``state_dict()``, ``load_state_dict()`` (and so ``save_pretrained()``) raise once the
-        engine is closed (see :meth:`_refuse_closed`)."""
+        ``state_dict()`` and ``load_state_dict()`` raise once the engine is closed (see
+        :meth:`_refuse_closed`); the model's ``save_pretrained`` (Hugging Face's, peft's)
+        then raises the same way (an instance attribute set on the closed model)."""
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        eng = self._engine()
+        model = None if eng is None else eng.module
+        if callable(getattr(model, "save_pretrained", None)):
+            # (Hugging Face's reads model.dtype first, which a model without parameters fails
+            # with StopIteration; peft's writes its config before the state dict)
+            object.__setattr__(model, "save_pretrained",
+                               lambda *args, **kwargs: self._refuse_closed(model))
 
     def _refuse_closed(self, module, *args) -> None:
         """Raise RuntimeError if the engine is closed or gone: its weights went with it, so

@@ -18,14 +18,19 @@ PLACEMENTS = [{"offload": "none"}, {"offload": "cpu"}, {"offload": "nvme"},
               {"offload": "nvme", "step_in_forward": False}, {"offload_param": "nvme"}]
 
 
-def lora_llama():
-    """A tiny Llama (hidden 32, 2 layers, vocabulary 64) with LoRA adapters of rank 4 on q and
-    v (random adapter weights, so the adapters change the output)."""
+def tiny_llama():
+    """A tiny Llama (hidden 32, 2 layers, vocabulary 64), random weights."""
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48,
                                    num_hidden_layers=2, num_attention_heads=4,
                                    num_key_value_heads=2, max_position_embeddings=64)
-    model = transformers.LlamaForCausalLM(cfg)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def lora_llama():
+    """:func:`tiny_llama` with LoRA adapters of rank 4 on q and v (random adapter weights, so
+    the adapters change the output)."""
+    model = tiny_llama()
     torch.manual_seed(1)
     return peft.get_peft_model(model, peft.LoraConfig(
         r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0,
@@ -108,4 +113,14 @@ def test_closed_engine_refuses_state_dict_forward_and_save(tmp_path):
     for call in calls:
         with pytest.raises(RuntimeError, match=r"OffloadEngine is closed.*before engine.close"):
             call()
-    assert not (tmp_path / "adapter" / "adapter_model.safetensors").exists()
+    assert not (tmp_path / "adapter").exists()
+
+
+def test_closed_engine_refuses_hf_save_pretrained(tmp_path):
+    """A plain Hugging Face model's save_pretrained after close() raises the same
+    RuntimeError, and writes nothing."""
+    model = tiny_llama()
+    wrap(model, {"offload": "cpu"}, tmp_path).close()
+    with pytest.raises(RuntimeError, match=r"OffloadEngine is closed.*before engine.close"):
+        model.save_pretrained(str(tmp_path / "saved"))
+    assert not (tmp_path / "saved").exists()
