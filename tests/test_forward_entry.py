@@ -1,5 +1,6 @@
 """A forward entered below the wrapped model (PEFT's generate runs the base model's forward, a
-script calls the embedding or one layer's MLP) computes what the unwrapped model computes, on
+script calls the embedding or one layer's MLP, a loss taken from the base model) computes what the
+unwrapped model computes, on
 every tier the parameter shards can live on; and once the engine is closed the model's
 forward, state_dict(), load_state_dict() and PEFT's save_pretrained raise instead of
 returning an empty state dict."""
@@ -124,3 +125,28 @@ def test_closed_engine_refuses_hf_save_pretrained(tmp_path):
     with pytest.raises(RuntimeError, match=r"OffloadEngine is closed.*before engine.close"):
         model.save_pretrained(str(tmp_path / "saved"))
     assert not (tmp_path / "saved").exists()
+
+
+@pytest.mark.parametrize("kw", [{"offload": "cpu"}, {"offload": "nvme"}],
+                         ids=lambda kw: kw["offload"])
+def test_training_through_the_base_models_forward(kw, tmp_path):
+    """Three steps with the loss from the PEFT model's base model (``model.base_model.model``,
+    a forward entered below the wrapped model) end with the same weights as three steps
+    through the wrapped model itself (which tests/test_peft.py holds equal to torch + peft),
+    and no unit is left gathered."""
+    top, below = lora_llama(), lora_llama()
+    ids = prompt()
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    with wrap(top, kw, tmp_path / "a") as e_top, wrap(below, kw, tmp_path / "b") as e_below:
+        for _ in range(3):
+            e_top.backward(top(input_ids=ids, labels=ids).loss)
+            e_top.step()
+            e_below.backward(below.base_model.model(input_ids=ids, labels=ids).loss)
+            e_below.step()
+        want, got = top.state_dict(), below.state_dict()
+        assert want.keys() == got.keys()
+        assert all(torch.equal(want[k], got[k]) for k in want)
+        assert any(not torch.equal(want[k], lora_llama().state_dict()[k])
+                   for k in want if "lora_" in k)
+        assert e_below.scheduler.live_units() == e_top.scheduler.live_units()
