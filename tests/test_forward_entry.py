@@ -1,9 +1,8 @@
-"""A forward entered below the wrapped model (PEFT's generate runs the base model's forward, a
-script calls the embedding or one layer's MLP, a loss taken from the base model) computes what the
-unwrapped model computes, on
-every tier the parameter shards can live on; and once the engine is closed the model's
-forward, state_dict(), load_state_dict() and PEFT's save_pretrained raise instead of
-returning an empty state dict."""
+"""A forward entered below the wrapped model (PEFT's generate runs the base model's forward;
+a script calls the embedding or one layer's MLP, or takes its loss from the base model)
+computes what the unwrapped model computes, on every tier the parameter shards can live on;
+and once the engine is closed the model's forward, state_dict(), load_state_dict() and
+save_pretrained raise instead of returning an empty state dict."""
 import copy
 import warnings
 
