@@ -31,6 +31,25 @@ alone keep their full-precision master (a write to one layer does not round the 
 write is thus seen at the compute dtype's precision: ``fill_(0.1)`` in bfloat16 trains from
 bfloat16(0.1). With several ranks each rank takes its own shard from its own copy, so (as
 with DDP) a script writes the same values on every rank.
+
+[Note: forward entered below the model]
+The engine gathers the root unit (everything outside the blocks) in the model's own
+pre-forward hook. A forward can start lower down, with no forward of the model running: PEFT's
+``PeftModel.generate`` calls the base model's ``generate``, which runs the base model's
+forward; a script calls ``model.get_input_embeddings()(ids)`` or one layer's MLP. Every module
+below the model that holds the engine's parameters or contains such a module therefore carries
+a pre-forward hook (first): when no forward of the model (nor a backward) runs, its forward
+starts one, as the model's own hooks do (writes from outside taken in, the root gathered, the
+phase set, updates still pending for what is gathered applied), the block units enclosing
+the module gathered too (their hooks sit above it); its post-forward hooks (last) end it the
+same way. (With one rank and the shards on the device the shard is the parameter and nothing
+needs a gather; with the shards on the host or NVMe the module would meet placeholders.)
+
+Once the engine is closed (or collected) the model has no parameters left: the same hooks, and
+state-dict and load-state-dict pre-hooks on the model and those modules, stay behind and raise
+RuntimeError, so ``state_dict()`` (and PEFT's ``save_pretrained``) cannot return an empty
+dict and save nothing. Keeping the weights on the model at close was not chosen: it would take
+the whole model in host memory, which a model offloaded to NVMe does not fit.
 """
 from __future__ import annotations
 
@@ -54,7 +73,9 @@ class ModelExposure:
     Hooks installed on ``engine.module``: a forward pre-hook (first) that takes in writes
     from outside, a forward hook (last) that drops the gathered views from the modules so
     between forwards their attributes are the registered parameters, a state-dict post-hook
-    and load-state-dict pre/post hooks. :meth:`remove` takes them off (engine close).
+    and load-state-dict pre/post hooks; on the modules below it that use the engine's
+    parameters, the hooks of [Note: forward entered below the model]. :meth:`remove` takes
+    them off (engine close), but for those that raise once the engine is closed.
     """
 
     def __init__(self, engine):
@@ -66,7 +87,24 @@ class ModelExposure:
         for fp in engine.flat_params:
             if not fp.keep_unsharded:
                 fp.write_hook = lambda *call, fp=fp: self.write_to_shards(fp, *call)
-        self._handles = [
+        # (the weights are gone once the engine is: these stay after close() and raise)
+        self._guards = [model.register_forward_pre_hook(self._refuse_closed, prepend=True),
+                        model.register_state_dict_pre_hook(self._refuse_closed),
+                        model.register_load_state_dict_pre_hook(self._refuse_closed)]
+        self._entry = None  # the module a forward entered below the model started at
+        self._inside: Dict[torch.nn.Module, List] = {}  # module -> block units holding it
+        for unit in engine.blocks:
+            for sub in unit.module.modules():
+                if sub is not unit.module:
+                    self._inside.setdefault(sub, []).append(unit)
+        self._handles = []
+        for sub in _entry_modules(engine):
+            self._guards += [sub.register_forward_pre_hook(self._entry_pre, prepend=True),
+                             sub.register_state_dict_pre_hook(self._refuse_closed),
+                             sub.register_load_state_dict_pre_hook(self._refuse_closed)]
+            self._handles += [sub.register_forward_hook(self._entry_post),
+                              sub.register_forward_hook(self._entry_failed, always_call=True)]
+        self._handles += [
             model.register_forward_pre_hook(self._before_forward, prepend=True),
             model.register_forward_hook(self._after_forward),
             model.register_state_dict_post_hook(
@@ -81,10 +119,57 @@ class ModelExposure:
         return None if eng is None or eng._closed else eng
 
     def remove(self) -> None:
-        """Take the hooks off the model (idempotent)."""
+        """Take the hooks off the model (idempotent), but for those that make its forward,
+        ``state_dict()`` and ``load_state_dict()`` raise once the engine is closed (see
+        :meth:`_refuse_closed`); the model's ``save_pretrained`` (Hugging Face's, peft's)
+        then raises the same way (an instance attribute set on the closed model)."""
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        eng = self._engine()
+        model = None if eng is None else eng.module
+        if callable(getattr(model, "save_pretrained", None)):
+            # (Hugging Face's reads model.dtype first, which a model without parameters fails
+            # with StopIteration; peft's writes its config before the state dict)
+            object.__setattr__(model, "save_pretrained",
+                               lambda *args, **kwargs: self._refuse_closed(model))
+
+    def _refuse_closed(self, module, *args) -> None:
+        """Raise RuntimeError if the engine is closed or gone: its weights went with it, so
+        the model has no parameters left, and its ``state_dict()`` would be empty (a silent
+        empty save) and its forward would have nothing to compute with."""
+        if self._live() is None:
+            raise RuntimeError(
+                f"{type(module).__name__}: its OffloadEngine is closed, and the weights went "
+                "with it (the model has no parameters left). Take model.state_dict() or "
+                "engine.full_state_dict(), or call save_pretrained(), before engine.close()")
+
+    # -- a forward entered below the model ----------------------------------------------------
+    def _entry_pre(self, module, args) -> None:
+        """Pre-forward hook (first) on every module below the model that holds or contains
+        the engine's parameters: when no forward of the model runs, this module's forward is
+        where one starts (see [Note: forward entered below the model])."""
+        self._refuse_closed(module)
+        eng = self._engine()
+        if self._entry is not None or eng.scheduler.forward_running:
+            return
+        self._entry = module
+        self.take_outside_writes()
+        eng.scheduler.begin_forward(module, args, self._inside.get(module, ()))
+
+    def _entry_post(self, module, args, output) -> None:
+        if self._entry is module and self._live() is not None:
+            self._live().scheduler.end_forward(module, args, output)
+            self._after_forward(module, args, output)
+
+    def _entry_failed(self, module, args, output) -> None:
+        """Runs last after this module's forward, whether it raised or not."""
+        if self._entry is not module:
+            return
+        self._entry = None
+        eng = self._live()
+        if eng is not None:
+            eng.scheduler.forward_failed(module, args, output)
 
     # -- writes from outside ---------------------------------------------------------------
     def record_versions(self) -> None:
@@ -230,6 +315,14 @@ class ModelExposure:
         self._loaded_keys = []
         incompatible_keys.missing_keys[:] = [k for k in incompatible_keys.missing_keys
                                              if k not in taken]
+
+
+def _entry_modules(engine) -> List[torch.nn.Module]:
+    """The modules below ``engine.module`` whose forward can need the engine's parameters:
+    those that hold one, and those that contain such a module."""
+    users = {id(m) for fp in engine.flat_params for e in fp.entries for m, _, _ in e.refs}
+    return [m for m in engine.module.modules()
+            if m is not engine.module and any(id(s) in users for s in m.modules())]
 
 
 def load_parameters(engine, values: Dict[FlatParam, List[Tuple[ParamEntry, torch.Tensor]]]

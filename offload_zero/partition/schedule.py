@@ -19,7 +19,9 @@ end of backward. A root flat parameter that ``gather_late`` names when a trainin
 (one whose pending update, ``update_timing="next_forward"``, runs while the blocks compute) is gathered only
 then, into its part of the root's slot, after ``before_late_gather``. The forward order is
 recorded on the first training forward and replayed for prefetch; it is re-recorded if a later
-forward runs another order.
+forward runs another order. A forward entered below the model (see [Note: forward entered below
+the model] in :mod:`offload_zero.exposure`) runs the root's hooks at that module
+(:meth:`UnitScheduler.begin_forward`).
 """
 from __future__ import annotations
 
@@ -238,6 +240,34 @@ class UnitScheduler:
                 self.prefetch_unit(self.order[k])
 
     # -- forward -----------------------------------------------------------------------------
+    @property
+    def forward_running(self) -> bool:
+        """Whether a forward of the model (or of a module entered below it, see
+        :meth:`begin_forward`) or a backward is under way."""
+        return not self._forward_done or self._in_backward
+
+    def begin_forward(self, module: nn.Module, args, inside: List[Unit] = ()) -> None:
+        """Start a forward entered at ``module``, a module below the model whose forward runs
+        while no forward of the model does (PEFT's ``generate`` calls the base model's forward,
+        a script calls one layer): everything the model's own pre-forward hook does (the
+        root gathered, the phase set, ``on_forward``), then ``inside``, the block units that
+        hold ``module``, gathered (their own hooks sit on modules above it). Close it with
+        :meth:`end_forward`, or on an error :meth:`forward_failed`."""
+        self._root_pre_forward(module, args)
+        for unit in inside:
+            self._activate(unit)
+
+    def end_forward(self, module: nn.Module, args, output) -> None:
+        """End a forward that :meth:`begin_forward` started at ``module`` and that returned
+        ``output``, as the model's own post-forward hook does (units resharded at stage 3, the
+        root kept for backward in a training forward, pre-backward hooks on ``output``)."""
+        self._root_post_forward(module, args, output)
+
+    def forward_failed(self, module: nn.Module, args, output) -> None:
+        """After a forward :meth:`begin_forward` started, whether it raised or not: when it
+        raised (:meth:`end_forward` did not run), report the error (see [Note: lockstep])."""
+        self._root_forward_failed(module, args, output)
+
     def _phase(self) -> Phase:
         if self._in_backward:
             return Phase.BACKWARD
