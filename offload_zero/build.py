@@ -28,7 +28,8 @@ from offload_zero.partition.grads import GradientShards
 from offload_zero.partition.reduce_order import OrderedReduction, grad_order
 from offload_zero.partition.schedule import UnitScheduler, runs_itself
 from offload_zero.partition.units import Unit, plan_flat_params
-from offload_zero.plan import layout_of, memory_plan, pipeline_shard_numel, settings_of
+from offload_zero.plan import (fit_host_budget, layout_of, pipeline_chunk_numel,
+                               pipeline_shard_numel, settings_of)
 from offload_zero.update.adam import ShardAdam
 from offload_zero.update.rules import BACKWARD, NEXT_FORWARD
 from offload_zero.update.state import UpdateStates
@@ -92,8 +93,9 @@ class _Builder:
         plan = p.plan = self._plan_units(model)
         if not any(members for _, _, members in plan[2]):
             raise ValueError("model has no parameters to train")
-        # every byte held below, pools included, comes from this plan (see offload_zero/plan.py)
-        p.memory_plan = memory_plan(
+        # every byte held below, pools included, comes from this plan (see offload_zero/plan.py),
+        # within max_host_bytes when given (the optimizer pipeline's chunks shrink to fit)
+        p.memory_plan = fit_host_budget(
             layout_of([(-1 if u.is_root else u.index, t, m) for u, t, m in plan[2]]),
             settings_of(cfg, self.world_size, self.device, storage_rebinding_supported()))
         # names of the flat parameters whose optimizer state stays in RAM (see [Note: host cache])
@@ -241,6 +243,7 @@ class _Builder:
         # (a state kept in host memory never streams through the pipeline)
         return NVMeStore(p.swapper, self.acct, self.host_alloc,
                          pipeline_shard_numel(p.memory_plan),
+                         chunk_numel=pipeline_chunk_numel(p.memory_plan),
                          master_is_param=self._master_is_param_on_nvme(), moment_dtype=moments)
 
     def _master_is_param_on_nvme(self) -> bool:

@@ -98,6 +98,11 @@ class EngineConfig:
             in host memory until backward. Default False.
         max_device_bytes, max_host_bytes: budgets (bytes) that ``offload="auto"`` must fit in,
             instead of the measured free device memory and available RAM. Default None.
+            ``max_host_bytes`` also bounds every placement's host tier (model states, pools,
+            read-ahead and pipeline buffers, bytes in flight, as :mod:`offload_zero.plan`
+            counts them): the optimizer state then streams in smaller chunks, and a placement
+            that cannot fit raises ValueError before allocating
+            (:func:`offload_zero.plan.fit_host_budget`).
         grad_dtype: dtype of the gradient shards kept in host memory when offloading: float32
             (ZeRO-Offload's choice, the default) or bfloat16 (half the host bytes; the C++ Adam
             reads bf16 gradients directly). Ignored without offload (shards stay in ``dtype``).

@@ -460,7 +460,9 @@ class OffloadEngine:
         lists the fixed buffers sized at start-up, each with its ``"tier"`` (the device gather
         pool for unsharded units, parameter-shard read-ahead, the NVMe optimizer pipeline, the
         host staging buffer, the reduce-scatter scratch): exactly :attr:`memory_plan`'s pools
-        (see :mod:`offload_zero.plan`). Units: bytes.
+        (see :mod:`offload_zero.plan`). With ``max_host_bytes``, ``"host_budget"`` gives
+        ``{"max_host_bytes", "planned_bytes" (the plan's host tier at the step's peak),
+        "peak_bytes" (the host tier's measured peak), "pipeline_chunk_numel"}``. Units: bytes.
         """
         rep = self._acct.report()
         rep["nvme"]["read_bytes"] = getattr(self.store, "read_bytes", 0)
@@ -471,6 +473,12 @@ class OffloadEngine:
         rep["pools"] = pools_report(self._parts)
         if isinstance(self.store, NVMeStore):
             rep["host_cache"] = self.store.cache_report()
+        plan = self.memory_plan
+        if plan.settings.max_host_bytes is not None:
+            rep["host_budget"] = {"max_host_bytes": plan.settings.max_host_bytes,
+                                  "planned_bytes": plan.tier_bytes("host"),
+                                  "peak_bytes": rep["host"]["peak_bytes"],
+                                  "pipeline_chunk_numel": plan.settings.pipeline_chunk_numel}
         return rep
 
     def update_states(self) -> Dict[str, str]:

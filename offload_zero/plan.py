@@ -126,7 +126,10 @@ class PlanSettings:
     states stay in host memory; ``moment_dtype`` (float32 or bfloat16); ``padded`` (False: the
     paper's unpadded arithmetic, shards of exactly numel / N elements, for a layout assumed from
     a parameter count); ``rebinding`` (whether this torch can bind gathered units to pool
-    slots; without it they are allocated per gather, bytes counted in flight).
+    slots; without it they are allocated per gather, bytes counted in flight);
+    ``pipeline_chunk_numel``: the most elements of a state the optimizer pipeline streams at
+    once (``NVMeStore.CHUNK_NUMEL`` unless a host budget makes it smaller, see
+    :func:`fit_host_budget`); ``max_host_bytes``: that budget (bytes on the host tier), or None.
     """
 
     stage: int
@@ -142,6 +145,8 @@ class PlanSettings:
     moment_dtype: torch.dtype = torch.float32
     padded: bool = True
     rebinding: bool = True
+    pipeline_chunk_numel: int = 1 << 22
+    max_host_bytes: Optional[int] = None
 
     @property
     def in_backward(self) -> bool:
@@ -180,7 +185,7 @@ def settings_of(cfg, world_size: int, device: torch.device, rebinding: bool) -> 
         accelerator=device.type != "cpu", update_timing=cfg.update_timing,
         tail_state_in_host=cfg.tail_state_in_host,
         host_cache_bytes=cfg.host_cache_bytes, moment_dtype=cfg.moment_torch_dtype,
-        rebinding=rebinding)
+        rebinding=rebinding, max_host_bytes=cfg.max_host_bytes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -554,13 +559,55 @@ def _pools(layout, shards, s: PlanSettings, fmt: StateFormat, in_host, share, ou
             count = 3 if s.in_forward or (share and s.in_backward) else 2
             pools.append(PoolSpec("optimizer_prefetch", "host", count,
                                   _state_buffer_numel(fmt, max(numel), s.padded), 4))
-        from offload_zero.memory.tiers import NVMeStore
-        chunk = min(max(streamed, default=_IDLE_PIPELINE_NUMEL), NVMeStore.CHUNK_NUMEL)
+        chunk = min(max(streamed, default=_IDLE_PIPELINE_NUMEL), s.pipeline_chunk_numel)
         pools.append(PoolSpec("optimizer_pipeline", "host", _PIPELINE_DEPTH,
                               _state_buffer_numel(fmt, chunk, s.padded), 4))
     if n > 1 and trainable:
         pools.append(PoolSpec("reduce_scratch", "device", 1, max(trainable), k))
     return tuple(pools)
+
+
+def fit_host_budget(layout: Sequence[FlatSpec], settings: PlanSettings) -> MemoryPlan:
+    """:func:`memory_plan` within ``settings.max_host_bytes`` (None: no budget, the plan as it
+    is): while the plan's host tier (model states, pools and bytes in flight:
+    :meth:`MemoryPlan.tier_bytes`) is over the budget, the optimizer pipeline streams the state
+    in chunks of half as many elements (its three buffer sets shrink with them; the update is
+    element-wise, so the numbers do not change), down to one chunk of
+    :attr:`StateFormat.chunk_multiple` elements (4096 bytes of each region).
+
+    Raises ValueError, before anything is allocated, when even that plan is over the budget:
+    naming the budget, the bytes needed, the largest host items and what to change."""
+    plan = memory_plan(layout, settings)
+    budget = settings.max_host_bytes
+    if budget is None:
+        return plan
+    smallest = StateFormat(settings.moment_dtype).chunk_multiple
+    chunk = settings.pipeline_chunk_numel
+    while plan.tier_bytes("host") > budget and plan.pool("optimizer_pipeline") is not None \
+            and chunk > smallest:
+        chunk = max(smallest, chunk // 2 // smallest * smallest)
+        plan = memory_plan(layout, dataclasses.replace(settings, pipeline_chunk_numel=chunk))
+    need = plan.tier_bytes("host")
+    if need > budget:
+        items = {f"{kind} (model states)": b for kind, b in plan.states()["host"].items()}
+        items.update({f"{p.name} pool": int(p.capacity_bytes) for p in plan.pools
+                      if p.tier == "host"})
+        items.update({f"{kind} (in flight)": b for kind, b in plan.extras()["host"].items()
+                      if kind != "buffers"})
+        top = ", ".join(f"{name} {b}" for name, b in
+                        sorted(items.items(), key=lambda kv: -kv[1])[:3] if b)
+        raise ValueError(f"max_host_bytes={budget} is short by {need - budget} bytes: this "
+                         f"placement needs {need} bytes of host memory even with the optimizer "
+                         f"state streamed in chunks of {chunk} elements (largest: {top}); "
+                         "raise max_host_bytes, lower host_cache_bytes, move state to NVMe "
+                         "(offload='nvme'), or use offload='auto'")
+    return plan
+
+
+def pipeline_chunk_numel(plan: MemoryPlan) -> int:
+    """Elements per chunk of the optimizer pipeline (the ``chunk_numel`` an
+    :class:`offload_zero.memory.state_stores.NVMeStore` is built with)."""
+    return plan.settings.pipeline_chunk_numel
 
 
 def pipeline_shard_numel(plan: MemoryPlan) -> int:
