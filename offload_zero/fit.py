@@ -18,36 +18,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import re
 from typing import Dict, List, Optional
 
 import torch
 
 from offload_zero import estimator
 from offload_zero.activations import ActivationBytes, DecoderShape, activation_bytes
-
-TIERS = ("device", "host", "nvme")
-# units of a size on the command line, as transformers reads max_shard_size
-_SIZE_UNITS = {"B": 1, "KB": 10 ** 3, "MB": 10 ** 6, "GB": 10 ** 9, "TB": 10 ** 12,
-               "KIB": 2 ** 10, "MIB": 2 ** 20, "GIB": 2 ** 30, "TIB": 2 ** 40}
-SIZE_FORMS = "bytes (e.g. 500000000) or a number with B, KB, MB, GB, TB (powers of 1000) or " \
-             "KiB, MiB, GiB, TiB (powers of 1024), e.g. 24GB, 64GiB, 1.5TB"
-
-
-def parse_bytes(text: str, name: Optional[str] = None) -> int:
-    """Bytes in a size such as ``"24GB"`` (24e9), ``"64GiB"`` (64 * 2**30), ``"1.5TB"`` or
-    ``"0"``; units are case-insensitive, a bare number is bytes (whole bytes, rounded down).
-
-    Raises:
-        ValueError: not one of those forms, or negative, naming ``name``, the value and the
-            valid forms (``name`` None: the message starts at the value).
-    """
-    m = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]*)\s*", str(text))
-    unit = m.group(2).upper() if m else None
-    if m is None or (unit and unit not in _SIZE_UNITS):
-        raise ValueError(f"{name + ' ' if name else ''}{text!r} is not a size; give {SIZE_FORMS}")
-    return int(float(m.group(1)) * _SIZE_UNITS.get(unit or "B"))
-
+from offload_zero.tables import SIZE_FORMS, TIERS, parse_bytes  # noqa: F401  (re-exported)
 
 @dataclasses.dataclass(frozen=True)
 class Verdict:

@@ -26,14 +26,13 @@ from typing import Dict, Iterator, List, Optional, Tuple
 import torch
 
 from offload_zero.stream_load import INDEX_NAME, SINGLE_NAME
+from offload_zero.tables import parse_bytes
 
 log = logging.getLogger("offload_zero")
 
 _ST_NAMES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
              torch.float64: "F64", torch.int64: "I64", torch.int32: "I32", torch.bool: "BOOL",
              torch.uint8: "U8", torch.int8: "I8", torch.int16: "I16"}
-_UNITS = {"": 1, "B": 1, "KB": 10 ** 3, "MB": 10 ** 6, "GB": 10 ** 9, "TB": 10 ** 12,
-          "KIB": 2 ** 10, "MIB": 2 ** 20, "GIB": 2 ** 30, "TIB": 2 ** 40}
 # files an export folder may hold: replacing a folder of anything else is refused
 _EXPORT_FILE_RE = re.compile(r"(model(-\d{5}-of-\d{5})?\.safetensors|.*\.json|.*\.txt|"
                              r"tokenizer\.model|.*\.jinja|merges\.txt|vocab\..*)")
@@ -44,11 +43,13 @@ def parse_size(size) -> int:
     as transformers reads ``max_shard_size``. Raises ValueError for anything else or <= 0."""
     if isinstance(size, int) and not isinstance(size, bool):
         n = size
+    elif isinstance(size, str):
+        try:
+            n = parse_bytes(size)
+        except ValueError as exc:
+            raise ValueError(f"max_shard_size={exc}") from None
     else:
-        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)\s*", str(size).upper())
-        if m is None or m.group(2) not in _UNITS:
-            raise ValueError(f"max_shard_size={size!r}: give bytes (int) or e.g. '5GB', '500MiB'")
-        n = int(float(m.group(1)) * _UNITS[m.group(2)])
+        raise ValueError(f"max_shard_size={size!r}: give bytes (int) or e.g. '5GB', '500MiB'")
     if n <= 0:
         raise ValueError(f"max_shard_size={size!r} must be > 0 bytes")
     return n

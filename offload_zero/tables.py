@@ -5,7 +5,8 @@ so a new entry is made in one place.
 """
 from __future__ import annotations
 
-from typing import Dict
+import re
+from typing import Dict, Optional
 
 import torch
 
@@ -47,3 +48,25 @@ def default_offload_param(offload: str, stage: int) -> str:
     """Where ``offload=`` alone puts parameter shards: NVMe for ``"nvme"`` at stage 3, else the
     device (``"none"``)."""
     return "nvme" if (offload == "nvme" and stage == 3) else "none"
+
+
+# units of a size (the command line's, and max_shard_size as transformers reads it)
+SIZE_UNITS = {"B": 1, "KB": 10 ** 3, "MB": 10 ** 6, "GB": 10 ** 9, "TB": 10 ** 12,
+              "KIB": 2 ** 10, "MIB": 2 ** 20, "GIB": 2 ** 30, "TIB": 2 ** 40}
+SIZE_FORMS = "bytes (e.g. 500000000) or a number with B, KB, MB, GB, TB (powers of 1000) or " \
+             "KiB, MiB, GiB, TiB (powers of 1024), e.g. 24GB, 64GiB, 1.5TB"
+
+
+def parse_bytes(text: str, name: Optional[str] = None) -> int:
+    """Bytes in a size such as ``"24GB"`` (24e9), ``"64GiB"`` (64 * 2**30), ``"1.5TB"`` or
+    ``"0"``; units are case-insensitive, a bare number is bytes (whole bytes, rounded down).
+
+    Raises:
+        ValueError: not one of those forms, or negative, naming ``name``, the value and the
+            valid forms (``name`` None: the message starts at the value).
+    """
+    m = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]*)\s*", str(text))
+    unit = m.group(2).upper() if m else None
+    if m is None or (unit and unit not in SIZE_UNITS):
+        raise ValueError(f"{name + ' ' if name else ''}{text!r} is not a size; give {SIZE_FORMS}")
+    return int(float(m.group(1)) * SIZE_UNITS.get(unit or "B"))

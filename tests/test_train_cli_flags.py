@@ -172,3 +172,32 @@ def test_warmup_more_than_steps_is_an_error(capsys):
         train.check_args(_parse("--steps", 20, "--warmup", warmup))
     with pytest.raises(ValueError, match="--warmup 21 is more than --steps 20"):
         train.check_args(_parse("--steps", 20, "--warmup", 21))
+
+
+def test_state_format_and_host_memory_flags_reach_the_engine(tmp_path, monkeypatch):
+    """--moment-dtype, --host-cache-bytes and --max-host-bytes set the engine's options of
+    those names; the summary names the first two."""
+    from offload_zero import OffloadEngine
+    seen = {}
+    real_init = OffloadEngine.__init__
+
+    def spy(self, model, **kw):
+        seen.update(kw)
+        real_init(self, model, **kw)
+    monkeypatch.setattr(OffloadEngine, "__init__", spy)
+    summary = train.run(_parse("--preset", "tiny", "--steps", 1, "--no-progress", "--offload",
+                               "nvme", "--path", tmp_path, "--moment-dtype", "int8",
+                               "--host-cache-bytes", "64KiB", "--max-host-bytes", "4GB", *FAST))
+    assert (seen["moment_dtype"], seen["host_cache_bytes"], seen["max_host_bytes"]) == (
+        "int8", 64 * 1024, 4 * 10 ** 9)
+    assert (summary["moment_dtype"], summary["host_cache_bytes"]) == ("int8", 64 * 1024)
+    assert ", int8 moments, host cache " in train.format_summary(summary)
+
+
+def test_a_bad_size_flag_is_one_line(capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["train", "--host-cache-bytes", "2XB"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("offload-zero train: error: argument --host-cache-bytes: '2XB' "
+                              "is not a size; give bytes"), err

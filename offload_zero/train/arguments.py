@@ -9,7 +9,8 @@ import os
 
 import torch
 
-from offload_zero.tables import DTYPES  # (the --dtype names -> torch dtypes)
+from offload_zero.memory.state_format import MOMENT_DTYPES
+from offload_zero.tables import DTYPES, parse_bytes  # (DTYPES: the --dtype names -> torch dtypes)
 from offload_zero.train.hf_folder import WEIGHTS_NAME, check_save_dir
 from offload_zero.train.model import DEFAULT_PRESET, PRESETS
 from offload_zero.train.resume import check_checkpoint_args
@@ -57,6 +58,15 @@ def _nonnegative_int(text: str) -> int:
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
     return value
+
+
+def _size(text: str) -> int:
+    """argparse type of a size flag: bytes, or a number with a unit (``2GB``, ``512MiB``; see
+    :func:`offload_zero.tables.parse_bytes`)."""
+    try:
+        return parse_bytes(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _positive_float(text: str) -> float:
@@ -157,6 +167,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "fills its \"auto\" values")
     engine.add_argument("--activation-checkpointing", action="store_true",
                         help="recompute each layer's forward in backward (less activation memory)")
+    engine.add_argument("--moment-dtype", choices=sorted(MOMENT_DTYPES), default="fp32",
+                        help="Adam's moments: fp32 (default: exact AdamW), bf16 (stochastic "
+                             "rounding, 8 bytes of state per parameter instead of 12) or int8 "
+                             "(blockwise 8-bit, 6.03; see docs/moments.md); off the device only")
+    engine.add_argument("--host-cache-bytes", type=_size, default=0, metavar="SIZE",
+                        help="with --offload nvme, keep this much optimizer state in RAM "
+                             "instead of its files (e.g. 2GB; default 0: all on NVMe)")
+    engine.add_argument("--max-host-bytes", type=_size, default=None, metavar="SIZE",
+                        help="bound the run's host memory (model states, buffers): the NVMe "
+                             "pipeline streams in smaller chunks to fit, or the run stops at "
+                             "once saying what is short; with --offload auto, its budget")
     engine.add_argument("--update-timing", default="auto",
                         choices=("step", "backward", "next_forward", "auto"),
                         help="when updates run: step (all in step()), backward (each unit as "

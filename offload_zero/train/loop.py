@@ -154,7 +154,8 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
             weight_decay=args.weight_decay, dtype=DTYPES[args.dtype],
             activation_checkpointing=args.activation_checkpointing,
             update_timing=update_timing,
-            gradient_accumulation_steps=args.grad_accum,
+            gradient_accumulation_steps=args.grad_accum, moment_dtype=args.moment_dtype,
+            host_cache_bytes=args.host_cache_bytes, max_host_bytes=args.max_host_bytes,
             **getattr(args, "ds_kwargs", {}), **model_source(args)) as engine:
         rank, world_size = engine.rank, engine.world_size
         offload_shown = args.offload
@@ -204,6 +205,8 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
                             world_size=world_size, rank=rank,
                             lr=args.lr, warmup=warmup, seed=args.seed, setup_s=setup_s,
                             update_timing=engine.config.update_timing, skipped_steps=skipped,
+                            moment_dtype=engine.config.moment_dtype,
+                            host_cache_bytes=engine.config.host_cache_bytes,
                             loss_scale=loss_scale, peak_rss_bytes=peak_rss, saved=saved,
                             deepspeed=(f"{args.deepspeed}: {settings.describe()}"
                                        if settings else None)))

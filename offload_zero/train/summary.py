@@ -85,7 +85,10 @@ def format_summary(s: Dict[str, Any]) -> str:
         f"world size {s['world_size']}"
         + (", step in backward" if s.get("update_timing") == "backward" else "")
         + (", step in forward" if s.get("update_timing") == "next_forward" else "")
-        + (f", {s['grad_accum']} micro-batches a step" if s.get("grad_accum", 1) > 1 else ""),
+        + (f", {s['grad_accum']} micro-batches a step" if s.get("grad_accum", 1) > 1 else "")
+        + (f", {s['moment_dtype']} moments" if s.get("moment_dtype", "fp32") != "fp32" else "")
+        + (f", host cache {fmt_bytes(s['host_cache_bytes'])}" if s.get("host_cache_bytes")
+           else ""),
     ] + ([f"  deepspeed    {s['deepspeed']}"] if s.get("deepspeed") else []) + [
         f"  loss         first {s['first_loss']:.4f} -> last {s['last_loss']:.4f} "
         f"(mean of {k} step(s) each)" + _skipped_note(s),
