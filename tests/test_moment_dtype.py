@@ -206,7 +206,7 @@ def test_auto_with_bf16_moments_keeps_the_state_off_an_accelerator(tmp_path):
 def _two_rank_run(rank, world_size):
     """Stage 3 on NVMe at two ranks: all-NVMe fp32 moments, with a host cache; bf16 moments
     all on NVMe with the plain step, with a host cache and update_timing="backward", and on the CPU
-    tier. The weights of each on this rank."""
+    tier; int8 moments the same three ways. The weights of each on this rank."""
     import tempfile
     out = {}
     runs = {"fp32": {"update_timing": "step"},
@@ -214,7 +214,12 @@ def _two_rank_run(rank, world_size):
             "bf16": {"moment_dtype": "bf16", "update_timing": "step"},
             "bf16+cache+sib": {"moment_dtype": "bf16", "host_cache_bytes": 150_000,
                                "update_timing": "backward"},
-            "bf16+cpu": {"moment_dtype": "bf16", "offload": "cpu"}}
+            "bf16+cpu": {"moment_dtype": "bf16", "offload": "cpu"},
+            # int8 (blocks at the same places of each flat parameter as at one rank)
+            "int8": {"moment_dtype": "int8", "update_timing": "step"},
+            "int8+cache+sib": {"moment_dtype": "int8", "host_cache_bytes": 150_000,
+                               "update_timing": "backward"},
+            "int8+cpu": {"moment_dtype": "int8", "offload": "cpu"}}
     for name, extra in runs.items():
         torch.manual_seed(0)
         kw = {"offload": "nvme", "stage": 3, "lr": 1e-2, "weight_decay": 0.1, **extra}
@@ -230,11 +235,12 @@ def _two_rank_run(rank, world_size):
     return out
 
 
-def test_host_cache_and_bf16_moments_at_two_ranks():
-    """At world size 2 a host cache changes no weight, and bf16 moments give the same weights
-    with a host cache, update_timing="backward" or on the CPU tier, on every rank."""
+def test_host_cache_and_low_precision_moments_at_two_ranks():
+    """At world size 2 a host cache changes no weight, and bf16 or int8 moments give the same
+    weights with a host cache, update_timing="backward" or on the CPU tier, on every rank."""
     from dist_harness import run_ranks
     for result in run_ranks(_two_rank_run, 2):
-        for a, b in (("fp32", "fp32+cache"), ("bf16", "bf16+cache+sib"), ("bf16", "bf16+cpu")):
+        for a, b in (("fp32", "fp32+cache"), ("bf16", "bf16+cache+sib"), ("bf16", "bf16+cpu"),
+                     ("int8", "int8+cache+sib"), ("int8", "int8+cpu")):
             assert all((result[a][k] == result[b][k]).all() for k in result[a]), (a, b)
         assert any((result["fp32"][k] != result["bf16"][k]).any() for k in result["fp32"])
