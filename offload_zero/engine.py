@@ -31,6 +31,7 @@ from offload_zero.memory.accounting import TierAccountant
 from offload_zero.memory.aligned import aligned_empty
 from offload_zero.memory.state_stores import NVMeStore
 from offload_zero.partition.flat_param import FlatParam
+from offload_zero.plan import pipeline_chunk_numel
 from offload_zero.partition.units import Unit
 from offload_zero.update import rules
 from offload_zero.update.rules import BACKWARD
@@ -478,7 +479,7 @@ class OffloadEngine:
             rep["host_budget"] = {"max_host_bytes": plan.settings.max_host_bytes,
                                   "planned_bytes": plan.tier_bytes("host"),
                                   "peak_bytes": rep["host"]["peak_bytes"],
-                                  "pipeline_chunk_numel": plan.settings.pipeline_chunk_numel}
+                                  "pipeline_chunk_numel": pipeline_chunk_numel(plan)}
         return rep
 
     def update_states(self) -> Dict[str, str]:

@@ -128,8 +128,8 @@ class PlanSettings:
     a parameter count); ``rebinding`` (whether this torch can bind gathered units to pool
     slots; without it they are allocated per gather, bytes counted in flight);
     ``pipeline_chunk_numel``: the most elements of a state the optimizer pipeline streams at
-    once (``NVMeStore.CHUNK_NUMEL`` unless a host budget makes it smaller, see
-    :func:`fit_host_budget`); ``max_host_bytes``: that budget (bytes on the host tier), or None.
+    once (None: ``NVMeStore.CHUNK_NUMEL``, read when the plan is made; smaller where a host
+    budget asks, see :func:`fit_host_budget`); ``max_host_bytes``: that budget (bytes on the host tier), or None.
     """
 
     stage: int
@@ -145,7 +145,7 @@ class PlanSettings:
     moment_dtype: torch.dtype = torch.float32
     padded: bool = True
     rebinding: bool = True
-    pipeline_chunk_numel: int = 1 << 22
+    pipeline_chunk_numel: Optional[int] = None
     max_host_bytes: Optional[int] = None
 
     @property
@@ -559,7 +559,7 @@ def _pools(layout, shards, s: PlanSettings, fmt: StateFormat, in_host, share, ou
             count = 3 if s.in_forward or (share and s.in_backward) else 2
             pools.append(PoolSpec("optimizer_prefetch", "host", count,
                                   _state_buffer_numel(fmt, max(numel), s.padded), 4))
-        chunk = min(max(streamed, default=_IDLE_PIPELINE_NUMEL), s.pipeline_chunk_numel)
+        chunk = min(max(streamed, default=_IDLE_PIPELINE_NUMEL), _chunk_numel(s))
         pools.append(PoolSpec("optimizer_pipeline", "host", _PIPELINE_DEPTH,
                               _state_buffer_numel(fmt, chunk, s.padded), 4))
     if n > 1 and trainable:
@@ -582,7 +582,7 @@ def fit_host_budget(layout: Sequence[FlatSpec], settings: PlanSettings) -> Memor
     if budget is None:
         return plan
     smallest = StateFormat(settings.moment_dtype).chunk_multiple
-    chunk = settings.pipeline_chunk_numel
+    chunk = _chunk_numel(settings)
     while plan.tier_bytes("host") > budget and plan.pool("optimizer_pipeline") is not None \
             and chunk > smallest:
         chunk = max(smallest, chunk // 2 // smallest * smallest)
@@ -607,7 +607,12 @@ def fit_host_budget(layout: Sequence[FlatSpec], settings: PlanSettings) -> Memor
 def pipeline_chunk_numel(plan: MemoryPlan) -> int:
     """Elements per chunk of the optimizer pipeline (the ``chunk_numel`` an
     :class:`offload_zero.memory.state_stores.NVMeStore` is built with)."""
-    return plan.settings.pipeline_chunk_numel
+    return _chunk_numel(plan.settings)
+
+
+def _chunk_numel(s: PlanSettings) -> int:
+    from offload_zero.memory.state_stores import NVMeStore
+    return s.pipeline_chunk_numel or NVMeStore.CHUNK_NUMEL
 
 
 def pipeline_shard_numel(plan: MemoryPlan) -> int:
