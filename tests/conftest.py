@@ -5,7 +5,13 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 import atexit
 import shutil
+import signal
 import tempfile
+
+# A suite started in the background (nohup, `&` in a script) inherits SIGINT ignored, and so would
+# every process it starts; the interrupt tests need Python's own Ctrl-C, as in a terminal.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 # The NVMe self-tuning cache: one fresh file per test session, never the user's ~/.cache; the
 # folder goes when the session ends (subprocesses inherit the variable, not the folder's life).
