@@ -59,6 +59,7 @@ class TensorInfo:
 
     @property
     def numel(self) -> int:
+        """Elements of the stored tensor (the product of its shape)."""
         return math.prod(self.shape)
 
 

@@ -104,12 +104,16 @@ def check_replaceable(final: str) -> None:
 
 
 def fresh_folder(path: str) -> None:
+    """Make ``path`` an empty new folder, first removing what a killed save left there.
+    Raises OSError if it cannot be made."""
     if os.path.lexists(path):  # left by a save that was killed: never a complete checkpoint
         shutil.rmtree(path)
     os.makedirs(path)
 
 
 def write_text(path: str, text: str) -> None:
+    """Write ``text`` (UTF-8) to the new file ``path`` and fsync it. Raises FileExistsError if
+    ``path`` exists, OSError if the write fails."""
     with open(path, "x", encoding="utf-8") as f:
         f.write(text)
         f.flush()

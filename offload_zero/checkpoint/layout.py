@@ -128,11 +128,11 @@ def persistent_buffers(module) -> List[Tuple[str, object, str]]:
     return out
 
 
-def loss_scaler_of(engine):
-    return getattr(engine, "loss_scaler", None)
-
-
 def build_metadata(engine, client_state: Optional[dict] = None) -> dict:
+    """``checkpoint.json``'s contents for ``engine``: format and version, the layout
+    (:func:`engine_layout`), lr, parameter groups, skipped steps, loss-scaler state, Adam's
+    settings and ``client_state``. Raises ValueError if ``client_state`` is not a dict of
+    JSON-ready values (naming what is wrong)."""
     cfg = engine.config
     if client_state is not None and not isinstance(client_state, dict):
         raise ValueError(f"client_state must be a dict (or None), got {type(client_state).__name__}")
@@ -141,7 +141,7 @@ def build_metadata(engine, client_state: Optional[dict] = None) -> dict:
     except (TypeError, ValueError) as exc:
         raise ValueError(f"client_state must hold only numbers, strings, lists and dicts to "
                          f"be saved: {exc}") from None
-    scaler = loss_scaler_of(engine)
+    scaler = engine.loss_scaler
     scaler_state = None if scaler is None else dict(scaler.state_dict())
     meta = {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, **engine_layout(engine),
             "lr": engine.lr, "param_groups": [json_group(g) for g in engine.optimizer.param_groups],

@@ -11,7 +11,7 @@ import torch
 from offload_zero.checkpoint.agree import agree
 from offload_zero.checkpoint.folder import folder_lock
 from offload_zero.checkpoint.layout import (COMPUTE_DTYPES, META_NAME, STATE_KEYS,
-                                            loss_scaler_of, paths, persistent_buffers,
+                                            paths, persistent_buffers,
                                             rank_file_name, read_metadata_file,
                                             saved_moment_dtype, saved_specs, saves_param)
 from offload_zero.checkpoint.validate import (check_matches, saved_parameter, saved_parameters,
@@ -91,7 +91,7 @@ def _load(engine, final: str) -> dict:
                          COMPUTE_DTYPES[meta["dtype"]])
         _restore_groups(engine, meta)
         engine.skipped_steps = meta["skipped_steps"]
-        if meta["loss_scaler"] is not None and loss_scaler_of(engine) is not None:
+        if meta["loss_scaler"] is not None and engine.loss_scaler is not None:
             engine.loss_scaler.load_state_dict(meta["loss_scaler"])
     except Exception as exc:
         error = exc

@@ -11,7 +11,7 @@ import zlib
 from typing import Dict, List, Optional
 
 from offload_zero.checkpoint.layout import (COMPUTE_DTYPES, META_NAME, TensorSpec,
-                                            engine_layout, loss_scaler_of, raw_bytes)
+                                            engine_layout, raw_bytes)
 
 log = logging.getLogger("offload_zero")
 
@@ -69,7 +69,7 @@ def check_matches(meta: dict, engine, path: str) -> None:
     if "buffers" not in meta and mine["buffers"]:
         log.warning("%s: saved without the model's buffers (an older checkpoint): %s keep their "
                     "current values", path, ", ".join(mine["buffers"][:5]))
-    has_saved, has_mine = meta.get("loss_scaler") is not None, loss_scaler_of(engine) is not None
+    has_saved, has_mine = meta.get("loss_scaler") is not None, engine.loss_scaler is not None
     if has_saved != has_mine and meta["dtype"] == mine["dtype"]:
         state = {True: "present", False: "absent"}
         raise _mismatch(path, "loss_scaler", state[has_saved], state[has_mine])
@@ -79,7 +79,7 @@ def check_matches(meta: dict, engine, path: str) -> None:
                     mine["dtype"], "" if has_mine else "out")
     elif has_saved:  # a bad scaler state must fail here, before the engine changes
         try:
-            copy.deepcopy(loss_scaler_of(engine)).load_state_dict(meta["loss_scaler"])
+            copy.deepcopy(engine.loss_scaler).load_state_dict(meta["loss_scaler"])
         except (ValueError, TypeError, KeyError) as exc:
             raise ValueError(f"{path!r}: loss_scaler: {exc}") from None
     saved_opt = meta.get("optimizer") or {}

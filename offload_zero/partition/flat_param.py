@@ -211,6 +211,9 @@ class ModelParam(nn.Parameter):
 
     @property
     def grad(self):
+        """None, or while a backward's gradient waits in the engine's shards a zero-strided
+        stand-in of the parameter's shape and dtype that raises RuntimeError when computed
+        with (the values live in the gradient shards; see :class:`_PendingGrad`)."""
         fp = self._oz_flat
         if fp is None or not fp.grad_pending():
             return None
@@ -221,6 +224,7 @@ class ModelParam(nn.Parameter):
 
     @grad.setter
     def grad(self, value):
+        """Only None may be assigned (as ``zero_grad`` does); RuntimeError otherwise."""
         if value is not None:
             raise RuntimeError(f"{self._oz_label}: its gradient lives in the OffloadEngine's "
                                "gradient shards; .grad cannot be assigned while wrapped")
