@@ -22,8 +22,9 @@ flight ahead of the running one, ``prefetch`` capped at the other blocks):
   the whole parameter: nothing gathered); ``ahead + 1`` slots of the largest block's gathered
   bytes, one when the shards live on NVMe (the units ahead are read into host buffers instead);
   ``gather_root`` (device): one slot of the root unit's gathered bytes.
-- ``param_shards`` (host): parameter shards on NVMe; ``2 * (ahead + 2) + ring`` buffers of the
-  largest block shard (reads ahead of use for two flat parameters per unit, and the step's
+- ``param_shards`` (host): parameter shards on NVMe; ``f * (ahead + 2) + ring`` buffers of the
+  largest block shard (reads ahead of use for the ``f`` flat parameters of a block, 1, or 2
+  where a block holds trainable and frozen parameters; and the step's
   write-back ring of 2; no ring when fp32 shards and their optimizer state are both on NVMe:
   the shard is the master's bytes and the update writes it once). ``param_shards_root``
   (host): where a root flat parameter is larger than a block shard, root-sized buffers, one per
@@ -34,7 +35,8 @@ flight ahead of the running one, ``prefetch`` capped at the other blocks):
   elements (1024 when nothing streams: every state is in host memory).
 - ``optimizer_prefetch`` (host): the state on NVMe with updates in backward or in the next
   forward; two buffers of the largest streamed block shard's whole state, three with the next
-  forward or when backward gathers fp32 parameter shards from them.
+  forward or when backward gathers fp32 parameter shards from them; never more than the block
+  flat parameters whose state streams (the rest kept in host memory).
 - ``staging`` (host): an accelerator, the optimizer state off it and the parameter shards on
   it: one buffer of the largest trainable shard (the update's copy back to the device).
 - ``reduce_scratch`` (device): N > 1: one shard of the largest trainable shard, that every
@@ -407,6 +409,16 @@ def _ahead(layout, prefetch: int) -> int:
     return max(0, min(prefetch, len({f.unit for f in layout if f.unit != -1}) - 1))
 
 
+def _flats_per_block(layout) -> int:
+    """The most flat parameters one block unit has (1, or 2 where a block holds trainable and
+    frozen parameters): the parameter-shard read-ahead holds that many shards per unit."""
+    per_unit: Dict[int, int] = {}
+    for f in layout:
+        if f.unit != -1:
+            per_unit[f.unit] = per_unit.get(f.unit, 0) + 1
+    return max(per_unit.values(), default=1)
+
+
 def _grad_as_is(spec: FlatSpec, shard, n: int, padded: bool) -> bool:
     """One parameter and no padding: its gradient is taken as autograd made it (see
     :attr:`offload_zero.partition.flat_param.FlatParam.grad_as_is`)."""
@@ -533,7 +545,8 @@ def _pools(layout, shards, s: PlanSettings, fmt: StateFormat, in_host, share, ou
     root_shard = max((sh for f, sh in zip(layout, shards) if f.unit == -1), default=0)
     if s.param_tier == "nvme":
         ring = 0 if share else _WRITE_RING
-        pools.append(PoolSpec("param_shards", "host", 2 * (_ahead(layout, s.prefetch) + 2) + ring,
+        pools.append(PoolSpec("param_shards", "host",
+                              _flats_per_block(layout) * (_ahead(layout, s.prefetch) + 2) + ring,
                               max(block_shard, 1), k))
         # (a state kept in host memory is, in fp32, its own shard: no buffer for it)
         root_count = (len(outsized - (in_host if share else frozenset())) if keep_root
@@ -556,7 +569,7 @@ def _pools(layout, shards, s: PlanSettings, fmt: StateFormat, in_host, share, ou
         numel = [sh for i, (f, sh) in enumerate(zip(layout, shards))
                  if f.unit != -1 and f.trainable and i not in in_host]
         if (s.in_backward or s.in_forward) and numel:
-            count = 3 if s.in_forward or (share and s.in_backward) else 2
+            count = min(3 if s.in_forward or (share and s.in_backward) else 2, len(numel))
             pools.append(PoolSpec("optimizer_prefetch", "host", count,
                                   _state_buffer_numel(fmt, max(numel), s.padded), 4))
         chunk = min(max(streamed, default=_IDLE_PIPELINE_NUMEL), _chunk_numel(s))

@@ -3,6 +3,7 @@ peak bytes per tier and kind are the plan's, which the estimate (``placement_byt
 ``offload="auto"`` budgets) sums, over a grid of models (tied and untied heads, odd sizes, frozen
 parts, an outsized root, gradients taken as autograd made them), stages 1-3, offload
 none/cpu/nvme, fp32/bf16/fp16 and every update timing, at world size 1 and (a sub-grid) 2."""
+import collections
 import itertools
 import tempfile
 
@@ -95,6 +96,7 @@ def _mismatches(name, stage, offload, dtype, timing, world_size=1, moment_dtype=
     pools = {n: {k: p[k] for k in POOL_KEYS} for n, p in rep["pools"].items()}
     if pools != plan.pools_report():
         out.append(f"{cell}: pools {pools} != plan {plan.pools_report()}")
+    out += _idle_buffers(cell, rep["pools"], plan)
     if est.plan.pools_report() != plan.pools_report():
         out.append(f"{cell}: estimate's pools {est.plan.pools_report()} != engine's plan")
     for tier in TIERS:
@@ -109,6 +111,26 @@ def _mismatches(name, stage, offload, dtype, timing, world_size=1, moment_dtype=
                    f"prefetch + 1 blocks and the root")
     if rep.get("host_cache") != plan.host_cache:
         out.append(f"{cell}: host cache {rep.get('host_cache')} != plan {plan.host_cache}")
+    return out
+
+
+def _idle_buffers(cell, pools, plan) -> list:
+    """The plan's counts against what the run used (not against the plan, which the engine
+    built them from): every buffer of a pool was in use at once at some point (the optimizer
+    pipeline's sets are its fixed depth); the parameter-shard read-ahead keeps a margin of up
+    to three buffers per flat parameter of a block (``f``: 1, or 2 with trainable and frozen
+    parts), for the units that these short runs never have in flight at once (see [Note:
+    pools] in :mod:`offload_zero.plan`)."""
+    per_block = max(collections.Counter(f.unit for f in plan.layout if f.unit != -1).values(),
+                    default=1)
+    out = []
+    for name, p in pools.items():
+        if name == "optimizer_pipeline" or "peak_in_use" not in p:
+            continue
+        margin = 3 * per_block if name.startswith("param_shards") else 0
+        if p["peak_in_use"] < p["buffers"] - margin or p.get("grown"):
+            out.append(f"{cell}: pool {name} has {p['buffers']} buffers (grown "
+                       f"{p.get('grown', 0)}) but at most {p['peak_in_use']} were in use")
     return out
 
 
