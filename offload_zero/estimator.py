@@ -57,13 +57,17 @@ from offload_zero.tables import (DTYPE_LONG_NAMES, DTYPES, OFFLOADS, SHORT_NAME 
 
 __all__ = ["estimate_memory", "placement_bytes", "model_layout", "assumed_layout", "FlatSpec",
            "Placement", "MemoryEstimate", "default_offload_param", "format_table", "STAGES",
-           "OFFLOADS", "TIERS", "KINDS"]
+           "OFFLOADS", "TIERS", "KINDS", "resolve_dtype", "param_count", "preset_or_checkpoint",
+           "ASSUMED_ASPECT", "ASSUMED_VOCAB"]
 
 STAGES = (0, 1, 2, 3)
 _DTYPE_NAMES = {**DTYPES, **DTYPE_LONG_NAMES}
 # Assumed shape of a model known only by its parameter count (see assumed_layout).
-_ASPECT = 128          # hidden size per layer (GPT-3 175B: 12288 / 96)
-_ASSUMED_VOCAB = 32000  # Llama vocabulary
+ASSUMED_ASPECT = 128
+"""Hidden size per layer of a model known only by its parameter count (GPT-3 175B: 12288 /
+96); see :func:`assumed_layout`."""
+ASSUMED_VOCAB = 32000
+"""Vocabulary of such a model (Llama's)."""
 
 MAX_PARAMS = 10 ** 15  # a parameter count the estimate takes (16 PB of training state)
 MAX_UNITS = 100_000    # blocks an assumed layout may have (one row of work each)
@@ -205,7 +209,10 @@ class MemoryEstimate:
 
 
 # -- inputs ------------------------------------------------------------------------------------
-def _resolve_dtype(dtype) -> torch.dtype:
+def resolve_dtype(dtype) -> torch.dtype:
+    """``dtype`` as a torch dtype: float32, bfloat16 or float16, given as the dtype or a name
+    (``"bf16"``, ``"bfloat16"``, ``"fp32"``, ...). Raises ValueError naming the bad value and
+    the valid names."""
     if isinstance(dtype, str) and dtype.lower() in _DTYPE_NAMES:
         return _DTYPE_NAMES[dtype.lower()]
     if dtype in _SHORT:
@@ -214,7 +221,10 @@ def _resolve_dtype(dtype) -> torch.dtype:
                      f"(or {sorted(_DTYPE_NAMES)})")
 
 
-def _param_count(value) -> int:
+def param_count(value) -> int:
+    """``value`` as a parameter count: a whole number in [1, :data:`MAX_PARAMS`] (an int, or a
+    float such as ``7e9``). Raises ValueError naming the bad value (a bool, a non-number, nan,
+    a fraction, zero or less, or too many)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ValueError(f"model={value!r} is not a module, a parameter count, a checkpoint "
                          f"folder or a preset name")
@@ -260,9 +270,9 @@ def assumed_layout(num_params: int, largest_unit_numel: Optional[int] = None,
     for a ``root_numel`` above Ψ, or a ``largest_unit_numel`` that cuts the rest into more
     than ``MAX_UNITS`` blocks.
     """
-    layers = max(1, round((num_params / (12 * _ASPECT ** 2)) ** (1 / 3)))
+    layers = max(1, round((num_params / (12 * ASSUMED_ASPECT ** 2)) ** (1 / 3)))
     if root_numel is None:
-        root_numel = min(2 * _ASSUMED_VOCAB * _ASPECT * layers, num_params // 2)
+        root_numel = min(2 * ASSUMED_VOCAB * ASSUMED_ASPECT * layers, num_params // 2)
     if root_numel > num_params:
         raise ValueError(f"root_numel={root_numel} exceeds the number of parameters {num_params}")
     rest = num_params - root_numel
@@ -286,7 +296,7 @@ def assumed_layout(num_params: int, largest_unit_numel: Optional[int] = None,
     return specs
 
 
-def _preset_or_checkpoint(name: str) -> Tuple[nn.Module, str]:
+def preset_or_checkpoint(name: str) -> Tuple[nn.Module, str]:
     """Build the model named by a preset of :mod:`offload_zero.train` or a Hugging Face
     checkpoint folder on the ``meta`` device (no memory allocated, no weights read)."""
     import transformers  # deferred: importing transformers takes seconds
@@ -401,7 +411,7 @@ def estimate_memory(model_or_num_params, world_size: int = 1, gpus_per_node: int
     if world_size % gpus_per_node:
         raise ValueError(f"world_size={world_size} is not a multiple of "
                          f"gpus_per_node={gpus_per_node}")
-    dt = _resolve_dtype(dtype)
+    dt = resolve_dtype(dtype)
     itemsize = torch.empty(0, dtype=dt).element_size()
     from offload_zero.update import rules
     rules.check_name(update_timing)
@@ -461,7 +471,7 @@ def placement_bytes(model: nn.Module, stage: int, offload_optimizer: str, offloa
     if layout is None:
         layout = model_layout(model, unit_classes)
     plan = _plan(layout, stage, offload_optimizer, offload_param, world_size,
-                 _resolve_dtype(dtype), prefetch, accelerator, True,
+                 resolve_dtype(dtype), prefetch, accelerator, True,
                  update_timing=update_timing, tail_state_in_host=tail_state_in_host, host_cache_bytes=host_cache_bytes,
                  moment_dtype=moment_dtype_of(moment_dtype))
     return _placement(plan, f"{offload_optimizer}+{offload_param}", 1)
@@ -472,7 +482,7 @@ def _layout_of(obj, unit_classes, largest_unit_numel, root_numel):
     trainable parameters split by gradient order as the engine splits them (for a parameter
     count: two equal halves, the embeddings and the LM head)."""
     if isinstance(obj, (str, os.PathLike)):
-        obj, source = _preset_or_checkpoint(os.fspath(obj))
+        obj, source = preset_or_checkpoint(os.fspath(obj))
     else:
         source = None
     if isinstance(obj, nn.Module):
@@ -480,7 +490,7 @@ def _layout_of(obj, unit_classes, largest_unit_numel, root_numel):
             raise ValueError("largest_unit_numel/root_numel are only for a parameter count; "
                              "with a model they come from its units")
         return model_layout(obj, unit_classes), True, source or f"model {type(obj).__name__}"
-    num = _param_count(obj)
+    num = param_count(obj)
     if largest_unit_numel is not None:
         largest_unit_numel = check_int("largest_unit_numel", largest_unit_numel, 1)
     if root_numel is not None:

@@ -127,11 +127,11 @@ def decoder_shape(model_or_params) -> DecoderShape:
     count. Raises ValueError (bad input, as the estimator) or NotImplementedError (a config
     that is not a Llama-style decoder)."""
     if isinstance(model_or_params, str):
-        model, _ = estimator._preset_or_checkpoint(model_or_params)
+        model, _ = estimator.preset_or_checkpoint(model_or_params)
         return DecoderShape.from_config(model.config)
-    layout = estimator.assumed_layout(estimator._param_count(model_or_params))
+    layout = estimator.assumed_layout(estimator.param_count(model_or_params))
     layers = max(1, sum(1 for spec in layout if spec.unit != -1))
-    return DecoderShape.assumed(layers, estimator._ASPECT * layers, estimator._ASSUMED_VOCAB)
+    return DecoderShape.assumed(layers, estimator.ASSUMED_ASPECT * layers, estimator.ASSUMED_VOCAB)
 
 
 # -- command line: offload-zero estimate (the estimator's flags and these) ----------------------
@@ -195,7 +195,7 @@ def run(args: argparse.Namespace):
                          "the host's memory; give --host-memory only")
     budgets["shared"] = args.cpu_device
     est = estimator.estimate_from_args(args)
-    dtype = estimator._resolve_dtype(args.dtype)
+    dtype = estimator.resolve_dtype(args.dtype)
     shape = decoder_shape(args.params if args.params is not None else args.model)
     acts = activation_bytes(shape, args.batch_size, args.seq_len, dtype,
                             args.activation_checkpointing)
