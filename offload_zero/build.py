@@ -94,10 +94,11 @@ class _Builder:
         if not any(members for _, _, members in plan[2]):
             raise ValueError("model has no parameters to train")
         # every byte held below, pools included, comes from this plan (see offload_zero/plan.py),
-        # within max_host_bytes when given (the optimizer pipeline's chunks shrink to fit)
+        # within max_host_bytes when given (buffers shrink to fit: see fit_host_budget)
         p.memory_plan = fit_host_budget(
             layout_of([(-1 if u.is_root else u.index, t, m) for u, t, m in plan[2]]),
             settings_of(cfg, self.world_size, self.device, storage_rebinding_supported()))
+        cfg.take_lowered(p.memory_plan.settings.update_timing, p.memory_plan.settings.prefetch)
         # names of the flat parameters whose optimizer state stays in RAM (see [Note: host cache])
         p.tail, p.in_host = self._state_in_host(plan)
         if "nvme" in (cfg.offload_optimizer, cfg.offload_param):

@@ -12,7 +12,7 @@ import math
 import numbers
 import os
 import warnings
-from typing import Optional, Tuple
+from typing import FrozenSet, Optional, Tuple
 
 import torch
 
@@ -69,7 +69,10 @@ class EngineConfig:
             float16. Master weights and moments are always float32. Default float32.
         device: the accelerator; default ``cuda:<LOCAL_RANK>`` when CUDA is present, else CPU.
         prefetch: how many units ahead (forward) or behind (backward) are gathered before they
-            run, >= 0. Live units never exceed ``prefetch + 1`` blocks plus the root. Default 1.
+            run, >= 0. Live units never exceed ``prefetch + 1`` blocks plus the root. Default
+            None: 1, or 0 where ``max_host_bytes`` needs the host buffers of the units read
+            ahead (parameter shards on NVMe); after construction the field holds the count
+            (1), after the engine's build the count in force.
         unit_classes: module classes whose instances become units; empty means each block of
             the model's largest ``nn.ModuleList``. Default ``()``.
         leaf_modules: module classes, or qualified module names (``"experts"``,
@@ -100,9 +103,12 @@ class EngineConfig:
             instead of the measured free device memory and available RAM. Default None.
             ``max_host_bytes`` also bounds every placement's host tier (model states, pools,
             read-ahead and pipeline buffers, bytes in flight, as :mod:`offload_zero.plan`
-            counts them): the optimizer state then streams in smaller chunks, and a placement
+            counts them): the optimizer state then streams in smaller chunks, then, where
+            they were left to the engine (``left_to_engine``), ``update_timing`` falls back to
+            ``"step"`` (no whole-state read-ahead ring) and ``prefetch`` to 0; a placement
             that cannot fit raises ValueError before allocating
-            (:func:`offload_zero.plan.fit_host_budget`).
+            (:func:`offload_zero.plan.fit_host_budget`; ``memory_report()["host_budget"]``
+            says what was lowered).
         grad_dtype: dtype of the gradient shards kept in host memory when offloading: float32
             (ZeRO-Offload's choice, the default) or bfloat16 (half the host bytes; the C++ Adam
             reads bf16 gradients directly). Ignored without offload (shards stay in ``dtype``).
@@ -147,7 +153,8 @@ class EngineConfig:
             between backward and forward; ``"step"`` otherwise
             (:func:`offload_zero.update.rules.default_timing`). With ``offload="auto"`` it is
             resolved with the placement. After construction the field holds the timing in
-            force (never ``"auto"``).
+            force (never ``"auto"``); ``max_host_bytes`` may lower ``"backward"`` or
+            ``"next_forward"`` chosen this way to ``"step"`` in the engine's build.
         tail_state_in_host: with ``update_timing`` ``"backward"`` or ``"next_forward"`` and
             the optimizer state on NVMe, keep the state (fp32 master weights, moments) of the flat parameter
             updated last in backward (the root's parameters used before the blocks: the input
@@ -206,6 +213,10 @@ class EngineConfig:
             or zeroing), so a loop calling backward and step on each micro-batch trains as N
             accumulated micro-batches of their mean loss. Not with ``update_timing="backward"`` (its
             updates run in each backward). Default 1.
+        left_to_engine: not an argument: the settings the user left to the engine, which
+            ``max_host_bytes`` may lower (a frozenset of ``"update_timing"``, given as
+            ``"auto"``, and ``"prefetch"``, not given; empty with ``offload="auto"``, whose
+            placement fits the budget with the settings as they are).
     """
 
     offload: str = "none"
@@ -218,7 +229,7 @@ class EngineConfig:
     adamw: bool = True
     dtype: torch.dtype = torch.float32
     device: Optional[torch.device] = None
-    prefetch: int = 1
+    prefetch: Optional[int] = None
     unit_classes: Tuple[type, ...] = ()
     leaf_modules: Tuple[object, ...] = ()
     check_collectives: bool = True
@@ -242,6 +253,7 @@ class EngineConfig:
     loss_scale_window: int = 2000
     min_loss_scale: float = 1.0
     gradient_accumulation_steps: int = 1
+    left_to_engine: FrozenSet[str] = dataclasses.field(init=False, default=frozenset())
 
     def __post_init__(self):
         if self.offload not in OFFLOAD_CHOICES:
@@ -309,7 +321,9 @@ class EngineConfig:
             raise ValueError(f"grad_dtype={self.grad_dtype!r} is not valid; choose torch.float32 or torch.bfloat16")
         if self.dtype not in DTYPE_CHOICES:
             raise ValueError(f"dtype={self.dtype!r} is not valid; choose one of {DTYPE_CHOICES}")
-        object.__setattr__(self, "prefetch", check_int("prefetch", self.prefetch, 0))
+        left = {"prefetch"} if self.prefetch is None and self.offload != "auto" else set()
+        object.__setattr__(self, "prefetch", 1 if self.prefetch is None
+                           else check_int("prefetch", self.prefetch, 0))
         if self.max_grad_norm is not None:
             _check_float(self, "max_grad_norm", low=0.0, low_inclusive=False)
         for name in ("adamw", "activation_checkpointing", "offload_activations",
@@ -318,6 +332,9 @@ class EngineConfig:
         object.__setattr__(self, "gradient_accumulation_steps", check_int(
             "gradient_accumulation_steps", self.gradient_accumulation_steps, 1))
         from offload_zero.update import rules
+        if self.update_timing == rules.AUTO and self.offload != "auto":
+            left.add("update_timing")
+        object.__setattr__(self, "left_to_engine", frozenset(left))
         # (offload="auto": "auto" stays until the placement knows the optimizer tier)
         object.__setattr__(self, "update_timing", rules.resolve(
             self.update_timing, self.stage, self.offload_optimizer))
@@ -379,6 +396,18 @@ class EngineConfig:
                           f"(optimizer state on {self.offload_optimizer!r}, parameters on "
                           f"{self.offload_param!r}) puts nothing on NVMe; {fix} to use it",
                           UserWarning, stacklevel=4)
+
+    def take_lowered(self, update_timing: str, prefetch: int) -> None:
+        """Hold the ``update_timing`` and ``prefetch`` a host budget left in force (see
+        :func:`offload_zero.plan.fit_host_budget`), so that the config says what runs: called
+        once by the engine's build, before any part reads them. Raises RuntimeError (an
+        internal error) for a change of a setting not in ``left_to_engine``."""
+        for name, value in (("update_timing", update_timing), ("prefetch", prefetch)):
+            if value != getattr(self, name):
+                if name not in self.left_to_engine:
+                    raise RuntimeError(f"internal error: {name}={getattr(self, name)!r} was "
+                                       f"given, the host budget may not change it to {value!r}")
+                object.__setattr__(self, name, value)
 
     def make_loss_scaler(self):
         """The :class:`offload_zero.optim.loss_scale.LossScaler` that ``loss_scale`` and

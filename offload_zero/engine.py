@@ -31,7 +31,7 @@ from offload_zero.memory.accounting import TierAccountant
 from offload_zero.memory.aligned import aligned_empty
 from offload_zero.memory.state_stores import NVMeStore
 from offload_zero.partition.flat_param import FlatParam
-from offload_zero.plan import pipeline_chunk_numel
+from offload_zero.plan import host_budget_report
 from offload_zero.partition.units import Unit
 from offload_zero.update import rules
 from offload_zero.update.rules import BACKWARD
@@ -461,9 +461,9 @@ class OffloadEngine:
         lists the fixed buffers sized at start-up, each with its ``"tier"`` (the device gather
         pool for unsharded units, parameter-shard read-ahead, the NVMe optimizer pipeline, the
         host staging buffer, the reduce-scatter scratch): exactly :attr:`memory_plan`'s pools
-        (see :mod:`offload_zero.plan`). With ``max_host_bytes``, ``"host_budget"`` gives
-        ``{"max_host_bytes", "planned_bytes" (the plan's host tier at the step's peak),
-        "peak_bytes" (the host tier's measured peak), "pipeline_chunk_numel"}``. Units: bytes.
+        (see :mod:`offload_zero.plan`). With ``max_host_bytes``, ``"host_budget"`` gives the
+        budget, the planned and measured host peak and what was lowered to fit
+        (:func:`offload_zero.plan.host_budget_report`). Units: bytes.
         """
         rep = self._acct.report()
         rep["nvme"]["read_bytes"] = getattr(self.store, "read_bytes", 0)
@@ -474,12 +474,8 @@ class OffloadEngine:
         rep["pools"] = pools_report(self._parts)
         if isinstance(self.store, NVMeStore):
             rep["host_cache"] = self.store.cache_report()
-        plan = self.memory_plan
-        if plan.settings.max_host_bytes is not None:
-            rep["host_budget"] = {"max_host_bytes": plan.settings.max_host_bytes,
-                                  "planned_bytes": plan.tier_bytes("host"),
-                                  "peak_bytes": rep["host"]["peak_bytes"],
-                                  "pipeline_chunk_numel": pipeline_chunk_numel(plan)}
+        if self.memory_plan.settings.max_host_bytes is not None:
+            rep["host_budget"] = host_budget_report(self.memory_plan, rep["host"]["peak_bytes"])
         return rep
 
     def update_states(self) -> Dict[str, str]:
