@@ -83,8 +83,8 @@ def format_summary(s: Dict[str, Any]) -> str:
         f"  model        {s['model']}, {s['params'] / 1e6:.2f}M params, tokenizer {s['tokenizer']}",
         f"  engine       offload {s['offload']}, stage {s['stage']}, dtype {s['dtype']}, "
         f"world size {s['world_size']}"
-        + (", step in backward" if s.get("update_timing") == "backward" else "")
-        + (", step in forward" if s.get("update_timing") == "next_forward" else "")
+        + (f", update timing {s['update_timing']}" if s.get("update_timing", "step") != "step"
+           else "")
         + (f", {s['grad_accum']} micro-batches a step" if s.get("grad_accum", 1) > 1 else "")
         + (f", {s['moment_dtype']} moments" if s.get("moment_dtype", "fp32") != "fp32" else "")
         + (f", host cache {fmt_bytes(s['host_cache_bytes'])}" if s.get("host_cache_bytes")
