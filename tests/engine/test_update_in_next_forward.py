@@ -449,7 +449,7 @@ def test_update_in_next_forward_an_error_applying_updates_loses_none(tmp_path, m
                     eng.full_state_dict()
                 assert list(eng.update_states()) == ["unit2.trainable", "unit3.trainable"]
             # (by parameter: update_timing="next_forward" splits the root's in two flat parameters)
-            results.append((eng.full_state_dict(), {e.names[0]: eng._step_count[fp]
+            results.append((eng.full_state_dict(), {e.names[0]: eng.step_counts[fp]
                                                     for fp in eng.trainable for e in fp.entries}))
     (w0, n0), (w1, n1) = results
     assert n0 == n1 and all(torch.equal(w0[k], w1[k]) for k in w0)
