@@ -12,6 +12,7 @@ from engine_common import F32
 from models import TinyLM, batches, big_root_lm, flat_param_of, lm_loss
 from offload_zero import OffloadEngine
 from offload_zero.memory.tiers import NVMeStore
+from offload_zero.update.state import StateIO
 
 
 def _run_sif_pair(model_fn, engine_kw, tmp_path, steps=4, micro=2, between=None):
@@ -224,8 +225,9 @@ def test_update_in_next_forward_reads_the_first_blocks_state_during_backward(tmp
             loss = lm_loss(eng(x), y)
             r1 = eng.store.read_bytes
             eng.backward(loss)
-            for _, handles in list(eng.store._whole_reads.values()):
-                for h in handles:  # (bytes count once read: the reads backward started)
+            io = eng.store.io_stages
+            for fp in io.in_stage(StateIO.READ_AHEAD):
+                for h in io.handles(fp):  # (bytes count once read: the reads backward started)
                     h.wait()
             r2 = eng.store.read_bytes
             eng.step()
