@@ -317,20 +317,22 @@ class NVMeStore(ReadAheadRing):
                    for h in w[1])
 
     def _retire_chunk_write(self, slot: int) -> None:
-        """Wait for buffer set ``slot``'s chunk write; a streamed state whose last chunk
-        write this was is ``AT_REST`` again."""
+        """Wait for buffer set ``slot``'s chunk write; a state whose stream has ended
+        (``WRITING``) and whose last chunk write this was is ``AT_REST`` again (one whose
+        stream still runs stays ``IN_UPDATE``)."""
         fp, handles, _, _ = self._pending_write[slot]
         self._pending_write[slot] = None
         try:
             for h in handles:
                 h.wait()
         finally:
-            self._end_chunk_writes(fp)
+            if self.io_stages.stage(fp) is StateIO.WRITING:
+                self._end_chunk_writes(fp)
 
     def _end_chunk_writes(self, fp) -> None:
-        """``fp`` was streamed: ``WRITING`` while a chunk write of it is in flight (in a
-        buffer set), ``AT_REST`` once none is; one still ``IN_UPDATE`` (its stream cut short)
-        goes the same way."""
+        """``fp``'s stream ended (its last chunk queued, or cut short) or a chunk write of it
+        was waited for: ``WRITING`` while a chunk write of it is in flight (in a buffer set),
+        ``AT_REST`` once none is. Not for a state updated whole (its buffer's write-back)."""
         io = self.io_stages
         if io.stage(fp) not in (StateIO.IN_UPDATE, StateIO.WRITING) or io.buffer(fp) is not None:
             return

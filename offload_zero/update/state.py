@@ -39,56 +39,60 @@ the parameter homes' buffers hold the bytes; this module holds where each update
 where each flat parameter's bytes stand between their file and an update (its I/O stages,
 below), with the buffer and completion handles of each.
 
-The I/O stages, one table per kind, each move checked against its own table (the NVMe store
-and the NVMe parameter home ask :class:`IOStages` instead of keeping dicts of their own):
+The I/O stages, one table per kind (:data:`STATE_IO_LEGAL`, :data:`SHARD_IO_LEGAL`), each
+move checked against it: the NVMe store, its read-ahead ring and the NVMe parameter home ask
+one :class:`IOStages` each (``UpdateStates.state_io``, ``.shard_io``) where a flat
+parameter's bytes are, with the buffer and completion handles that hold them, instead of
+keeping dicts of their own.
 
 ```
- optimizer state (StateIO; NVMeStore and its read-ahead ring)
-                 prefetch                         iter_states takes it
-      AT_REST ------------> READ_AHEAD ---------------------------------> IN_UPDATE
-       ^  ^  |                 |  (reads in flight,            (the update runs on host
-       |  |  |                 |   whole state in one           buffers: the file is
-       |  |  |                 |   ring buffer)                 stale until written)
-       |  |  +-- streamed in chunks (pipeline buffer sets) ------------->   |  |  |
-       |  +---- unused read-ahead dropped (release_prefetched) --+          |  |  |
-       |                                                                   |  |  |
-       +---- write-back retired <---- WRITING <--- write-back started -----+  |  |
-       |     (its buffer back to       ^    (whole: a ring buffer;            |  |
-       |      the ring; chunks: the    |     chunks: the last chunk queued)   |  |
-       |      last chunk's write)      +--- start_deferred_writes --+         |  |
-       |                                                            |         |  |
-       |                          WRITE_DEFERRED <-- defer_write_back ---------+  |
-       +---- an update cut short (its buffer released) ---------------------------+
+ optimizer state on NVMe (StateIO: NVMeStore, ReadAheadRing)
 
- parameter shard (ShardIO; NVMeParamHome)
-      AT_REST --- fetch ---> READING --- done_with (a gather used it) ---> AT_REST
-      AT_REST --- update_target ---> IN_UPDATE --- commit ---> WRITING --- retired ---> AT_REST
-                                         |  +--- discard (overflow) ---> AT_REST     |
-                                         +--- commit, shard in the master's bytes --+ |
-                                                                  v                 v kept
-                                           KEPT (the new shard stays in its buffer as the
-                                           next gather's read) --- done_with ---> AT_REST
+           prefetch (whole, into a ring buffer)          iter_states takes it whole
+ AT_REST ------------------------------------> READ_AHEAD ------------------------+
+  | ^ ^ ^                                          |                              v
+  | | | +-- release_prefetched (no update used it) -+                         IN_UPDATE
+  | | |                                                                        | | |
+  +-|-|-- iter_states streams it in chunks (the pipeline's buffer sets) ------>+ | |
+    | |                                                                          | |
+    | +-- cut short by an error, no write of it in flight (buffer released) <----+ |
+    |                                                                              |
+    +-- retired <-- WRITING <-- write-back started (whole; chunks: the last one) --+
+                      ^                                                            |
+                      +-- start_deferred_writes, or needed -- WRITE_DEFERRED <-----+
+                                                              (defer_write_back)
+
+ parameter shard on NVMe (ShardIO: NVMeParamHome)
+
+ AT_REST --fetch--> READING --done_with (gathered, or stale)--> AT_REST
+ AT_REST --update_target--> IN_UPDATE --commit--> WRITING --retired--> AT_REST
+                             |   |                   +--retired, keep_after_update--+
+                             |   +--commit (its bytes are the master's), kept------+|
+                             |                                                     vv
+                             +--discard (overflow)--> AT_REST     KEPT --done_with--> AT_REST
 ```
 
-- ``StateIO.READ_AHEAD``: the whole state is being read into a read-ahead buffer (or was
-  read and awaits its update); :meth:`NVMeStore.master_view` serves a gather from it.
+- ``StateIO.READ_AHEAD``: the whole state is being read into a read-ahead buffer, or was read
+  and awaits its update; :meth:`NVMeStore.master_view` serves a gather from it.
 - ``StateIO.IN_UPDATE``: an ``iter_states`` handed out part or all of the state and has not
-  queued its write-back: a read now would be stale, so none starts.
+  queued its write-back: the file is stale, so no read of it starts. A stream starts only
+  from ``AT_REST``: the state's own earlier writes are waited for first.
 - ``StateIO.WRITING``: the write-back is in flight, whole from its read-ahead buffer (which
-  still serves gathers until retired) or as the pipeline's chunk writes (no buffer of its own:
-  the buffer sets hold them); a read of the state waits for it first.
-- ``StateIO.WRITE_DEFERRED``: ``"next_forward"`` holds the write-back (and its buffer) until
+  serves gathers until it is retired) or as the pipeline's chunk writes (the buffer sets hold
+  them; ``AT_REST`` once the last is waited for); a read of the state waits for it first.
+- ``StateIO.WRITE_DEFERRED``: ``"next_forward"`` holds the write-back, and its buffer, until
   the forward's last pending update, so the disk serves the reads first.
 - ``ShardIO.READING`` / ``KEPT``: a pool buffer holds the shard for the next gather, read from
-  the file (in flight or done) or kept from the update; ``IN_UPDATE``: the update writes the
-  new shard into a pool buffer; ``WRITING``: that buffer's write to the file is in flight (a
-  ring of at most two).
+  the file, or kept from the update; ``IN_UPDATE``: the update writes the new shard into a
+  pool buffer; ``WRITING``: that buffer's write to the file is in flight (a ring of two).
 
-A state kept in host memory (``keep_in_host``), resident stores and host parameter homes have
-no I/O: always ``AT_REST``. Between steps of ``"step"`` and ``"backward"`` every flat parameter
-is ``AT_REST`` in both tables (the step drains every write); after a ``"next_forward"`` step the
-first pending states are ``READ_AHEAD`` and the write-backs deferred in the forward are
-``WRITING`` until their buffers are needed.
+State kept in host memory (``keep_in_host``), the resident stores and the host parameter home
+have no I/O: always at rest. After a step of ``"step"`` or ``"backward"`` every optimizer
+state and shard is at rest (the step waits for every write), but for the root's shards kept
+in buffers of their own for the next forward (``KEPT``). After a ``"next_forward"`` step
+pending updates' states may be ``READ_AHEAD`` and write-backs ``WRITING`` (nothing waits for
+them until a buffer or the bytes are needed); none is ``IN_UPDATE`` or ``WRITE_DEFERRED``
+between steps. ``memory_report()["io_stages"]`` shows every flat parameter not at rest.
 """
 from __future__ import annotations
 

@@ -273,13 +273,18 @@ def test_update_in_next_forward_writes_the_last_blocks_back_after_the_forwards_l
         swap_out, applied = b.swapper.swap_out, b._updates._applied
         b.swapper.swap_out = lambda key, t, offset_bytes=0: (
             events.append(("write", key)), swap_out(key, t, offset_bytes=offset_bytes))[1]
-        b._updates._applied = lambda fp: (events.append(("applied", fp.name)), applied(fp))[1]
+        deferred = []  # at each update made: the write-backs deferred (WRITE_DEFERRED)
+        b._updates._applied = lambda fp: (events.append(("applied", fp.name)), deferred.append(
+            [f.name for f in b.store.io_stages.in_stage(StateIO.WRITE_DEFERRED)]),
+            applied(fp))[2]
         for i, (x, y) in enumerate(batches(4)):
             events.clear()
+            deferred.clear()
             for eng in (a, b):
                 loss = lm_loss(eng(x), y)
                 if eng is b:
                     forward = list(events)
+                    assert b.store.deferred_writes == 0  # (started by the last update)
                 eng.backward(loss)
                 eng.step()
             if i < 2:
@@ -295,6 +300,8 @@ def test_update_in_next_forward_writes_the_last_blocks_back_after_the_forwards_l
             # update streams in chunks, too large for the ring: it needs none of its buffers)
             ring = b.pools["optimizer_prefetch"].count
             assert ring == 3 and late == set(names[-3:])
+            # deferred exactly there, in forward order, until the forward's last update
+            assert deferred[-1] == names[-3:] and deferred[0] == []
             assert early.isdisjoint(late) and set(names[:-3]) <= early
         sa, sb = a.full_state_dict(), b.full_state_dict()
         assert all(torch.equal(sa[k], sb[k]) for k in sa)
