@@ -245,7 +245,8 @@ class _Builder:
         return NVMeStore(p.swapper, self.acct, self.host_alloc,
                          pipeline_shard_numel(p.memory_plan),
                          chunk_numel=pipeline_chunk_numel(p.memory_plan),
-                         master_is_param=self._master_is_param_on_nvme(), moment_dtype=moments)
+                         master_is_param=self._master_is_param_on_nvme(), moment_dtype=moments,
+                         io_stages=self.states.state_io)
 
     def _master_is_param_on_nvme(self) -> bool:
         """fp32 parameter shards and optimizer state both on NVMe: a trainable shard is read
@@ -295,7 +296,7 @@ class _Builder:
             keep = lambda fp: (keep_root(fp) if fp.name.startswith("root.")  # noqa: E731
                                else states.gather_follows(fp) and fp.name not in in_host)
         p.param_home = NVMeParamHome(p.swapper, pool_for, self.acct, master_is_param=share,
-                                     keep_after_update=keep)
+                                     keep_after_update=keep, io_stages=self.states.shard_io)
 
     def _host_pool(self, spec, dtype=None) -> HostBufferPool:
         """The plan's host pool ``spec`` (a :class:`offload_zero.plan.PoolSpec`), built and

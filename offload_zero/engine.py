@@ -463,7 +463,9 @@ class OffloadEngine:
         host staging buffer, the reduce-scatter scratch): exactly :attr:`memory_plan`'s pools
         (see :mod:`offload_zero.plan`). With ``max_host_bytes``, ``"host_budget"`` gives the
         budget, the planned and measured host peak and what was lowered to fit
-        (:func:`offload_zero.plan.host_budget_report`). Units: bytes.
+        (:func:`offload_zero.plan.host_budget_report`). ``"io_stages"``: each flat parameter
+        whose NVMe bytes are not at rest, ``{name: {"optimizer_state", "parameter_shard"}}``
+        (see :meth:`UpdateStates.io_report`). Units: bytes.
         """
         rep = self._acct.report()
         rep["nvme"]["read_bytes"] = getattr(self.store, "read_bytes", 0)
@@ -472,6 +474,7 @@ class OffloadEngine:
         rep["nvme"]["state_written_bytes"] = getattr(self.store, "state_written_bytes", 0)
         rep["live_units"] = {"current": self.scheduler.live_units(), "peak": self.scheduler.live_peak}
         rep["pools"] = pools_report(self._parts)
+        rep["io_stages"] = self._states.io_report()  # (see [Note: update states])
         if isinstance(self.store, NVMeStore):
             rep["host_cache"] = self.store.cache_report()
         if self.memory_plan.settings.max_host_bytes is not None:

@@ -22,6 +22,7 @@ import torch
 
 from offload_zero.memory import ALIGNMENT, SwapIOError, Swapper, aligned_empty
 from offload_zero.memory import swapper as swapper_mod
+from offload_zero.update.state import StateIO
 
 BACKENDS = ["libaio", "threads"]
 PAGE = ALIGNMENT
@@ -656,8 +657,10 @@ def test_nvme_store_streamed_update_leaves_its_last_writes_in_flight(tmp_path):
             master.add_(1.0)
             m.fill_(2.0)
         assert any(w is not None for w in store._pending_write)  # not drained
+        assert store.io_stages.stage(a) is StateIO.WRITING  # (its chunks' writes)
         store.wait_writes(a)
         assert all(w is None or w[0] is not a for w in store._pending_write)
+        assert store.io_stages.stage(a) is StateIO.AT_REST
         raw = aligned_empty(5120, torch.float32)
         sw.swap_in("a", raw, offset_bytes=0).wait()  # the master region, as a reader
         assert torch.equal(raw, torch.arange(5120, dtype=torch.float32) + 1)
@@ -712,29 +715,27 @@ def test_nvme_store_reads_no_state_ahead_while_a_stream_has_part_of_it_updated(t
     streaming while other units compute) would read bytes updated but not yet written: it is
     refused until the update has queued its write-back, whether the update streams in chunks
     or takes the state whole from an earlier read-ahead, and the next update sees every new
-    value."""
+    value. In chunks, it stays refused after the stream's first chunk writes were waited for
+    (four chunks through three buffer sets): the state is in its update until the last."""
     a = _Flat("a")
     with Swapper(str(tmp_path / "swap"), backend="threads") as sw:
-        store, ring = _store_with_ring(sw, 2)
-        store.add(a, torch.zeros(2048))
-        stream = store.iter_states([a])
-        fp, lo, hi, master, m, v = next(stream)      # the first chunk, updated, not written
-        master.add_(1.0)
-        assert not store.prefetch(a, wait=False) and not store.prefetch(a)
-        assert not store.prefetched(a)
-        for fp, lo, hi, master, m, v in stream:      # the second chunk: the stream ends
+        store, ring = _store_with_ring(sw, 2, numel=4096)
+        store.add(a, torch.zeros(4096))
+        for fp, lo, hi, master, m, v in store.iter_states([a]):  # chunks updated, not written
             master.add_(1.0)
+            assert not store.prefetch(a, wait=False) and not store.prefetch(a)
+            assert not store.prefetched(a) and store.io_stages.stage(a) is StateIO.IN_UPDATE
         assert store.prefetch(a)                     # waits for the stream's writes
         whole = store.iter_states([a])
         fp, lo, hi, master, m, v = next(whole)
-        assert (lo, hi) == (0, 2048)                 # whole, from the read-ahead buffer
-        assert torch.equal(master, torch.ones(2048))
+        assert (lo, hi) == (0, 4096) and store.io_stages.stage(a) is StateIO.IN_UPDATE
+        assert torch.equal(master, torch.ones(4096))
         master.add_(1.0)
         assert not store.prefetch(a, wait=False) and not store.prefetch(a)
         assert list(whole) == []                     # its write-back is queued
         assert store.prefetch(a)
         for fp, lo, hi, master, m, v in store.iter_states([a]):
-            assert torch.equal(master, torch.full((2048,), 2.0))
+            assert torch.equal(master, torch.full((4096,), 2.0))
         store.close()
         ring.close()
 
@@ -763,11 +764,13 @@ def test_nvme_store_defers_a_whole_write_back_until_asked_or_needed(tmp_path):
         written = sw.bytes_written
         update(a, 5.0)
         assert sw.bytes_written == written and store.deferred_writes == 1
+        assert store.io_stages.stage(a) is StateIO.WRITE_DEFERRED
         assert store.holds_master(a) and torch.equal(store.master_view(a), torch.full((2048,), 5.0))
         assert not store.prefetch(b, wait=False)   # the only buffer is held by a's write
         store.start_deferred_writes()
-        assert store.deferred_writes == 0
+        assert store.deferred_writes == 0 and store.io_stages.stage(a) is StateIO.WRITING
         assert store.prefetch(b)                  # retires a's write: its buffer is b's now
+        assert store.io_stages.report() == {"b": "read_ahead"}
         assert sw.bytes_written == written + 3 * 2048 * 4
         assert not store.holds_master(a)
         store.release_prefetched()

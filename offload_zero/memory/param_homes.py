@@ -5,7 +5,7 @@ fp32 shards read from their master's bytes when the optimizer state is on NVMe t
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional
+from typing import Dict, Optional
 
 import torch
 
@@ -13,6 +13,7 @@ from offload_zero.config import Tier
 from offload_zero.memory.accounting import StateKind, TierAccountant
 from offload_zero.memory.state_stores import NVMeStore
 from offload_zero.memory.swapper import SwapHandle
+from offload_zero.update.state import SHARD_IO_LEGAL, IOStages, ShardIO
 
 class HostParamHome:
     """Parameter shards in aligned (pinned) host memory (``offload_param="cpu"``).
@@ -92,6 +93,10 @@ class NVMeParamHome:
             optimizer into a pool buffer, stays there as the read for their next gather (the
             root unit, gathered first in forward, with a buffer of its own): one read of the
             shard per step less. None keeps nothing.
+        io_stages: the :class:`offload_zero.update.state.IOStages` of the parameter shards
+            (:class:`ShardIO`: ``READING``, ``KEPT``, ``IN_UPDATE``, ``WRITING``, each with its
+            pool buffer and handle; see [Note: update states]): the engine's
+            (``UpdateStates.shard_io``); default: one of this home's own.
 
     Attributes:
         master_source: with ``master_is_param``, the :class:`NVMeStore` that owns the master's
@@ -106,14 +111,15 @@ class NVMeParamHome:
     _WRITE_RING = 2
 
     def __init__(self, swapper, pool, accountant: TierAccountant, master_is_param: bool = False,
-                 keep_after_update=None):
+                 keep_after_update=None, io_stages: Optional[IOStages] = None):
         self.swapper, self._acct = swapper, accountant
         self._pool_for = pool if callable(pool) else (lambda fp: pool)
-        self._reads: Dict[object, tuple] = {}
-        self._writes: List[tuple] = []
-        self._targets: Dict[object, torch.Tensor] = {}
+        self.io_stages = (io_stages if io_stages is not None
+                          else IOStages(None, "parameter shard", SHARD_IO_LEGAL))
         self._sizes: Dict[object, int] = {}
         self.master_is_param = master_is_param
+        # a layout fact, not I/O state: the trainable fp32 shards that are their master's
+        # bytes (read from the optimizer's file, never written by this home)
         self._in_master: set = set()
         self._keep = keep_after_update or (lambda fp: False)
         self.master_source: Optional[NVMeStore] = None
@@ -150,97 +156,122 @@ class NVMeParamHome:
         source = self.master_source
         return source is not None and fp in self._in_master and source.holds_master(fp)
 
+    def _holds_read(self, fp) -> bool:
+        """Whether a pool buffer holds ``fp``'s shard for its next gather (``READING`` or
+        ``KEPT``)."""
+        return self.io_stages.stage(fp) in (ShardIO.READING, ShardIO.KEPT)
+
     def fetch(self, fp) -> None:
-        """Start reading ``fp``'s shard into a pool buffer (no-op if already under way, or
-        if the optimizer's store is reading it with the whole state)."""
-        if fp in self._reads or self._from_store(fp):
+        """Start reading ``fp``'s shard into a pool buffer (``AT_REST`` -> ``READING``; no-op
+        if already under way or kept, or if the optimizer's store is reading it with the whole
+        state)."""
+        if self._holds_read(fp) or self._from_store(fp):
             return
         self._wait_writes_of(fp)
-        if fp in self._reads:  # the write just retired kept its buffer: that is the read
+        if self._holds_read(fp):  # the write just retired kept its buffer: that is the read
             return
         if self.master_source is not None and fp in self._in_master:
             self.master_source.wait_writes(fp)
         buf = self._acquire(fp)
         view = buf[:fp.shard_numel]
-        self._reads[fp] = (buf, self.swapper.swap_in(self._key(fp), view))
+        self.io_stages.move(fp, ShardIO.READING, buffer=buf,
+                            handles=[self.swapper.swap_in(self._key(fp), view)])
 
     def shard_for_gather(self, fp) -> torch.Tensor:
         """Wait for ``fp``'s read (starting it if needed) and return the host shard."""
-        if fp not in self._reads and self._from_store(fp):
+        if not self._holds_read(fp) and self._from_store(fp):
             return self.master_source.master_view(fp)
         self.fetch(fp)
-        buf, handle = self._reads[fp]
-        handle.wait()
-        return buf[:fp.shard_numel]
+        self.io_stages.handles(fp)[0].wait()
+        return self.io_stages.buffer(fp)[:fp.shard_numel]
 
     def done_with(self, fp) -> None:
         """Return ``fp``'s read buffer to the pool (a gather used it, or an update is about to
-        make it stale); nothing to do without one (a shard gathered from the store's
-        read-ahead)."""
-        if fp not in self._reads:
+        make it stale): ``READING`` or ``KEPT`` -> ``AT_REST``; nothing to do without one (a
+        shard gathered from the store's read-ahead)."""
+        if not self._holds_read(fp):
             return
-        buf, handle = self._reads.pop(fp)
-        handle.wait()
+        io = self.io_stages
+        buf, handles = io.buffer(fp), io.handles(fp)
+        io.move(fp, ShardIO.AT_REST)
+        handles[0].wait()
         self._pool_for(fp).release(buf)
 
     def update_target(self, fp) -> Optional[torch.Tensor]:
-        """A pool buffer the optimizer writes ``fp``'s new shard into (see :meth:`commit`), or
-        None when the shard is the master weights (updated in place by the optimizer)."""
+        """A pool buffer the optimizer writes ``fp``'s new shard into (``AT_REST`` ->
+        ``IN_UPDATE``; see :meth:`commit`), or None when the shard is the master weights
+        (updated in place by the optimizer). A write of ``fp``'s previous shard still in
+        flight is retired first, and not kept: the update makes it stale."""
         if fp in self._in_master and not self._keep(fp):
             return None
-        while len(self._writes) >= self._WRITE_RING:
-            self._retire(self._writes.pop(0))
+        if self.io_stages.stage(fp) is ShardIO.WRITING:
+            self._retire(fp, keep=False)
+        while len(self._writes()) >= self._WRITE_RING:
+            self._retire(self._writes()[0])
         buf = self._acquire(fp)
-        self._targets[fp] = buf
+        self.io_stages.move(fp, ShardIO.IN_UPDATE, buffer=buf)
         return buf[:fp.shard_numel]
 
     def commit(self, fp, target: torch.Tensor) -> None:
-        """Write the new shard in ``target`` back to ``fp``'s file, asynchronously (nothing to
-        do for a shard that is its master weights)."""
+        """Write the new shard in ``target`` back to ``fp``'s file, asynchronously
+        (``IN_UPDATE`` -> ``WRITING``; nothing to do for a shard that is its master weights;
+        ``KEPT`` for one that stays in its buffer for the next gather)."""
         if fp in self._in_master and not self._keep(fp):
             return
-        buf = self._targets.pop(fp)
         if fp in self._in_master:  # its bytes are written as the master; keep the copy
-            self._reads[fp] = (buf, SwapHandle(self._key(fp), "kept", None, 0))
+            self.io_stages.move(fp, ShardIO.KEPT,
+                                handles=[SwapHandle(self._key(fp), "kept", None, 0)])
             return
-        self._writes.append((fp, buf, self.swapper.swap_out(self._key(fp), target)))
+        self.io_stages.move(fp, ShardIO.WRITING,
+                            handles=[self.swapper.swap_out(self._key(fp), target)])
 
     def discard(self, fp) -> None:
-        """The update was skipped (overflow): return the target buffer unwritten."""
-        if fp not in self._targets:
+        """The update was skipped (overflow): return the target buffer unwritten
+        (``IN_UPDATE`` -> ``AT_REST``)."""
+        if self.io_stages.stage(fp) is not ShardIO.IN_UPDATE:
             return
-        self._pool_for(fp).release(self._targets.pop(fp))
+        buf = self.io_stages.buffer(fp)
+        self.io_stages.move(fp, ShardIO.AT_REST)
+        self._pool_for(fp).release(buf)
+
+    def _writes(self) -> list:
+        """The flat parameters whose shard write is in flight (``WRITING``), oldest first."""
+        return self.io_stages.in_stage(ShardIO.WRITING)
 
     def _acquire(self, fp) -> torch.Tensor:
         """A buffer of ``fp``'s pool, retiring write-backs (oldest first) while every buffer
         is in flight: a small pool (an outsized root's) may hold only writes just started."""
         pool = self._pool_for(fp)
-        while pool.in_use == pool.count and self._writes:
-            self._retire(self._writes.pop(0))
+        while pool.in_use == pool.count and self._writes():
+            self._retire(self._writes()[0])
         return pool.acquire()
 
-    def _retire(self, entry) -> None:
-        fp, buf, handle = entry
+    def _retire(self, fp, keep: bool = True) -> None:
+        """Wait for ``fp``'s shard write: ``KEPT`` (its buffer holds the shard just written,
+        for the next gather) if ``keep`` and ``keep_after_update`` says so, else
+        ``AT_REST`` (its buffer back to the pool)."""
+        io = self.io_stages
+        buf, handles = io.buffer(fp), io.handles(fp)
         kept = False
         try:
-            handle.wait()
-            if self._keep(fp) and fp not in self._reads:
-                self._reads[fp] = (buf, handle)  # the buffer holds the shard just written
+            handles[0].wait()
+            if keep and self._keep(fp):
+                io.move(fp, ShardIO.KEPT, handles=handles)  # (the write's handle: done)
                 kept = True
         finally:
             if not kept:
+                io.move(fp, ShardIO.AT_REST)
                 self._pool_for(fp).release(buf)
 
     def _wait_writes_of(self, fp) -> None:
-        pending = [w for w in self._writes if w[0] is fp]
-        for w in pending:
-            self._writes.remove(w)
-            self._retire(w)
+        if self.io_stages.stage(fp) is ShardIO.WRITING:
+            self._retire(fp)
 
     def drain(self) -> None:
-        """Wait for every write in flight and return their buffers."""
-        while self._writes:
-            self._retire(self._writes.pop(0))
+        """Wait for every write in flight and return their buffers (or keep them, see
+        ``keep_after_update``)."""
+        while self._writes():
+            self._retire(self._writes()[0])
 
     def read(self, fp) -> torch.Tensor:
         """A CPU copy of ``fp``'s shard, read from its file."""
@@ -259,7 +290,7 @@ class NVMeParamHome:
         try:
             self.drain()
         finally:
-            for fp in list(self._reads):
+            for fp in self.io_stages.in_stage(ShardIO.READING, ShardIO.KEPT):
                 try:
                     self.done_with(fp)
                 except Exception:

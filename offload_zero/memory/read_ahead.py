@@ -7,27 +7,29 @@ the reads first. The buffers belong to a :class:`offload_zero.memory.pool.HostBu
 parameters from the reads or with updates in the next forward.
 
 :class:`ReadAheadRing` is a part of :class:`offload_zero.memory.state_stores.NVMeStore`: it
-uses the store's ``_numel``, ``_io``, ``in_host``, ``_host``, ``_updating``, ``wait_writes``
-and ``_writes_done``. The update's own state (read ahead, applied, write-back deferred) is
-recorded by :mod:`offload_zero.update.state`; the ring holds the bytes.
+uses the store's ``_numel``, ``_io``, ``in_host``, ``_host``, ``io_stages``, ``wait_writes``
+and ``_writes_done``. Each flat parameter's I/O stage (read ahead, in its update, writing,
+write-back deferred), with its buffer and handles, is recorded by the store's
+:class:`offload_zero.update.state.IOStages` ([Note: update states]); the ring holds the bytes.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional
+from typing import List, Optional
 
 import torch
+
+from offload_zero.update.state import StateIO
 
 
 class ReadAheadRing:
     """Whole-state reads ahead and write-backs through a ring of host buffers (see the
-    module docstring). ``_whole_reads``: ``fp -> (buffer, read handles)``;
-    ``_whole_writes``: ``(fp, buffer, write handles or None while deferred)``, oldest first."""
+    module docstring): a state read ahead is ``StateIO.READ_AHEAD`` (its buffer and read
+    handles), a whole write-back ``WRITING`` (its buffer and write handles) or
+    ``WRITE_DEFERRED`` (its buffer), in the store's ``io_stages``."""
 
     def _init_read_ahead(self) -> None:
         self._ahead_cap = 0  # elements of a state each read-ahead buffer holds
         self._ahead = None                            # a HostBufferPool, or None
-        self._whole_reads: Dict[object, tuple] = {}   # fp -> (buffer, read handles)
-        self._whole_writes: List[tuple] = []
 
     def enable_prefetch(self, pool, numel: Optional[int] = None) -> None:
         """Read whole states ahead into ``pool``, a
@@ -56,38 +58,56 @@ class ReadAheadRing:
         n = self._numel[fp]
         return self._io(fp, 0, n, 0, write=True, views=self._whole_views(buf, n, padded=True))
 
-    def _retire_whole_write(self, index: int = 0) -> None:
-        fp, buf, handles = self._whole_writes.pop(index)
+    def whole_writes(self) -> list:
+        """The flat parameters whose whole write-back holds a read-ahead buffer (``WRITING``
+        from its buffer, or ``WRITE_DEFERRED``), oldest first."""
+        io = self.io_stages
+        return [fp for fp in io.in_stage(StateIO.WRITING, StateIO.WRITE_DEFERRED)
+                if io.buffer(fp) is not None]
+
+    def _retire_whole_write(self, fp) -> None:
+        """Wait for ``fp``'s whole write-back (started first if deferred) and return its
+        buffer to the ring: ``fp`` is ``AT_REST`` again."""
+        io = self.io_stages
+        buf = io.buffer(fp)
         try:
-            for h in handles if handles is not None else self._start_whole_write(fp, buf):
+            if io.stage(fp) is StateIO.WRITE_DEFERRED:
+                io.move(fp, StateIO.WRITING, handles=self._start_whole_write(fp, buf),
+                        keep_place=True)
+            for h in io.handles(fp):
                 h.wait()
         finally:
+            io.move(fp, StateIO.AT_REST)
             self._ahead.release(buf)
 
-    def _finished_write(self, newest_first: bool) -> Optional[int]:
-        """The index of the oldest (or newest) whole write-back started and done, or None."""
-        indices = range(len(self._whole_writes))
-        for i in reversed(indices) if newest_first else indices:
-            handles = self._whole_writes[i][2]
-            if handles is not None and all(h.done() for h in handles):
-                return i
+    def _finished_write(self, newest_first: bool):
+        """The oldest (or newest) flat parameter whose whole write-back started and is done,
+        or None."""
+        io = self.io_stages
+        writes = self.whole_writes()
+        for fp in reversed(writes) if newest_first else writes:
+            if io.stage(fp) is StateIO.WRITING and all(h.done() for h in io.handles(fp)):
+                return fp
         return None
 
     def start_deferred_writes(self) -> None:
         """Start every whole write-back deferred by :meth:`iter_states`'s
-        ``defer_write_back``; their buffers return to the read-ahead ring as they finish (see
+        ``defer_write_back`` (``WRITE_DEFERRED`` to ``WRITING``, each keeping its place among
+        the write-backs); their buffers return to the read-ahead ring as they finish (see
         :meth:`prefetch`)."""
-        for i, (fp, buf, handles) in enumerate(self._whole_writes):
-            if handles is None:
-                self._whole_writes[i] = (fp, buf, self._start_whole_write(fp, buf))
+        io = self.io_stages
+        for fp in io.in_stage(StateIO.WRITE_DEFERRED):
+            io.move(fp, StateIO.WRITING, handles=self._start_whole_write(fp, io.buffer(fp)),
+                    keep_place=True)
 
     @property
     def deferred_writes(self) -> int:
         """How many whole write-backs are deferred (each holding a read-ahead buffer)."""
-        return sum(1 for _, _, handles in self._whole_writes if handles is None)
+        return self.io_stages.count(StateIO.WRITE_DEFERRED)
 
     def prefetch(self, fp, wait: bool = True, newest_first: bool = False) -> bool:
-        """Start reading ``fp``'s whole state (master, moments) into a read-ahead buffer; the
+        """Start reading ``fp``'s whole state (master, moments) into a read-ahead buffer
+        (``AT_REST`` to ``READ_AHEAD``); the
         next :meth:`iter_states` that reaches ``fp`` yields it from there. When every buffer is
         taken, the oldest write-back is retired to free one (with ``wait=False`` the oldest
         that has finished, if one has: no wait for the disk; the newest with
@@ -98,37 +118,43 @@ class ReadAheadRing:
         the read sees it. Returns True if the read was started; False (and does nothing) without
         read-ahead buffers, for a state larger than they are, when it is already being read
         ahead, while an :meth:`iter_states` has handed out part or all of it and not yet
-        queued its write-back (a read now would be stale), or when no buffer is free."""
+        queued its write-back (``IN_UPDATE``: a read now would be stale), or when no buffer is
+        free."""
         pool = self._ahead
-        if (pool is None or fp in self._whole_reads or self.in_host(fp) or fp in self._updating
-                or not self.fits_ahead(self._numel.get(fp, 0))):
+        if (pool is None or self.io_stages.stage(fp) in (StateIO.READ_AHEAD, StateIO.IN_UPDATE)
+                or self.in_host(fp) or not self.fits_ahead(self._numel.get(fp, 0))):
             return False
         if not wait and not self._writes_done(fp):
             return False
         self.wait_writes(fp)
-        if pool.in_use == pool.count and self._whole_writes:
-            index = 0 if wait else self._finished_write(newest_first)
-            if index is not None:
-                self._retire_whole_write(index)
+        if pool.in_use == pool.count and self.whole_writes():
+            oldest = self.whole_writes()[0] if wait else self._finished_write(newest_first)
+            if oldest is not None:
+                self._retire_whole_write(oldest)
         if pool.in_use == pool.count:
             return False
         buf = pool.acquire()
         n = self._numel[fp]
-        self._whole_reads[fp] = (buf, self._io(fp, 0, n, 0, write=False,
-                                               views=self._whole_views(buf, n, padded=True)))
+        handles = self._io(fp, 0, n, 0, write=False, views=self._whole_views(buf, n, padded=True))
+        self.io_stages.move(fp, StateIO.READ_AHEAD, buffer=buf, handles=handles)
         return True
 
     def prefetched(self, fp) -> bool:
         """Whether ``fp``'s whole state is being read ahead, or was read and awaits its
-        update (see :meth:`prefetch`), or is kept in host memory: whether its update can
-        take it whole, without streaming it in chunks."""
-        return fp in self._whole_reads or self.in_host(fp)
+        update (``READ_AHEAD``, see :meth:`prefetch`), or is kept in host memory: whether its
+        update can take it whole, without streaming it in chunks."""
+        return self.io_stages.stage(fp) is StateIO.READ_AHEAD or self.in_host(fp)
+
+    def _holds_whole_write(self, fp) -> bool:
+        """Whether ``fp``'s whole write-back (started or deferred) holds a read-ahead buffer."""
+        return (self.io_stages.stage(fp) in (StateIO.WRITING, StateIO.WRITE_DEFERRED)
+                and self.io_stages.buffer(fp) is not None)
 
     def holds_master(self, fp) -> bool:
         """Whether :meth:`master_view` has ``fp``'s master in host memory: being read ahead,
         read and awaiting its update, updated and its write-back not yet retired (its
         buffer holds what is on its way to the file), or kept in host memory."""
-        return self.prefetched(fp) or any(f is fp for f, _, _ in self._whole_writes)
+        return self.prefetched(fp) or self._holds_whole_write(fp)
 
     def master_view(self, fp) -> Optional[torch.Tensor]:
         """``fp``'s fp32 master weights, shape (shard_numel,), a view of its read-ahead buffer
@@ -140,19 +166,21 @@ class ReadAheadRing:
         if self.in_host(fp):
             return self._host.master_view(fp)
         n = self._numel.get(fp, 0)
-        if fp in self._whole_reads:
-            buf, handles = self._whole_reads[fp]
-            handles[0].wait()
-            return self._whole_views(buf, n)[0]
-        for f, buf, _ in reversed(self._whole_writes):
-            if f is fp:
-                return self._whole_views(buf, n)[0]
+        io = self.io_stages
+        if io.stage(fp) is StateIO.READ_AHEAD:
+            io.handles(fp)[0].wait()
+            return self._whole_views(io.buffer(fp), n)[0]
+        if self._holds_whole_write(fp):
+            return self._whole_views(io.buffer(fp), n)[0]
         return None
 
     def release_prefetched(self) -> None:
-        """Finish and forget read-ahead that no update used (a unit without a gradient)."""
-        for fp in list(self._whole_reads):
-            buf, handles = self._whole_reads.pop(fp)
+        """Finish and forget read-ahead that no update used (a unit without a gradient):
+        ``READ_AHEAD`` back to ``AT_REST``."""
+        io = self.io_stages
+        for fp in io.in_stage(StateIO.READ_AHEAD):
+            buf, handles = io.buffer(fp), io.handles(fp)
+            io.move(fp, StateIO.AT_REST)
             try:
                 for h in handles:
                     h.wait()

@@ -34,6 +34,7 @@ from offload_zero.config import Tier
 from offload_zero.memory.accounting import StateKind, TierAccountant
 from offload_zero.memory.read_ahead import ReadAheadRing
 from offload_zero.memory.state_format import StateFormat, decode_moments, encode_moments_
+from offload_zero.update.state import STATE_IO_LEGAL, IOStages, StateIO
 
 StateTuple = Tuple[object, int, int, torch.Tensor, torch.Tensor, torch.Tensor]
 
@@ -181,6 +182,15 @@ class NVMeStore(ReadAheadRing):
             master's NVMe bytes are then accounted as parameters.
         moment_dtype: ``torch.float32`` (default) or ``torch.bfloat16``: the moments' dtype in
             the files and in every host buffer (see [Note: state layout]).
+        io_stages: the :class:`offload_zero.update.state.IOStages` of the optimizer state
+            (:class:`StateIO`) that records where each flat parameter's state stands, with its
+            buffer and handles: the engine's (``UpdateStates.state_io``); default: one of this
+            store's own.
+
+    Each flat parameter's state goes ``AT_REST`` (in its file) -> ``READ_AHEAD`` (whole, in a
+    read-ahead buffer: :meth:`prefetch`) or straight -> ``IN_UPDATE`` (handed out by
+    :meth:`iter_states`) -> ``WRITING`` or ``WRITE_DEFERRED`` -> ``AT_REST`` (see [Note:
+    update states] in :mod:`offload_zero.update.state`); every move is checked there.
 
     A flat parameter whose name was given to :meth:`keep_in_host` before :meth:`add` keeps its
     state in host memory instead (a :class:`HostStore` inside this one: no file, no I/O): the
@@ -197,13 +207,12 @@ class NVMeStore(ReadAheadRing):
 
     def __init__(self, swapper, accountant: TierAccountant, host_alloc, max_shard_numel: int,
                  chunk_numel: Optional[int] = None, master_is_param: bool = False,
-                 moment_dtype=torch.float32):
+                 moment_dtype=torch.float32, io_stages: Optional[IOStages] = None):
         self._master_is_param = master_is_param
         self.fmt = StateFormat(moment_dtype)
+        self.io_stages = (io_stages if io_stages is not None
+                          else IOStages(None, "optimizer state", STATE_IO_LEGAL))
         self._init_read_ahead()
-        # flat params whose state an iter_states has handed out (whole or in part) and not yet
-        # queued for writing back: their bytes on disk are stale until then
-        self._updating: set = set()
         chunk_numel = chunk_numel or self.CHUNK_NUMEL
         self._acct = accountant
         self.swapper = swapper
@@ -216,6 +225,7 @@ class NVMeStore(ReadAheadRing):
                       for _ in range(self._DEPTH)]
         self._buf_bytes = sum(b.numel() * 4 for b in self._bufs)
         self._acct.add(Tier.HOST, StateKind.BUFFERS, self._buf_bytes)
+        # per buffer set: (fp, write handles, lo, hi) of the chunk write still in flight
         self._pending_write = [None] * self._DEPTH
         self._numel: Dict[object, int] = {}
         self._keys: Dict[object, str] = {}
@@ -298,11 +308,39 @@ class NVMeStore(ReadAheadRing):
     def _writes_done(self, fp) -> bool:
         """Whether every write of ``fp``'s state still tracked (whole or chunk write-backs)
         has started and finished."""
-        for f, _, handles in self._whole_writes:
-            if f is fp and (handles is None or not all(h.done() for h in handles)):
-                return False
+        io = self.io_stages
+        if io.stage(fp) is StateIO.WRITE_DEFERRED:
+            return False
+        if self._holds_whole_write(fp) and not all(h.done() for h in io.handles(fp)):
+            return False
         return all(h.done() for w in self._pending_write if w is not None and w[0] is fp
                    for h in w[1])
+
+    def _retire_chunk_write(self, slot: int) -> None:
+        """Wait for buffer set ``slot``'s chunk write; a state whose stream has ended
+        (``WRITING``) and whose last chunk write this was is ``AT_REST`` again (one whose
+        stream still runs stays ``IN_UPDATE``)."""
+        fp, handles, _, _ = self._pending_write[slot]
+        self._pending_write[slot] = None
+        try:
+            for h in handles:
+                h.wait()
+        finally:
+            if self.io_stages.stage(fp) is StateIO.WRITING:
+                self._end_chunk_writes(fp)
+
+    def _end_chunk_writes(self, fp) -> None:
+        """``fp``'s stream ended (its last chunk queued, or cut short) or a chunk write of it
+        was waited for: ``WRITING`` while a chunk write of it is in flight (in a buffer set),
+        ``AT_REST`` once none is. Not for a state updated whole (its buffer's write-back)."""
+        io = self.io_stages
+        if io.stage(fp) not in (StateIO.IN_UPDATE, StateIO.WRITING) or io.buffer(fp) is not None:
+            return
+        if any(w is not None and w[0] is fp for w in self._pending_write):
+            if io.stage(fp) is StateIO.IN_UPDATE:
+                io.move(fp, StateIO.WRITING)
+        else:
+            io.move(fp, StateIO.AT_REST)
 
     def wait_writes(self, fp, lo: int = 0, hi: Optional[int] = None) -> None:
         """Wait for the writes of ``fp``'s state still in flight before its bytes are read
@@ -310,14 +348,11 @@ class NVMeStore(ReadAheadRing):
         master's bytes): every whole write-back, and the chunk write-backs of elements
         [lo, hi) (default: all). Raises SwapIOError if one failed (file and offset named)."""
         hi = self._numel.get(fp, 0) if hi is None else hi
-        for i in reversed(range(len(self._whole_writes))):
-            if self._whole_writes[i][0] is fp:
-                self._retire_whole_write(i)
+        if self._holds_whole_write(fp):
+            self._retire_whole_write(fp)
         for slot, w in enumerate(self._pending_write):
             if w is not None and w[0] is fp and w[2] < hi and lo < w[3]:
-                self._pending_write[slot] = None
-                for h in w[1]:
-                    h.wait()
+                self._retire_chunk_write(slot)
 
     def chunks(self, fp) -> int:
         """How many items :meth:`iter_states` yields for ``fp``: 1 for a state kept in host
@@ -333,11 +368,8 @@ class NVMeStore(ReadAheadRing):
                 yield fp, lo, min(n, lo + self._chunk)
 
     def _start_read(self, slot: int, item):
-        w = self._pending_write[slot]
-        if w is not None:
-            for h in w[1]:
-                h.wait()
-            self._pending_write[slot] = None
+        if self._pending_write[slot] is not None:
+            self._retire_chunk_write(slot)
         fp, lo, hi = item
         # a write of these bytes still in flight lands before the read: a whole write-back, or
         # a chunk's of an earlier stream (this stream's own writes are of other chunks)
@@ -360,29 +392,20 @@ class NVMeStore(ReadAheadRing):
         in_host = [f for f in flat_params if self.in_host(f)]
         yield from self._host.iter_states(in_host)
         flat_params = [f for f in flat_params if not self.in_host(f)]
-        ahead = [f for f in flat_params if f in self._whole_reads]
+        ahead = [f for f in flat_params if self.io_stages.stage(f) is StateIO.READ_AHEAD]
         for fp in ahead:
-            buf, handles = self._whole_reads.pop(fp)
-            n = self._numel[fp]
-            self._updating.add(fp)
-            try:
-                for h in handles:
-                    h.wait()
-                yield (fp, 0, n, *self._whole_views(buf, n))
-            except BaseException:
-                self._ahead.release(buf)
-                raise
-            finally:
-                self._updating.discard(fp)
-            handles = None if defer_write_back else self._start_whole_write(fp, buf)
-            self._whole_writes.append((fp, buf, handles))
+            yield from self._update_whole(fp, defer_write_back)
         streamed = [f for f in flat_params if f not in ahead]
         items = list(self._chunks(streamed))
         if not items:
             return
-        self._updating.update(streamed)
-        reads = {0: self._start_read(0, items[0])}
+        for fp in streamed:
+            if self.io_stages.stage(fp) is not StateIO.AT_REST:
+                self.wait_writes(fp)  # its own earlier writes land before its chunks are read
+            self.io_stages.move(fp, StateIO.IN_UPDATE)
+        reads: Dict[int, list] = {}
         try:
+            reads[0] = self._start_read(0, items[0])
             for i, (fp, lo, hi) in enumerate(items):
                 slot = i % self._DEPTH
                 if i + 1 < len(items):
@@ -392,9 +415,10 @@ class NVMeStore(ReadAheadRing):
                 yield (fp, lo, hi, *self._views(slot, hi - lo))
                 self._pending_write[slot] = (fp, self._io(fp, lo, hi, slot, write=True), lo, hi)
                 if hi == self._numel[fp]:
-                    self._updating.discard(fp)  # (its writes are tracked: see wait_writes)
+                    self._end_chunk_writes(fp)  # WRITING (its writes: see wait_writes)
         finally:
-            self._updating.difference_update(streamed)
+            for fp in streamed:
+                self._end_chunk_writes(fp)  # (a stream cut short)
             for hs in reads.values():
                 for h in hs:
                     h.wait()
@@ -402,16 +426,41 @@ class NVMeStore(ReadAheadRing):
         # write first (_start_read), a read of the file for the writes to it (wait_writes),
         # and the step drains them
 
+    def _update_whole(self, fp, defer_write_back: bool) -> Iterator[StateTuple]:
+        """Yield ``fp``'s state read ahead whole (``READ_AHEAD`` -> ``IN_UPDATE``), then
+        start its write-back (``WRITING``) or defer it (``WRITE_DEFERRED``); an update cut
+        short returns its buffer to the ring (``AT_REST``)."""
+        io = self.io_stages
+        buf, handles = io.buffer(fp), io.handles(fp)
+        n = self._numel[fp]
+        io.move(fp, StateIO.IN_UPDATE)
+        try:
+            for h in handles:
+                h.wait()
+            yield (fp, 0, n, *self._whole_views(buf, n))
+        except BaseException:
+            io.move(fp, StateIO.AT_REST)
+            self._ahead.release(buf)
+            raise
+        if defer_write_back:
+            io.move(fp, StateIO.WRITE_DEFERRED)
+            return
+        try:
+            writes = self._start_whole_write(fp, buf)
+        except BaseException:
+            # (its buffer stays out of the ring: a part of the write may be in flight)
+            io.move(fp, StateIO.AT_REST)
+            raise
+        io.move(fp, StateIO.WRITING, handles=writes)
+
     def drain(self) -> None:
         """Wait for every write in flight, deferred ones started first (see
         :meth:`iter_states`); raises SwapIOError if one failed."""
         for slot, w in enumerate(self._pending_write):
             if w is not None:
-                self._pending_write[slot] = None
-                for h in w[1]:
-                    h.wait()
-        while self._whole_writes:
-            self._retire_whole_write()
+                self._retire_chunk_write(slot)
+        while self.whole_writes():
+            self._retire_whole_write(self.whole_writes()[0])
 
     def read_all(self, fp) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """CPU copies of (master, exp_avg, exp_avg_sq) for ``fp``, read from its file (or from

@@ -12,6 +12,7 @@ from engine_common import twins
 from models import TinyLM, batches, big_root_lm, lm_loss
 from offload_zero import OffloadEngine
 from offload_zero.memory.tiers import NVMeStore
+from offload_zero.update.state import StateIO
 
 
 def _run(model, steps, **kw):
@@ -58,9 +59,9 @@ def test_update_in_backward_leaves_no_write_in_flight_after_step(tmp_path):
         assert max(fp.shard_numel for fp in root) <= max(fp.shard_numel for fp in blocks)
         for x, y in batches(3):
             b.backward(lm_loss(b(x), y))
-            assert b.store._whole_writes  # updates of the last units still being written
+            assert b.store.whole_writes()  # updates of the last units still being written
             b.step()
-            assert not b.store._whole_writes and not b.store._whole_reads
+            assert not b.store.whole_writes() and b.store.io_stages.report() == {}
         sa, sb = a.full_state_dict(), b.full_state_dict()
         assert all(torch.equal(sa[k], sb[k]) for k in sa)
 
@@ -292,7 +293,7 @@ def test_update_in_backward_gathers_fp32_nvme_parameters_from_the_state_read(tmp
         assert all(torch.equal(sa[k], sb[k]) for k in sa)
         x, y = batches(1)[0]
         b.backward(lm_loss(b(x), y))
-        pending = [w[0] for w in b.store._whole_writes]
+        pending = b.store.whole_writes()
         assert pending  # the last units' updates are still being written
         fp = pending[-1]
         before = b.swapper.bytes_read
@@ -335,7 +336,7 @@ def test_update_in_backward_reads_the_first_states_of_backward_during_forward(tm
         for i in range(1, 4):
             assert seen[3 * i] == [False, False, True, True]
             assert seen[3 * i + 1] == seen[3 * i + 2] == [False] * 4
-        assert ring.in_use == 0 and not b.store._whole_reads
+        assert ring.in_use == 0 and not b.store.io_stages.in_stage(StateIO.READ_AHEAD)
         sa, sb = a.full_state_dict(), b.full_state_dict()
         assert all(torch.equal(sa[k], sb[k]) for k in sa)
 

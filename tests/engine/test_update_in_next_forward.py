@@ -12,6 +12,7 @@ from engine_common import F32
 from models import TinyLM, batches, big_root_lm, flat_param_of, lm_loss
 from offload_zero import OffloadEngine
 from offload_zero.memory.tiers import NVMeStore
+from offload_zero.update.state import StateIO
 
 
 def _run_sif_pair(model_fn, engine_kw, tmp_path, steps=4, micro=2, between=None):
@@ -224,8 +225,9 @@ def test_update_in_next_forward_reads_the_first_blocks_state_during_backward(tmp
             loss = lm_loss(eng(x), y)
             r1 = eng.store.read_bytes
             eng.backward(loss)
-            for _, handles in list(eng.store._whole_reads.values()):
-                for h in handles:  # (bytes count once read: the reads backward started)
+            io = eng.store.io_stages
+            for fp in io.in_stage(StateIO.READ_AHEAD):
+                for h in io.handles(fp):  # (bytes count once read: the reads backward started)
                     h.wait()
             r2 = eng.store.read_bytes
             eng.step()
@@ -271,13 +273,18 @@ def test_update_in_next_forward_writes_the_last_blocks_back_after_the_forwards_l
         swap_out, applied = b.swapper.swap_out, b._updates._applied
         b.swapper.swap_out = lambda key, t, offset_bytes=0: (
             events.append(("write", key)), swap_out(key, t, offset_bytes=offset_bytes))[1]
-        b._updates._applied = lambda fp: (events.append(("applied", fp.name)), applied(fp))[1]
+        deferred = []  # at each update made: the write-backs deferred (WRITE_DEFERRED)
+        b._updates._applied = lambda fp: (events.append(("applied", fp.name)), deferred.append(
+            [f.name for f in b.store.io_stages.in_stage(StateIO.WRITE_DEFERRED)]),
+            applied(fp))[2]
         for i, (x, y) in enumerate(batches(4)):
             events.clear()
+            deferred.clear()
             for eng in (a, b):
                 loss = lm_loss(eng(x), y)
                 if eng is b:
                     forward = list(events)
+                    assert b.store.deferred_writes == 0  # (started by the last update)
                 eng.backward(loss)
                 eng.step()
             if i < 2:
@@ -293,6 +300,8 @@ def test_update_in_next_forward_writes_the_last_blocks_back_after_the_forwards_l
             # update streams in chunks, too large for the ring: it needs none of its buffers)
             ring = b.pools["optimizer_prefetch"].count
             assert ring == 3 and late == set(names[-3:])
+            # deferred exactly there, in forward order, until the forward's last update
+            assert deferred[-1] == names[-3:] and deferred[0] == []
             assert early.isdisjoint(late) and set(names[:-3]) <= early
         sa, sb = a.full_state_dict(), b.full_state_dict()
         assert all(torch.equal(sa[k], sb[k]) for k in sa)

@@ -179,6 +179,78 @@ def test_update_states_follow_each_timing_and_refuse_an_illegal_move(tmp_path):
         states.move(fp, UpdateState.PENDING)
 
 
+def test_io_stages_refuse_an_illegal_move_and_leave_the_stage_as_it_was():
+    """Each I/O stage table (the optimizer state's, the parameter shard's; see [Note: update
+    states]) refuses a move it does not hold, naming the rank, the kind, the flat parameter
+    and both stages, and the stage, buffer and handles stay as they were."""
+    from offload_zero.update.state import ShardIO, StateIO, UpdateStates
+    states = UpdateStates(rank=3)
+    fp, buf = TinyLM(), torch.zeros(4)
+    fp.name = "unit1.trainable"
+    with pytest.raises(RuntimeError, match=r"\[rank 3\] internal error: the optimizer state I/O "
+                                           r"of 'unit1.trainable' cannot go from AT_REST to "
+                                           r"WRITING \(legal: \['IN_UPDATE', 'READ_AHEAD'\]\)"):
+        states.state_io.move(fp, StateIO.WRITING)
+    states.state_io.move(fp, StateIO.READ_AHEAD, buffer=buf, handles=["read"])
+    for illegal in (StateIO.WRITING, StateIO.WRITE_DEFERRED, StateIO.READ_AHEAD):
+        with pytest.raises(RuntimeError, match=rf"from READ_AHEAD to {illegal.name}"):
+            states.state_io.move(fp, illegal)
+    assert states.state_io.stage(fp) is StateIO.READ_AHEAD
+    assert states.state_io.buffer(fp) is buf and states.state_io.handles(fp) == ["read"]
+    states.state_io.move(fp, StateIO.IN_UPDATE)
+    states.state_io.move(fp, StateIO.WRITE_DEFERRED)
+    assert states.state_io.buffer(fp) is buf  # (a move keeps the buffer)
+    with pytest.raises(RuntimeError, match=r"from WRITE_DEFERRED to IN_UPDATE"):
+        states.state_io.move(fp, StateIO.IN_UPDATE)
+    with pytest.raises(RuntimeError, match=r"\[rank 3\] internal error: the parameter shard I/O "
+                                           r"of 'unit1.trainable' cannot go from AT_REST to KEPT"):
+        states.shard_io.move(fp, ShardIO.KEPT)
+    assert states.io_report() == {"unit1.trainable": {"optimizer_state": "write_deferred",
+                                                      "parameter_shard": "at_rest"}}
+
+
+@pytest.mark.parametrize("dtype", [F32, torch.bfloat16])
+def test_every_flat_parameters_io_is_at_rest_after_a_step_in_each_timing(dtype, tmp_path):
+    """memory_report()["io_stages"] (see [Note: update states]), state and shards on NVMe:
+    between a "backward" backward and its step the last units' write-backs are in flight;
+    after a step of "step" or "backward" every optimizer state and parameter shard is at rest
+    (the step waits for every write), but for the root's shards kept in the buffers of their
+    own for the next forward; after a "next_forward" step only pending updates' states are
+    read ahead, and the rest in flight are write-backs, none deferred or in an update; once
+    full_state_dict() applied them and waited for the state's writes, every optimizer state
+    is at rest (shard writes may still be in flight). The three end with the same weights,
+    bit for bit."""
+    torch.manual_seed(0)
+    model = big_root_lm(3)
+    weights = {}
+    for timing in ("step", "backward", "next_forward"):
+        (tmp_path / timing).mkdir()
+        with OffloadEngine(copy.deepcopy(model), offload="nvme", path=str(tmp_path / timing),
+                           dtype=dtype, update_timing=timing, lr=1e-2) as eng:
+            for x, y in batches(3):
+                eng.backward(lm_loss(eng(x), y))
+                if timing == "backward":
+                    stages = eng.memory_report()["io_stages"].values()
+                    assert "writing" in {s["optimizer_state"] for s in stages}
+                eng.step()
+                rep = eng.memory_report()["io_stages"]
+                if timing == "next_forward":
+                    pending = [n for n, st in eng.update_states().items() if st == "pending"]
+                    ahead = {n for n, s in rep.items() if s["optimizer_state"] == "read_ahead"}
+                    assert ahead and ahead <= set(pending)
+                    assert {s["optimizer_state"] for n, s in rep.items()
+                            if n not in ahead} <= {"writing", "at_rest"}
+                else:
+                    assert all(n.startswith("root.") and s == {"optimizer_state": "at_rest",
+                                                               "parameter_shard": "kept"}
+                               for n, s in rep.items()), rep
+            weights[timing] = eng.full_state_dict()
+            assert all(s["optimizer_state"] == "at_rest" and (
+                s["parameter_shard"] == "writing" or n.startswith("root."))
+                for n, s in eng.memory_report()["io_stages"].items()), timing
+    assert all(torch.equal(weights["step"][k], w[k]) for w in weights.values() for k in w)
+
+
 def test_tail_state_in_host_by_default_only_when_it_is_a_small_part(tmp_path):
     """tail_state_in_host=None keeps the embeddings' state in host memory only when it is at
     most a quarter of the model's state; True forces it; where it cannot act (no
