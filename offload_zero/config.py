@@ -45,7 +45,8 @@ class EngineConfig:
             ``"cpu"``: optimizer state (fp32 master weights, moments) and gradient shards in host
             RAM; ``"nvme"``: optimizer state in files under ``path`` and, at stage 3, the
             parameter shards too (gradient shards in host RAM); ``"auto"``: the engine measures
-            the device, host and disk and picks the cheapest placement that fits (see
+            the device, host and disk and picks the cheapest placement that fits or, given a
+            ``workload``, the one whose estimated step is the fastest (see
             :mod:`offload_zero.placement`). Default ``"none"``.
         offload_optimizer: ``"none"``/``"cpu"``/``"nvme"``, overrides ``offload`` for the fp32
             master weights and moments. Default: from ``offload``.
