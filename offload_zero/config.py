@@ -45,7 +45,8 @@ class EngineConfig:
             ``"cpu"``: optimizer state (fp32 master weights, moments) and gradient shards in host
             RAM; ``"nvme"``: optimizer state in files under ``path`` and, at stage 3, the
             parameter shards too (gradient shards in host RAM); ``"auto"``: the engine measures
-            the device, host and disk and picks the cheapest placement that fits (see
+            the device, host and disk and picks the cheapest placement that fits or, given a
+            ``workload``, the one whose estimated step is the fastest (see
             :mod:`offload_zero.placement`). Default ``"none"``.
         offload_optimizer: ``"none"``/``"cpu"``/``"nvme"``, overrides ``offload`` for the fp32
             master weights and moments. Default: from ``offload``.
@@ -196,7 +197,21 @@ class EngineConfig:
             parameter on NVMe and per step each way, 6.03 in host memory (the scales stay
             there); checkpoints hold them decoded as fp32, which encode back exactly. bf16 or
             int8 on an accelerator's optimizer state (``offload="none"`` with CUDA) raises
-            NotImplementedError (its update runs in torch ops).
+            NotImplementedError (its update runs in torch ops). ``"auto"`` (with
+            ``offload="auto"`` only; ValueError otherwise): the placement picks the format with
+            the split, fp32 unless a smaller one makes the estimated step faster by more than 5%
+            of the compute (see :mod:`offload_zero.placement`); after construction the field
+            holds the format in force.
+        workload: with ``offload="auto"``, what each rank computes: ``{"batch_size": B,
+            "seq_len": T}`` (sequences per micro-batch on each rank, tokens per sequence; ints
+            >= 1). The placement then counts one micro-batch's activations on the device (for
+            a model whose ``config`` is a Llama-style decoder's, as ``offload-zero estimate``
+            does) and picks the fitting placement with the fastest estimated step (compute
+            from a timed matmul, NVMe bytes per step, the disk's probed rates; see
+            :mod:`offload_zero.step_time`). ``activation_checkpointing``,
+            ``offload_activations`` and ``gradient_accumulation_steps`` are read from their own
+            fields. None (default): the first placement that fits, activations not counted.
+            Unused (a UserWarning) with another ``offload``.
         loss_scale: ``"dynamic"``, a number > 0 (a static scale) or None: dynamic with
             ``dtype=torch.float16``, none otherwise. The loss is multiplied by the scale before
             backward and the gradients divided by it in the update (fused into the C++ Adam's
@@ -248,6 +263,7 @@ class EngineConfig:
     tail_state_in_host: Optional[bool] = None
     host_cache_bytes: object = 0
     moment_dtype: str = "fp32"
+    workload: Optional[dict] = None
     loss_scale: Optional[object] = None
     initial_loss_scale: float = 2.0 ** 16
     loss_scale_window: int = 2000
@@ -302,10 +318,7 @@ class EngineConfig:
                           f"state is on {self.offload_optimizer!r}, not NVMe (set "
                           "offload='nvme' or offload_optimizer='nvme')", UserWarning,
                           stacklevel=4)
-        from offload_zero.memory.state_format import MOMENT_DTYPES, moment_dtype_of
-        moments = moment_dtype_of(self.moment_dtype)  # (ValueError naming the choices)
-        object.__setattr__(self, "moment_dtype",
-                           next(k for k, v in MOMENT_DTYPES.items() if v == moments))
+        self._check_moments_and_workload()
         _check_float(self, "lr", low=0.0)
         try:
             betas = tuple(self.betas)
@@ -408,6 +421,46 @@ class EngineConfig:
                     raise RuntimeError(f"internal error: {name}={getattr(self, name)!r} was "
                                        f"given, the host budget may not change it to {value!r}")
                 object.__setattr__(self, name, value)
+
+    def _check_moments_and_workload(self) -> None:
+        """Validate (and normalise) ``moment_dtype`` and ``workload``."""
+        from offload_zero.memory.state_format import MOMENT_DTYPES, moment_dtype_of
+        if self.moment_dtype == "auto":
+            if self.offload != "auto":
+                raise ValueError(f"moment_dtype='auto' needs offload='auto' (the placement "
+                                 f"chooses the format with the split); got "
+                                 f"offload={self.offload!r}: choose one of "
+                                 f"{tuple(MOMENT_DTYPES)}")
+        else:
+            try:
+                moments = moment_dtype_of(self.moment_dtype)
+            except ValueError as exc:
+                raise ValueError(f"{exc}; or 'auto' with offload='auto'") from None
+            object.__setattr__(self, "moment_dtype",
+                               next(k for k, v in MOMENT_DTYPES.items() if v == moments))
+        if self.workload is None:
+            return
+        keys = ("batch_size", "seq_len")
+        if not isinstance(self.workload, dict) or set(self.workload) != set(keys):
+            raise ValueError(f"workload={self.workload!r} is not valid; give a dict with the "
+                             f"keys {keys} (ints >= 1), or None")
+        object.__setattr__(self, "workload", {k: check_int(f"workload[{k!r}]",
+                                                           self.workload[k], 1) for k in keys})
+        if self.offload != "auto":
+            warnings.warn(f"workload={self.workload!r} is not used: only offload='auto' reads "
+                          f"it (got offload={self.offload!r})", UserWarning, stacklevel=5)
+
+    @property
+    def auto_workload(self):
+        """``workload`` with this config's activation checkpointing, activation offload and
+        gradient accumulation, as a :class:`offload_zero.step_time.Workload` (what
+        ``offload="auto"`` reads), or None without a workload."""
+        if self.workload is None:
+            return None
+        from offload_zero.step_time import Workload
+        return Workload(self.workload["batch_size"], self.workload["seq_len"],
+                        self.activation_checkpointing, self.offload_activations,
+                        self.gradient_accumulation_steps)
 
     def make_loss_scaler(self):
         """The :class:`offload_zero.optim.loss_scale.LossScaler` that ``loss_scale`` and

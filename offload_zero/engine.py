@@ -167,12 +167,14 @@ class OffloadEngine:
                 model, cfg.stage, self.world_size, cfg.dtype, cfg.prefetch, cfg.unit_classes,
                 self.device, cfg.path, cfg.max_device_bytes, cfg.max_host_bytes,
                 update_timing=cfg.update_timing, tail_state_in_host=cfg.tail_state_in_host,
-                leaf_modules=cfg.leaf_modules,
-                host_cache_bytes=cfg.host_cache_bytes, moment_dtype=cfg.moment_dtype)
+                leaf_modules=cfg.leaf_modules, workload=cfg.auto_workload, comm=self.comm,
+                host_cache_bytes=cfg.host_cache_bytes, moment_dtype=cfg.moment_dtype,
+                aio_backend=cfg.aio_backend)
             self.config = cfg = dataclasses.replace(
                 cfg, offload_optimizer=self.placement.offload_optimizer,
                 offload_param=self.placement.offload_param,
                 update_timing=self.placement.update_timing,
+                moment_dtype=self.placement.moment_dtype,
                 host_cache_bytes=self.placement.host_cache_bytes)
         self.module = model
         self._closed = False

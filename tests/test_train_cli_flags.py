@@ -8,7 +8,7 @@ import pytest
 
 from offload_zero import cli, train
 from offload_zero.train.summary import fmt_bytes
-from train_cli_helpers import FAST, REPO, _parse, _run, _tiny_checkpoint
+from train_cli_helpers import FAST, REPO, _engine_keywords, _parse, _run, _tiny_checkpoint
 
 
 def test_run_error_is_one_line_exit_2(tmp_path):
@@ -177,14 +177,7 @@ def test_warmup_more_than_steps_is_an_error(capsys):
 def test_state_format_and_host_memory_flags_reach_the_engine(tmp_path, monkeypatch):
     """--moment-dtype, --host-cache-bytes and --max-host-bytes set the engine's options of
     those names; the summary names the first two."""
-    from offload_zero import OffloadEngine
-    seen = {}
-    real_init = OffloadEngine.__init__
-
-    def spy(self, model, **kw):
-        seen.update(kw)
-        real_init(self, model, **kw)
-    monkeypatch.setattr(OffloadEngine, "__init__", spy)
+    seen = _engine_keywords(monkeypatch)
     summary = train.run(_parse("--preset", "tiny", "--steps", 1, "--no-progress", "--offload",
                                "nvme", "--path", tmp_path, "--moment-dtype", "int8",
                                "--host-cache-bytes", "64KiB", "--max-host-bytes", "4GB", *FAST))

@@ -71,3 +71,17 @@ def _run_capturing_weights(monkeypatch, argv):
     summary = train.run(_parse(*argv, "--no-progress", *FAST))
     assert captured, "--save did not take the engine's weights"
     return summary, captured
+
+
+def _engine_keywords(monkeypatch) -> dict:
+    """The keywords the ``OffloadEngine`` built next gets, filled in as it is built."""
+    from offload_zero import OffloadEngine
+
+    seen = {}
+    real_init = OffloadEngine.__init__
+
+    def spy(self, model, **kw):
+        seen.update(kw)
+        real_init(self, model, **kw)
+    monkeypatch.setattr(OffloadEngine, "__init__", spy)
+    return seen

@@ -53,8 +53,8 @@ import torch
 
 from offload_zero.memory.aligned import ALIGNMENT, aligned_empty
 
-__all__ = ["tuned_settings", "probe", "cache_path", "DEFAULT_BLOCK_SIZE", "DEFAULT_QUEUE_DEPTH",
-           "BLOCK_SIZES", "QUEUE_DEPTHS"]
+__all__ = ["tuned_settings", "probe", "cache_path", "measured_rates", "DEFAULT_BLOCK_SIZE",
+           "DEFAULT_QUEUE_DEPTH", "BLOCK_SIZES", "QUEUE_DEPTHS"]
 
 DEFAULT_BLOCK_SIZE = 1 << 20
 """Bytes per request when nothing better is known (the swapper's default)."""
@@ -169,6 +169,23 @@ def probe(folder: str, backend: str = "auto", budget_s: float = 2.0) -> dict:
     block_size, queue_depth = _pick(measured["trials"])
     return dict(block_size=block_size, queue_depth=queue_depth, backend=backend_used,
                 measured=measured)
+
+
+def measured_rates(settings: dict) -> Optional[tuple]:
+    """``(read, write)`` bytes per second the probe measured for the pair ``settings`` chose
+    (its own ``block_size`` and ``queue_depth``: the requests the swapper will send), from a
+    :func:`tuned_settings` result (fresh or cached); ``None`` when no trial of that pair ran
+    (the filesystem refuses O_DIRECT, the budget was too small, the probe failed). Used by
+    ``offload="auto"``'s step-time model (:mod:`offload_zero.step_time`)."""
+    trials = settings.get("measured", {}).get("trials") or []
+    pair = (settings.get("block_size"), settings.get("queue_depth"))
+    for t in trials:
+        if (t.get("block_size"), t.get("queue_depth")) == pair:
+            read, write = t.get("read_gbps"), t.get("write_gbps")
+            if isinstance(read, (int, float)) and isinstance(write, (int, float)) \
+                    and read > 0 and write > 0:
+                return read * 1e9, write * 1e9
+    return None
 
 
 # ---- the probe ------------------------------------------------------------------------------

@@ -167,10 +167,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "fills its \"auto\" values")
     engine.add_argument("--activation-checkpointing", action="store_true",
                         help="recompute each layer's forward in backward (less activation memory)")
-    engine.add_argument("--moment-dtype", choices=sorted(MOMENT_DTYPES), default="fp32",
+    engine.add_argument("--moment-dtype", choices=sorted(MOMENT_DTYPES) + ["auto"],
+                        default="fp32",
                         help="Adam's moments: fp32 (default: exact AdamW), bf16 (stochastic "
                              "rounding, 8 bytes of state per parameter instead of 12) or int8 "
-                             "(blockwise 8-bit, 6.03; see docs/moments.md); off the device only")
+                             "(blockwise 8-bit, 6.03; see docs/moments.md); off the device "
+                             "only; auto (with --offload auto): chosen with the placement")
     engine.add_argument("--host-cache-bytes", type=_size, default=0, metavar="SIZE",
                         help="with --offload nvme, keep this much optimizer state in RAM "
                              "instead of its files (e.g. 2GB; default 0: all on NVMe)")
@@ -204,7 +206,7 @@ def check_args(args: argparse.Namespace) -> None:
     second instead of after the whole run. Writes nothing.
 
     Raises ``ValueError`` (naming the flag and its value) if ``--warmup`` is more than
-    ``--steps``; ``--path`` is given without ``--offload nvme``/``auto``, is not a folder or has
+    ``--steps``; ``--moment-dtype auto`` without ``--offload auto``; ``--path`` is given without ``--offload nvme``/``auto``, is not a folder or has
     no parent folder; the folder of ``--json`` / ``--memory-plot`` is missing or not
     writable; ``--save`` is not a folder or cannot be created (see :func:`check_save_dir`);
     or a ``--checkpoint`` / ``--resume`` flag is bad (see :func:`check_checkpoint_args`).
@@ -212,6 +214,9 @@ def check_args(args: argparse.Namespace) -> None:
     if args.warmup is not None and args.warmup > args.steps:
         raise ValueError(f"--warmup {args.warmup} is more than --steps {args.steps}; "
                          f"give --warmup between 0 and {args.steps}")
+    if args.moment_dtype == "auto" and args.offload != "auto":
+        raise ValueError(f"--moment-dtype auto needs --offload auto (got --offload "
+                         f"{args.offload}); give fp32, bf16 or int8")
     if args.path is not None and args.offload not in ("nvme", "auto"):
         raise ValueError(f"--path is only used with --offload nvme or auto (got --offload {args.offload})")
     if args.path is not None:
@@ -235,6 +240,15 @@ _DS_FLAGS = {"stage": "stage", "lr": "lr", "weight_decay": "weight_decay",
              "grad_accum": "gradient_accumulation_steps",
              "batch_size": "train_micro_batch_size_per_gpu", "dtype": "dtype",
              "steps": "total_num_steps", "warmup": "warmup_num_steps", "path": "path"}
+
+
+def auto_workload(args: argparse.Namespace):
+    """The engine's ``workload`` for ``--offload auto``: ``{"batch_size": --batch-size,
+    "seq_len": --seq-len}`` (the placement counts their activations and times the step); None
+    with another ``--offload``."""
+    if args.offload != "auto":
+        return None
+    return {"batch_size": args.batch_size, "seq_len": args.seq_len}
 
 
 def explicit_flags(args: argparse.Namespace) -> set:

@@ -12,8 +12,8 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from offload_zero import data as data_lib
 from offload_zero.tables import TIERS
-from offload_zero.train.arguments import (DTYPES, apply_deepspeed_config, check_args,
-                                          update_timing as cli_update_timing)
+from offload_zero.train.arguments import (DTYPES, apply_deepspeed_config, auto_workload,
+                                          check_args, update_timing as cli_update_timing)
 from offload_zero.train.disk import (check_disk_space, disk_full_as_value_error,
                                      nvme_bytes_needed, swap_folder)
 from offload_zero.train.hf_folder import export
@@ -156,6 +156,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
             update_timing=update_timing,
             gradient_accumulation_steps=args.grad_accum, moment_dtype=args.moment_dtype,
             host_cache_bytes=args.host_cache_bytes, max_host_bytes=args.max_host_bytes,
+            workload=auto_workload(args),
             **getattr(args, "ds_kwargs", {}), **model_source(args)) as engine:
         rank, world_size = engine.rank, engine.world_size
         offload_shown = args.offload
@@ -207,6 +208,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
                             update_timing=engine.config.update_timing, skipped_steps=skipped,
                             moment_dtype=engine.config.moment_dtype,
                             host_cache_bytes=engine.config.host_cache_bytes,
+                            placement=(engine.placement.reason if engine.placement else None),
                             loss_scale=loss_scale, peak_rss_bytes=peak_rss, saved=saved,
                             deepspeed=(f"{args.deepspeed}: {settings.describe()}"
                                        if settings else None)))

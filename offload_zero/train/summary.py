@@ -89,7 +89,8 @@ def format_summary(s: Dict[str, Any]) -> str:
         + (f", {s['moment_dtype']} moments" if s.get("moment_dtype", "fp32") != "fp32" else "")
         + (f", host cache {fmt_bytes(s['host_cache_bytes'])}" if s.get("host_cache_bytes")
            else ""),
-    ] + ([f"  deepspeed    {s['deepspeed']}"] if s.get("deepspeed") else []) + [
+    ] + ([f"  deepspeed    {s['deepspeed']}"] if s.get("deepspeed") else [])
+      + ([f"  placement    {s['placement']}"] if s.get("placement") else []) + [
         f"  loss         first {s['first_loss']:.4f} -> last {s['last_loss']:.4f} "
         f"(mean of {k} step(s) each)" + _skipped_note(s),
         f"  peak memory  engine-held (accounting): device {fmt_bytes(peak['device'])} | "
