@@ -366,7 +366,6 @@ class OffloadEngine:
         :meth:`UpdateTimings.finish_updates`): before anything reads the weights whole."""
         self._updates.finish_updates()
 
-
     def step(self) -> None:
         """Update every trainable flat parameter with Adam/AdamW, then zero the gradients;
         with ``gradient_accumulation_steps=N``, only every N-th call does (see
@@ -387,11 +386,6 @@ class OffloadEngine:
         """
         self._check_open()
         self.optimizer.step()
-
-    def is_gradient_accumulation_boundary(self) -> bool:
-        """Whether the next :meth:`step` call updates the weights: with
-        ``gradient_accumulation_steps=N``, every N-th call does (always True with N=1)."""
-        return (self._micro_steps + 1) % self.config.gradient_accumulation_steps == 0
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """Whether the next :meth:`step` call updates the weights: with
