@@ -34,6 +34,7 @@ from offload_zero.partition.flat_param import FlatParam
 from offload_zero.plan import pipeline_chunk_numel
 from offload_zero.partition.units import Unit
 from offload_zero.update import rules
+from offload_zero.update.accumulation import Accumulation
 from offload_zero.update.rules import BACKWARD
 from offload_zero.update.state import UpdateStates
 from offload_zero.update.timings import UpdateTimings
@@ -178,8 +179,6 @@ class OffloadEngine:
         self._closed = False
         self._acct = TierAccountant(self.rank)
         self._states = UpdateStates(self.rank)  # (see [Note: update states])
-        self._micro_steps = 0           # step() calls since the engine was built
-        self._micro_stepped = False     # step() ended a micro-batch, no backward since
         self.lr_scheduler = None  # stepped after each update (see the class docstring)
         # fp16: the loss is scaled up before backward, the update scales the gradients down
         self.loss_scaler = cfg.make_loss_scaler()
@@ -202,6 +201,8 @@ class OffloadEngine:
             self._entry_groups = build_segments(parts, group_of)
             self.optimizer = EngineOptimizer(self, groups, defaults)
             self._updates.hypers = self.optimizer.hypers
+            self._accum = Accumulation(cfg.gradient_accumulation_steps, cfg.update_timing,
+                                       self._states, self.scheduler, self.optimizer.hypers)
         except BaseException as exc:
             with not_replacing(exc, self.rank):
                 release(self._acct, parts.store, parts.param_home, parts.swapper, parts.pools,
@@ -264,11 +265,6 @@ class OffloadEngine:
         """Whether a backward since the last step left gradients in the engine."""
         return self._states.grads_pending
 
-    def _hypers(self) -> tuple:
-        """Every parameter group's hyperparameters now (:meth:`EngineOptimizer.hypers`):
-        what an update decided now uses. Raises ValueError naming a bad value."""
-        return self.optimizer.hypers()
-
     # -- training loop -----------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
         """Run the model's forward on ``args``/``kwargs`` and return its output unchanged.
@@ -300,20 +296,10 @@ class OffloadEngine:
         self._check_open()
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
             raise ValueError(f"backward needs a scalar loss tensor that requires grad, got {_describe(loss)}")
-        if self.config.update_timing == BACKWARD and self._backward_pending:
-            raise RuntimeError("update_timing='backward' updates the weights during backward, "
-                               "so gradients cannot accumulate over several backward calls: "
-                               "call step() after each backward, or use update_timing='step' "
-                               "(or 'next_forward')")
-        if self.config.update_timing == BACKWARD:
-            self._hypers()  # a bad value fails here, not inside backward's hooks
+        self._accum.check_backward()  # (update_timing="backward": its RuntimeError, ValueError)
         with self._together(Phase.BACKWARD):
             self.apply_pending_updates()  # (units the last forward did not run)
-            self._states.grads_pending = True
-            self._micro_stepped = False
-            n = self.config.gradient_accumulation_steps
-            if n > 1:
-                loss = loss / n
+            loss = self._accum.start_backward(loss)  # (divided by gradient_accumulation_steps)
             if self.loss_scaler is not None:
                 # in fp32: a scaled fp16 loss would overflow long before its gradients do
                 loss = loss.float() * self.loss_scaler.scale
@@ -341,15 +327,13 @@ class OffloadEngine:
         optimizers take it and changes nothing: the gradient shards are the engine's buffers,
         zeroed either way. Raises RuntimeError if the engine is closed."""
         self._check_open()
-        if not self._backward_pending or self._micro_stepped:
+        if self._accum.nothing_to_drop():
             return
         if self.config.update_timing == BACKWARD:
             self._step()
             return
         self.grads.zero()  # (pending "next_forward" updates: backward applied them)
-        n = self.config.gradient_accumulation_steps
-        self._micro_steps -= self._micro_steps % n  # (the accumulation window starts again)
-        self._states.grads_pending = False
+        self._accum.dropped()
 
     def apply_pending_updates(self) -> None:
         """Apply every update that :meth:`step` decided and ``update_timing="next_forward"``
@@ -390,7 +374,7 @@ class OffloadEngine:
     def is_gradient_accumulation_boundary(self) -> bool:
         """Whether the next :meth:`step` call updates the weights: with
         ``gradient_accumulation_steps=N``, every N-th call does (always True with N=1)."""
-        return (self._micro_steps + 1) % self.config.gradient_accumulation_steps == 0
+        return self._accum.is_boundary()
 
     @torch.no_grad()
     def _step(self) -> None:
@@ -398,17 +382,13 @@ class OffloadEngine:
         and at a gradient accumulation boundary update (:meth:`UpdateTimings.step`)."""
         self._check_open()
         with self._together(Phase.STEP):
-            boundary = self.is_gradient_accumulation_boundary()
-            if not boundary:
-                self.scheduler.reshard_all()  # (as the update does: the root may be gathered)
-                self._micro_steps += 1
-                self._micro_stepped = True
+            if self._accum.ends_micro_batch():
                 return
             skipped = self.skipped_steps
-            hypers = self._hypers()
+            hypers = self.optimizer.hypers()
             self._exposure.before_step()  # writes to the model's parameters since the forward
             self._updates.step(hypers)
-            self._micro_steps += 1
+            self._accum.updated()
             if self.lr_scheduler is not None and self.skipped_steps == skipped:
                 self.lr_scheduler.step()
 
