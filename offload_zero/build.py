@@ -411,6 +411,27 @@ def pools_report(parts: EngineParts) -> dict:
     return pools
 
 
+def memory_report(acct: TierAccountant, parts: EngineParts) -> dict:
+    """``engine.memory_report()``: the accountant's bytes per tier and kind (``acct``), the
+    NVMe bytes the store moved, the scheduler's live units, :func:`pools_report`, the host
+    cache's split (optimizer state on NVMe) and, with ``max_host_bytes``, the host budget
+    against the memory plan (see :meth:`OffloadEngine.memory_report`). Units: bytes."""
+    rep, store, plan = acct.report(), parts.store, parts.memory_plan
+    for key in ("read_bytes", "written_bytes", "state_read_bytes", "state_written_bytes"):
+        rep["nvme"][key] = getattr(store, key, 0)
+    rep["live_units"] = {"current": parts.scheduler.live_units(),
+                         "peak": parts.scheduler.live_peak}
+    rep["pools"] = pools_report(parts)
+    if isinstance(store, NVMeStore):
+        rep["host_cache"] = store.cache_report()
+    if plan.settings.max_host_bytes is not None:
+        rep["host_budget"] = {"max_host_bytes": plan.settings.max_host_bytes,
+                              "planned_bytes": plan.tier_bytes("host"),
+                              "peak_bytes": rep["host"]["peak_bytes"],
+                              "pipeline_chunk_numel": pipeline_chunk_numel(plan)}
+    return rep
+
+
 def check_pools(parts: EngineParts, rank: int) -> None:
     """Raise RuntimeError (rank-prefixed, an internal error) unless the pools built are
     exactly the memory plan's: names, tiers, counts and bytes."""

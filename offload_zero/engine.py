@@ -12,7 +12,6 @@ units are gathered and freed.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import sys
 import weakref
@@ -22,16 +21,14 @@ import torch
 import torch.nn as nn
 
 from offload_zero.accelerate_guard import RefusePrepare, refuse_in_accelerate
-from offload_zero.build import EngineParts, build_parts, build_segments, pools_report
+from offload_zero.build import EngineParts, build_parts, build_segments, memory_report
 from offload_zero.comm import Comm, init_from_env
 from offload_zero.config import EngineConfig, check_number
 from offload_zero.lifetime import WRAPPED, collective_error, not_replacing, release
 from offload_zero.lockstep import Phase
 from offload_zero.memory.accounting import TierAccountant
 from offload_zero.memory.aligned import aligned_empty
-from offload_zero.memory.state_stores import NVMeStore
 from offload_zero.partition.flat_param import FlatParam
-from offload_zero.plan import pipeline_chunk_numel
 from offload_zero.partition.units import Unit
 from offload_zero.update import rules
 from offload_zero.update.accumulation import Accumulation
@@ -297,7 +294,7 @@ class OffloadEngine:
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
             raise ValueError(f"backward needs a scalar loss tensor that requires grad, got {_describe(loss)}")
         self._accum.check_backward()  # (update_timing="backward": its RuntimeError, ValueError)
-        with self._together(Phase.BACKWARD):
+        with self.comm.together(Phase.BACKWARD):
             self.apply_pending_updates()  # (units the last forward did not run)
             loss = self._accum.start_backward(loss)  # (divided by gradient_accumulation_steps)
             if self.loss_scaler is not None:
@@ -381,7 +378,7 @@ class OffloadEngine:
         """:meth:`step`'s work (``engine.optimizer.step()`` calls it): count the micro-batch,
         and at a gradient accumulation boundary update (:meth:`UpdateTimings.step`)."""
         self._check_open()
-        with self._together(Phase.STEP):
+        with self.comm.together(Phase.STEP):
             if self._accum.ends_micro_batch():
                 return
             skipped = self.skipped_steps
@@ -439,22 +436,7 @@ class OffloadEngine:
         ``{"max_host_bytes", "planned_bytes" (the plan's host tier at the step's peak),
         "peak_bytes" (the host tier's measured peak), "pipeline_chunk_numel"}``. Units: bytes.
         """
-        rep = self._acct.report()
-        rep["nvme"]["read_bytes"] = getattr(self.store, "read_bytes", 0)
-        rep["nvme"]["written_bytes"] = getattr(self.store, "written_bytes", 0)
-        rep["nvme"]["state_read_bytes"] = getattr(self.store, "state_read_bytes", 0)
-        rep["nvme"]["state_written_bytes"] = getattr(self.store, "state_written_bytes", 0)
-        rep["live_units"] = {"current": self.scheduler.live_units(), "peak": self.scheduler.live_peak}
-        rep["pools"] = pools_report(self._parts)
-        if isinstance(self.store, NVMeStore):
-            rep["host_cache"] = self.store.cache_report()
-        plan = self.memory_plan
-        if plan.settings.max_host_bytes is not None:
-            rep["host_budget"] = {"max_host_bytes": plan.settings.max_host_bytes,
-                                  "planned_bytes": plan.tier_bytes("host"),
-                                  "peak_bytes": rep["host"]["peak_bytes"],
-                                  "pipeline_chunk_numel": pipeline_chunk_numel(plan)}
-        return rep
+        return memory_report(self._acct, self._parts)
 
     def update_states(self) -> Dict[str, str]:
         """``{flat parameter name: state}`` of every trainable flat parameter whose update is
@@ -482,22 +464,9 @@ class OffloadEngine:
         gathers). Shapes: the original parameter shapes.
         """
         self._check_open()
-        with self._together(Phase.EXPORT):
-            return self._full_state_dict(rank0_only)
-
-    def _full_state_dict(self, rank0_only: bool) -> Dict[str, torch.Tensor]:
-        from offload_zero.hf_export import iter_full_parameters
-        self._exposure.take_outside_writes()
-        out: Dict[str, torch.Tensor] = dict(iter_full_parameters(self, buffers=False))
-        # persistent buffers (and any extra state), as the model's own state_dict() has them
-        with self._exposure.exporting():
-            own = self.module.state_dict()
-        for name, buf in own.items():
-            if name not in out:
-                out[name] = buf.detach().cpu().clone() if isinstance(buf, torch.Tensor) else buf
-        if rank0_only and self.rank != 0:
-            return {}
-        return out
+        from offload_zero.hf_export import full_state_dict
+        with self.comm.together(Phase.EXPORT):
+            return full_state_dict(self, self._exposure, rank0_only)
 
     def iter_full_parameters(self, dtype: Optional[torch.dtype] = None
                              ) -> Iterator[tuple]:
@@ -512,7 +481,7 @@ class OffloadEngine:
         every tensor)."""
         self._check_open()
         from offload_zero.hf_export import iter_full_parameters
-        with self._together(Phase.EXPORT):
+        with self.comm.together(Phase.EXPORT):
             yield from iter_full_parameters(self, dtype)
 
     def save_pretrained(self, folder, dtype: Optional[torch.dtype] = None,
@@ -537,7 +506,7 @@ class OffloadEngine:
         on rank 0, a RuntimeError naming rank 0 on the others."""
         self._check_open()
         from offload_zero.hf_export import save_pretrained
-        with self._together(Phase.EXPORT):
+        with self.comm.together(Phase.EXPORT):
             return save_pretrained(self, folder, dtype=dtype, max_shard_size=max_shard_size,
                                    tokenizer=tokenizer)
 
@@ -553,7 +522,7 @@ class OffloadEngine:
         :func:`offload_zero.checkpoint.save_checkpoint`."""
         from offload_zero.checkpoint import save_checkpoint
         self._check_open()
-        with self._together(Phase.CHECKPOINT):
+        with self.comm.together(Phase.CHECKPOINT):
             self._exposure.take_outside_writes()
             save_checkpoint(self, folder, client_state)
 
@@ -565,7 +534,7 @@ class OffloadEngine:
         between steps. Raises ValueError naming the mismatched field or the bad file:
         :func:`offload_zero.checkpoint.load_checkpoint`."""
         from offload_zero.checkpoint import load_checkpoint
-        with self._together(Phase.CHECKPOINT):
+        with self.comm.together(Phase.CHECKPOINT):
             out = load_checkpoint(self, folder)
         self._exposure.record_versions()  # (the loaded values are the engine's own)
         return out
@@ -574,18 +543,6 @@ class OffloadEngine:
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError(f"[rank {self.rank}] this OffloadEngine is closed")
-
-    @contextlib.contextmanager
-    def _together(self, phase: Phase) -> Iterator[None]:
-        """The body's collectives carry ``phase`` in their lockstep fingerprints, and an error
-        in it is recorded for the other ranks, which stop waiting for this one (see [Note:
-        lockstep])."""
-        with self.comm.phase(phase):
-            try:
-                yield
-            except BaseException as exc:
-                self.comm.report_failure(exc)
-                raise
 
     def close(self) -> None:
         """Release buffers, remove swap files and hooks; idempotent. Also runs on garbage
@@ -597,17 +554,12 @@ class OffloadEngine:
             return
         self._closed = self._states.closed = True
         try:
-            self._exposure.remove()
-            self._updates.close()  # updates cut short by an error: end their I/O first
-        except BaseException as exc:
-            self.comm.report_failure(exc)
-            raise
+            with self.comm.reporting():  # (an error is recorded for the other ranks)
+                self._exposure.remove()
+                self._updates.close()  # updates cut short by an error: end their I/O first
         finally:
-            try:
+            with self.comm.reporting():
                 self._finalizer()
-            except BaseException as exc:
-                self.comm.report_failure(exc)
-                raise
 
     def __enter__(self) -> "OffloadEngine":
         return self
