@@ -1,6 +1,6 @@
 """Gradient accumulation's micro-step count: which ``step()`` calls update the weights, what
-``backward()`` divides the loss by, what ``zero_grad()`` drops, and the checks a backward needs
-with ``update_timing="backward"``.
+``backward()`` divides the loss by, what ``zero_grad()`` drops, and the checks before a
+backward (the loss; with ``update_timing="backward"``, no gradients waiting).
 
 With ``gradient_accumulation_steps=N`` (DeepSpeed's meaning) every N-th ``step()`` call
 updates; the others only end a micro-batch and keep the gradients accumulated so far. Nothing
@@ -49,11 +49,15 @@ class Accumulation:
         (always True with ``steps`` 1)."""
         return (self.micro_steps + 1) % self.steps == 0
 
-    def check_backward(self) -> None:
-        """Before a backward with ``update_timing="backward"``: raises RuntimeError if
-        gradients of an earlier backward wait for ``step()`` (the weights change during
-        backward, so gradients cannot accumulate), ValueError naming a parameter group's bad
-        value (here, not inside backward's hooks). Nothing with another timing."""
+    def check_backward(self, loss) -> None:
+        """Before a backward of ``loss``: raises ValueError unless it is a scalar tensor that
+        requires grad. With ``update_timing="backward"`` also RuntimeError if gradients of an
+        earlier backward wait for ``step()`` (the weights change during backward, so gradients
+        cannot accumulate), and ValueError naming a parameter group's bad value (here, not
+        inside backward's hooks)."""
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
+            raise ValueError("backward needs a scalar loss tensor that requires grad, got "
+                             f"{_describe(loss)}")
         if self.update_timing != BACKWARD:
             return
         if self._states.grads_pending:
@@ -96,3 +100,10 @@ class Accumulation:
     def updated(self) -> None:
         """The update of a boundary ``step()`` call is done: count the call."""
         self.micro_steps += 1
+
+
+def _describe(x) -> str:
+    """``x`` in an error message: a tensor's shape and ``requires_grad``, else its type."""
+    if isinstance(x, torch.Tensor):
+        return f"tensor of shape {tuple(x.shape)} (requires_grad={x.requires_grad})"
+    return repr(type(x).__name__)
