@@ -114,7 +114,7 @@ class _Builder:
             warnings.warn("tail_state_in_host=True has no effect: it needs update_timing="
                           "'backward' or 'next_forward', "
                           f"the optimizer state on NVMe (it is on {cfg.offload_optimizer!r}) "
-                          "and trainable root parameters", UserWarning, stacklevel=4)
+                          "and trainable root parameters", UserWarning, stacklevel=5)
         if isinstance(p.param_home, NVMeParamHome) and p.param_home.master_is_param:
             p.param_home.master_source = p.store
         p.blocks, p.root = self._build_units(*plan)

@@ -50,20 +50,13 @@ class Resolved:
     loss_scaler: Optional["LossScaler"]
 
 
-def resolve(model: nn.Module, settings: dict, kwargs: dict, process_group, timeout_s,
-            param_groups) -> Resolved:
-    """Check ``OffloadEngine``'s arguments and resolve them (see the class's docstring).
-
-    ``settings``: its named :class:`EngineConfig` arguments (offload, path, stage, lr, betas,
-    eps, weight_decay, adamw, dtype, device); ``kwargs``: its further keywords;
-    ``timeout_s``: seconds, a finite number > 0. The process group is initialised from the
-    environment (torchrun) if needed.
+def check_arguments(model, kwargs: dict) -> None:
+    """Check what ``OffloadEngine`` must refuse before its config is made: ``model``
+    (:func:`check_model`) and ``kwargs``, the keywords beyond its named arguments (each must be
+    an :class:`EngineConfig` field).
 
     Raises:
-        ValueError: ``model`` not an ``nn.Module``, prepared by accelerate, or already
-            wrapped; an unknown keyword (the valid ones listed); any invalid setting or
-            parameter group (from :class:`EngineConfig`, ``resolve_param_groups``); a bad
-            ``timeout_s``; with ``offload="auto"``, nothing fits.
+        ValueError: a bad ``model``; an unknown keyword (the valid ones listed).
         TypeError: ``step_in_backward``/``step_in_forward``, naming the ``update_timing`` to
             pass instead.
     """
@@ -75,7 +68,21 @@ def resolve(model: nn.Module, settings: dict, kwargs: dict, process_group, timeo
         valid = sorted(fields | {'process_group', 'timeout_s', 'param_groups'})
         raise ValueError(f"OffloadEngine got unknown keyword argument(s) {unknown}; valid "
                          f"ones: {valid}")
-    cfg = EngineConfig(**settings, **kwargs)
+
+
+def resolve(model: nn.Module, cfg: EngineConfig, process_group, timeout_s,
+            param_groups) -> Resolved:
+    """Resolve ``OffloadEngine``'s arguments (see the class's docstring) once
+    :func:`check_arguments` passed and its config ``cfg`` is made (there, so that the config's
+    warnings name the caller's line).
+
+    ``timeout_s``: seconds, a finite number > 0. The process group is initialised from the
+    environment (torchrun) if needed.
+
+    Raises:
+        ValueError: a bad parameter group (from ``resolve_param_groups``); a bad
+            ``timeout_s``; with ``offload="auto"``, nothing fits.
+    """
     from offload_zero.optim.facade import resolve_param_groups
     defaults = dict(lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
     groups, group_of = resolve_param_groups(model, param_groups, defaults)

@@ -9,6 +9,7 @@ counts accumulated micro-batches), :mod:`offload_zero.lifetime` releases it, and
 """
 from __future__ import annotations
 
+import contextlib
 import sys
 import weakref
 from typing import Dict, Iterator, List, Optional
@@ -18,8 +19,8 @@ import torch.nn as nn
 
 from offload_zero.accelerate_guard import RefusePrepare, refuse_in_accelerate
 from offload_zero.build import EngineParts, build_segments, memory_report
-from offload_zero.config import check_number
-from offload_zero.construct import Resolved, build_guarded, releasable, resolve
+from offload_zero.config import EngineConfig, check_number
+from offload_zero.construct import Resolved, build_guarded, check_arguments, releasable, resolve
 from offload_zero.inputs import to_device
 from offload_zero.lifetime import WRAPPED, close_engine, collective_error, not_replacing, release
 from offload_zero.lockstep import Phase
@@ -108,9 +109,11 @@ class OffloadEngine:
                  device=None, process_group=None, timeout_s: float = 300.0,
                  param_groups=None, load_from=None, init: Optional[str] = None,
                  strict: bool = True, **kwargs):
-        r = resolve(model, dict(offload=offload, path=path, stage=stage, lr=lr, betas=betas,
-                                eps=eps, weight_decay=weight_decay, adamw=adamw, dtype=dtype,
-                                device=device), kwargs, process_group, timeout_s, param_groups)
+        check_arguments(model, kwargs)  # (the model, unknown or replaced keywords)
+        cfg = EngineConfig(offload=offload, path=path, stage=stage, lr=lr, betas=betas, eps=eps,
+                           weight_decay=weight_decay, adamw=adamw, dtype=dtype, device=device,
+                           **kwargs)
+        r = resolve(model, cfg, process_group, timeout_s, param_groups)
         cfg = self.config = r.config
         self.comm, self.placement = r.comm, r.placement  # (placement: with offload="auto")
         self.device, self.rank, self.world_size = cfg.device, r.comm.rank, r.comm.world_size
@@ -477,10 +480,7 @@ class OffloadEngine:
     def __exit__(self, exc_type, exc, tb) -> None:
         """Close the engine. When the block raised, an error in closing is logged instead of
         raised, so the block's own exception (a Ctrl-C, say) is what the caller sees."""
-        if exc is None:
-            self.close()
-            return
-        with not_replacing(exc, self.rank):
+        with contextlib.nullcontext() if exc is None else not_replacing(exc, self.rank):
             self.close()
 
     # -- state for checkpoints ---------------------------------------------------------------

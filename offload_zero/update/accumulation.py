@@ -32,7 +32,8 @@ class Accumulation:
             (ValueError naming a bad one).
 
     Attributes:
-        micro_steps: ``step()`` calls since the engine was built (an int >= 0).
+        micro_steps: ``step()`` calls counted since the engine was built (an int >= 0; a
+            ``zero_grad()`` that drops gradients takes back those of the unfinished window).
         micro_stepped: whether the last ``step()`` only ended a micro-batch, with no backward
             since.
     """
