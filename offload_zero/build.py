@@ -28,8 +28,8 @@ from offload_zero.partition.grads import GradientShards
 from offload_zero.partition.reduce_order import OrderedReduction, grad_order
 from offload_zero.partition.schedule import UnitScheduler, runs_itself
 from offload_zero.partition.units import Unit, plan_flat_params
-from offload_zero.plan import (fit_host_budget, layout_of, pipeline_chunk_numel,
-                               pipeline_shard_numel, settings_of)
+from offload_zero.plan import (fit_host_budget, host_budget_report, layout_of,
+                               pipeline_chunk_numel, pipeline_shard_numel, settings_of)
 from offload_zero.update.adam import ShardAdam
 from offload_zero.update.rules import BACKWARD, NEXT_FORWARD
 from offload_zero.update.state import UpdateStates
@@ -115,7 +115,7 @@ class _Builder:
             warnings.warn("tail_state_in_host=True has no effect: it needs update_timing="
                           "'backward' or 'next_forward', "
                           f"the optimizer state on NVMe (it is on {cfg.offload_optimizer!r}) "
-                          "and trainable root parameters", UserWarning, stacklevel=4)
+                          "and trainable root parameters", UserWarning, stacklevel=5)
         if isinstance(p.param_home, NVMeParamHome) and p.param_home.master_is_param:
             p.param_home.master_source = p.store
         p.blocks, p.root = self._build_units(*plan)
@@ -411,6 +411,27 @@ def pools_report(parts: EngineParts) -> dict:
             pools[name] = {"tier": tier, "buffers": 1, "buffer_bytes": nbytes,
                            "capacity_bytes": nbytes}
     return pools
+
+
+def memory_report(acct: TierAccountant, parts: EngineParts, states: UpdateStates) -> dict:
+    """``engine.memory_report()``: the accountant's bytes per tier and kind (``acct``), the
+    NVMe bytes the store moved, the scheduler's live units, :func:`pools_report`, the I/O
+    stages not at rest (``states``), the host cache's split (optimizer state on NVMe) and,
+    with ``max_host_bytes``, the host budget against the memory plan
+    (:func:`offload_zero.plan.host_budget_report`; see :meth:`OffloadEngine.memory_report`).
+    Units: bytes."""
+    rep, store, plan = acct.report(), parts.store, parts.memory_plan
+    for key in ("read_bytes", "written_bytes", "state_read_bytes", "state_written_bytes"):
+        rep["nvme"][key] = getattr(store, key, 0)
+    rep["live_units"] = {"current": parts.scheduler.live_units(),
+                         "peak": parts.scheduler.live_peak}
+    rep["pools"] = pools_report(parts)
+    rep["io_stages"] = states.io_report()  # (see [Note: update states])
+    if isinstance(store, NVMeStore):
+        rep["host_cache"] = store.cache_report()
+    if plan.settings.max_host_bytes is not None:
+        rep["host_budget"] = host_budget_report(plan, rep["host"]["peak_bytes"])
+    return rep
 
 
 def check_pools(parts: EngineParts, rank: int) -> None:

@@ -106,6 +106,24 @@ class Comm:
         if self.lockstep is not None:
             self.lockstep.report_failure(exc)
 
+    @contextlib.contextmanager
+    def reporting(self) -> Iterator[None]:
+        """An error in the body is recorded (:meth:`report_failure`), then raised: the other
+        ranks stop waiting for this one (see [Note: lockstep])."""
+        try:
+            yield
+        except BaseException as exc:
+            self.report_failure(exc)
+            raise
+
+    @contextlib.contextmanager
+    def together(self, phase: Phase) -> Iterator[None]:
+        """The body's collectives carry ``phase`` in their lockstep fingerprints
+        (:meth:`phase`), and an error in it is recorded for the other ranks
+        (:meth:`reporting`)."""
+        with self.phase(phase), self.reporting():
+            yield
+
     def _run(self, kind: str, numel: int, dtype: torch.dtype, what: str, op) -> None:
         """Run collective ``op(async_op) -> work`` after the lockstep check (world size > 1)."""
         ls = self.lockstep

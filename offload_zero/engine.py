@@ -1,19 +1,15 @@
 """``OffloadEngine``: the user-facing training loop — forward, backward, step, state export,
-checkpoints.
+checkpoints — for ZeRO-DP (Rajbhandari et al., 2019) stages 1-3, the partitioned fp32 optimizer
+state on the device, in host memory (ZeRO-Offload) or in NVMe files (ZeRO-Infinity).
 
-It implements ZeRO-DP (Rajbhandari et al., 2019) stages 1-3 over the data-parallel ranks, with
-the partitioned fp32 optimizer state placed on the device, in host memory (ZeRO-Offload) or in
-NVMe files (ZeRO-Infinity). DESIGN.md has the architecture and the memory arithmetic. The engine
-is a facade: :mod:`offload_zero.build` builds its parts, :mod:`offload_zero.update` runs the
-updates (when: :mod:`offload_zero.update.timings`; each flat parameter's state:
-:mod:`offload_zero.update.state`; the per-shard Adam call: :mod:`offload_zero.update.adam`),
-:mod:`offload_zero.lifetime` releases it, and :mod:`offload_zero.partition.schedule` says when
-units are gathered and freed.
+A facade (DESIGN.md has the architecture): :mod:`offload_zero.construct` checks its arguments,
+:mod:`offload_zero.build` builds its parts, :mod:`offload_zero.update` runs the updates (and
+counts accumulated micro-batches), :mod:`offload_zero.lifetime` releases it, and
+:mod:`offload_zero.partition.schedule` says when units are gathered and freed.
 """
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import sys
 import weakref
 from typing import Dict, Iterator, List, Optional
@@ -22,20 +18,15 @@ import torch
 import torch.nn as nn
 
 from offload_zero.accelerate_guard import RefusePrepare, refuse_in_accelerate
-from offload_zero.build import EngineParts, build_parts, build_segments, pools_report
-from offload_zero.comm import Comm, init_from_env
+from offload_zero.build import EngineParts, build_segments, memory_report
 from offload_zero.config import EngineConfig, check_number
-from offload_zero.lifetime import WRAPPED, collective_error, not_replacing, release
+from offload_zero.construct import Resolved, build_guarded, check_arguments, releasable, resolve
+from offload_zero.inputs import to_device
+from offload_zero.lifetime import WRAPPED, close_engine, collective_error, not_replacing, release
 from offload_zero.lockstep import Phase
-from offload_zero.memory.accounting import TierAccountant
-from offload_zero.memory.aligned import aligned_empty
-from offload_zero.memory.state_stores import NVMeStore
 from offload_zero.partition.flat_param import FlatParam
-from offload_zero.plan import host_budget_report
-from offload_zero.partition.units import Unit
-from offload_zero.update import rules
+from offload_zero.update.accumulation import Accumulation
 from offload_zero.update.rules import BACKWARD
-from offload_zero.update.state import UpdateStates
 from offload_zero.update.timings import UpdateTimings
 
 
@@ -43,56 +34,45 @@ class OffloadEngine:
     """Wrap ``model`` for ZeRO training with optional CPU or NVMe offload of optimizer state.
 
     Args:
-        model: any ``torch.nn.Module`` with its parameters on the CPU (or the device). Its
-            parameters are moved into flat shards owned by the engine: afterwards the module's
-            parameter attributes are views while their unit runs, and otherwise its own
-            parameter objects, each of the true shape in the compute dtype (the current values
-            at stages 1 and 2, placeholders at stage 3). The model's own API keeps working:
-            ``parameters()``, ``state_dict()`` (the full fp32 values, collective),
-            ``load_state_dict()`` (into the master weights), ``generate()``, in-place writes
-            under ``torch.no_grad()`` (they reach the master weights); see
-            :mod:`offload_zero.exposure`. At stage 3 under torchrun every rank must run each
-            forward, ``generate()`` included (with ``synced_gpus=True`` when the ranks'
-            lengths differ).
-        offload: ``"none"``, ``"cpu"`` or ``"nvme"`` — where fp32 master weights and Adam
-            moments live (see :class:`offload_zero.config.EngineConfig`).
-        path: existing writable folder for NVMe swap files (``offload="nvme"``); files go to
-            ``path/rank<r>/`` with mode 0600 and are removed by :meth:`close`; its ``.owner``
-            file (pid, boot id) lets a later engine take over the folder of a process that is
-            gone (with a warning), and refuse it while that process runs (ValueError).
-        stage: ZeRO stage 1, 2 or 3.
-        lr, betas, eps, weight_decay, adamw: the optimizer (AdamW when ``adamw`` else Adam with
-            L2), with torch's exact semantics; ``lr`` and the three after it are the parameter
-            groups' defaults.
-        dtype: compute dtype of parameters and gradients on the device (float32, bfloat16,
-            float16); master weights and moments are float32.
-        device: the accelerator (default: CUDA when present, else the CPU).
+        model: any ``torch.nn.Module`` with its parameters on the CPU (or the device). They
+            move into flat shards the engine owns; the module keeps parameter objects of the
+            true shapes in the compute dtype (the current values at stages 1 and 2,
+            placeholders at stage 3; views while their unit runs) and its own API
+            (``parameters()``, ``state_dict()``: full fp32 values, collective;
+            ``load_state_dict()`` and in-place writes under ``torch.no_grad()`` reach the master
+            weights; ``generate()``; see :mod:`offload_zero.exposure`). At stage 3 under
+            torchrun every rank must run each forward, ``generate()`` included (with
+            ``synced_gpus=True`` when the ranks' lengths differ).
+        offload, path, stage, lr, betas, eps, weight_decay, adamw, dtype, device, **kwargs: the
+            :class:`offload_zero.config.EngineConfig` fields (its docstring lists every field,
+            default, unit and valid value): where the fp32 master weights and moments live
+            (``"none"``, ``"cpu"``, ``"nvme"``, ``"auto"``); the NVMe swap folder (files in
+            ``path/rank<r>/``, mode 0600, removed by :meth:`close`; its ``.owner`` file hands a
+            gone process's folder over, with a warning, and refuses a running one's:
+            ValueError); the ZeRO stage (1, 2, 3); the optimizer (AdamW when ``adamw`` else
+            Adam with L2, torch's semantics; ``lr`` to ``weight_decay`` are the parameter
+            groups' defaults); the compute dtype (master weights and moments are fp32); the
+            accelerator (default CUDA when present, else the CPU); further fields (prefetch,
+            max_grad_norm, update_timing, gradient_accumulation_steps: see :meth:`step`, ...).
+            ``step_in_backward``/``step_in_forward``, which ``update_timing`` replaced, raise
+            TypeError naming the value to pass instead.
         process_group: the data-parallel group (default: the world; none needed at world size 1).
         timeout_s: collective timeout in seconds when the engine initialises the process group
             (a finite number > 0; ValueError otherwise).
         param_groups: None (one group of every trainable parameter), or torch's format: a list
             of dicts, each with ``params`` (parameters of ``model``, taken before wrapping) and
             any of ``lr``, ``betas``, ``eps``, ``weight_decay``. Trainable parameters in no group
-            go to a last group with the values above. See :attr:`optimizer`.
-        load_from: a Hugging Face safetensors checkpoint folder whose weights (any float
-            dtype) become the fp32 master weights, streamed one flat parameter at a time, each
-            rank reading only its shard's bytes; works with a model built on the meta device
-            (never materialised whole) or a normal one (its values are replaced). Names follow
-            ``from_pretrained`` (tied weights, the model's renames, ``base_model_prefix``).
-            See :func:`offload_zero.stream_load.initial_values`.
+            go to a last group with the defaults. See :attr:`optimizer`.
+        load_from: a Hugging Face safetensors checkpoint folder whose weights (any float dtype)
+            become the fp32 master weights, streamed one flat parameter at a time, each rank
+            reading its shard's bytes only; the model may be on the meta device (never
+            materialised whole) or not (its values are replaced). Names follow
+            ``from_pretrained`` (see :func:`offload_zero.stream_load.initial_values`).
         init: ``"model"``: parameters not in ``load_from`` (all without it) come from the
             model's own initialiser (transformers' ``_init_weights``, else
             ``reset_parameters()``), one unit at a time; seed torch first for determinism.
         strict: with ``load_from``, missing or unexpected keys raise ValueError; False
             loads anyway and lists them in :attr:`load_report`.
-        **kwargs: further :class:`EngineConfig` fields (prefetch, unit_classes, max_grad_norm,
-            aio_backend, aio_block_size, aio_queue_depth, update_timing, ...). At stage 3 with
-            the optimizer state on NVMe, ``update_timing="auto"`` is ``"next_forward"``:
-            :meth:`step` decides the update and each unit gets it just before its next
-            gather. The keywords ``step_in_backward``/``step_in_forward`` that
-            ``update_timing`` replaced raise TypeError naming the value to pass instead.
-            ``gradient_accumulation_steps=N``: DeepSpeed's gradient accumulation
-            (see :meth:`step`).
 
     Raises:
         ValueError: any invalid argument, naming the value and the valid choices; a missing or
@@ -129,94 +109,23 @@ class OffloadEngine:
                  device=None, process_group=None, timeout_s: float = 300.0,
                  param_groups=None, load_from=None, init: Optional[str] = None,
                  strict: bool = True, **kwargs):
-        if not isinstance(model, nn.Module):
-            raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        if getattr(model, "_is_accelerate_prepared", None) is True:
-            raise ValueError(f"model {type(model).__name__} was prepared by accelerate; wrap "
-                             "the model itself (the engine places and shards it), and prepare "
-                             "only the data loader")
-        if getattr(model, WRAPPED, False):
-            raise ValueError(f"model {type(model).__name__} is already wrapped by an "
-                             "OffloadEngine: its parameters live in that engine (and go with "
-                             "it on close()). Build the model afresh, or load the first "
-                             "engine's full_state_dict() into a new one")
-        rules.refuse_old_switches(kwargs)  # (TypeError naming the update_timing to use)
-        fields = {f.name for f in dataclasses.fields(EngineConfig)}
-        unknown = sorted(set(kwargs) - fields)
-        if unknown:
-            valid = sorted(fields | {'process_group', 'timeout_s', 'param_groups'})
-            raise ValueError(f"OffloadEngine got unknown keyword argument(s) {unknown}; valid "
-                             f"ones: {valid}")
-        self.config = EngineConfig(offload=offload, path=path, stage=stage, lr=lr, betas=betas,
-                                   eps=eps, weight_decay=weight_decay, adamw=adamw, dtype=dtype,
-                                   device=device, **kwargs)
-        cfg = self.config
-        self.device = cfg.device
-        from offload_zero.optim.facade import resolve_param_groups
-        defaults = dict(lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
-        groups, group_of = resolve_param_groups(model, param_groups, defaults)
-        timeout_s = check_number("timeout_s", timeout_s, low=0.0, low_inclusive=False)
-        init_from_env(timeout_s, self.device)
-        self.comm = Comm(process_group, device=self.device,
-                         check_collectives=cfg.check_collectives, timeout_s=timeout_s)
-        self.rank, self.world_size = self.comm.rank, self.comm.world_size
-        self.placement = None
-        if cfg.offload == "auto":
-            from offload_zero.placement import choose_placement
-            self.placement = choose_placement(
-                model, cfg.stage, self.world_size, cfg.dtype, cfg.prefetch, cfg.unit_classes,
-                self.device, cfg.path, cfg.max_device_bytes, cfg.max_host_bytes,
-                update_timing=cfg.update_timing, tail_state_in_host=cfg.tail_state_in_host,
-                leaf_modules=cfg.leaf_modules, workload=cfg.auto_workload, comm=self.comm,
-                host_cache_bytes=cfg.host_cache_bytes, moment_dtype=cfg.moment_dtype,
-                aio_backend=cfg.aio_backend)
-            self.config = cfg = dataclasses.replace(
-                cfg, offload_optimizer=self.placement.offload_optimizer,
-                offload_param=self.placement.offload_param,
-                update_timing=self.placement.update_timing,
-                moment_dtype=self.placement.moment_dtype,
-                host_cache_bytes=self.placement.host_cache_bytes)
-        self.module = model
-        self._closed = False
-        self._acct = TierAccountant(self.rank)
-        self._states = UpdateStates(self.rank)  # (see [Note: update states])
-        self._micro_steps = 0           # step() calls since the engine was built
-        self._micro_stepped = False     # step() ended a micro-batch, no backward since
+        check_arguments(model, kwargs)  # (the model, unknown or replaced keywords)
+        cfg = EngineConfig(offload=offload, path=path, stage=stage, lr=lr, betas=betas, eps=eps,
+                           weight_decay=weight_decay, adamw=adamw, dtype=dtype, device=device,
+                           **kwargs)
+        r = resolve(model, cfg, process_group, timeout_s, param_groups)
+        cfg = self.config = r.config
+        self.comm, self.placement = r.comm, r.placement  # (placement: with offload="auto")
+        self.device, self.rank, self.world_size = cfg.device, r.comm.rank, r.comm.world_size
+        self.module, self._closed = model, False
+        self._acct, self._states = r.acct, r.states  # (see [Note: update states])
         self.lr_scheduler = None  # stepped after each update (see the class docstring)
-        # fp16: the loss is scaled up before backward, the update scales the gradients down
-        self.loss_scaler = cfg.make_loss_scaler()
-        pin = self.device.type == "cuda"
-        self._host_alloc = lambda n, dt: aligned_empty(n, dt, pin=pin)
-        from offload_zero.stream_load import initial_values
-        # checked (and buffers filled) before anything is allocated
-        initial = initial_values(model, load_from, init, strict)
-        self.load_report = {
-            "missing_keys": list(getattr(initial, "missing_keys", [])),
-            "unexpected_keys": list(getattr(initial, "unexpected_keys", []))}
-        parts = EngineParts()
-        self.pools = parts.pools  # HostBufferPool | GatherPool, by name
-        try:
-            build_parts(parts, model, cfg, self.comm, self._acct, self._host_alloc, initial,
-                        self._states, self.loss_scaler)
-            self._take(parts)
-            from offload_zero.optim.facade import EngineOptimizer
-            # (see [Note: parameter groups] in offload_zero.optim.facade)
-            self._entry_groups = build_segments(parts, group_of)
-            self.optimizer = EngineOptimizer(self, groups, defaults)
-            self._updates.hypers = self.optimizer.hypers
-        except BaseException as exc:
-            with not_replacing(exc, self.rank):
-                release(self._acct, parts.store, parts.param_home, parts.swapper, parts.pools,
-                        parts.scheduler, parts.grads, parts.flat_params)
-            raise
-        finally:
-            if initial is not None:
-                initial.close()
+        self.loss_scaler = r.loss_scaler  # (fp16: scales the loss up, the update scales down)
+        self.load_report = build_guarded(model, r, load_from, init, strict,
+                                         lambda parts: self._take(parts, r))
         # Hooks on tensors live in C++, where the cycle collector cannot see them: the finalizer
         # must not reference the engine, and it removes the hooks itself.
-        self._finalizer = weakref.finalize(self, release, self._acct, self.store,
-                                           self.param_home, self.swapper, self.pools,
-                                           self.scheduler, self.grads, self.flat_params)
+        self._finalizer = weakref.finalize(self, release, self._acct, *releasable(self._parts))
         object.__setattr__(model, WRAPPED, True)
         # the model's own parameters(), state_dict(), load_state_dict() and in-place writes
         from offload_zero.exposure import ModelExposure
@@ -224,17 +133,26 @@ class OffloadEngine:
         # accelerator.prepare(model) raises (see [Note: accelerate's prepare])
         object.__setattr__(model, "_is_accelerate_prepared", RefusePrepare("model"))
 
-    def _take(self, parts: EngineParts) -> None:
-        """Hold the parts :func:`build_parts` built (the stores, homes, units, schedule)."""
+    def _take(self, parts: EngineParts, r: Resolved) -> None:
+        """Hold the parts built (stores, homes, units, schedule) and build the optimizer and the
+        accumulation count on them, inside the build's guard (an error releases the parts)."""
         self.swapper, self.param_home, self.store = parts.swapper, parts.param_home, parts.store
-        self.blocks, self.root = parts.blocks, parts.root
-        self.units: List[Unit] = parts.units
+        self.blocks, self.root, self.units = parts.blocks, parts.root, parts.units
         self.flat_params, self.trainable = parts.flat_params, parts.trainable
         self.grads, self.scheduler = parts.grads, parts.scheduler
-        self._updates: UpdateTimings = parts.updates
         self.memory_plan = parts.memory_plan
+        self.pools = parts.pools  # HostBufferPool | GatherPool, by name
         self._parts = parts  # (the pools' report reads them)
+        self._updates: UpdateTimings = parts.updates
         self._step_count: Dict[FlatParam, int] = parts.step_count  # (checkpoints read it)
+        from offload_zero.optim.facade import EngineOptimizer
+        # (see [Note: parameter groups] in offload_zero.optim.facade)
+        self._entry_groups = build_segments(parts, r.group_of)
+        self.optimizer = EngineOptimizer(self, r.groups, r.defaults)
+        self._updates.hypers = self.optimizer.hypers
+        self._accum = Accumulation(self.config.gradient_accumulation_steps,
+                                   self.config.update_timing, self._states, self.scheduler,
+                                   self.optimizer.hypers)
 
     @property
     def __class__(self):
@@ -266,11 +184,6 @@ class OffloadEngine:
         """Whether a backward since the last step left gradients in the engine."""
         return self._states.grads_pending
 
-    def _hypers(self) -> tuple:
-        """Every parameter group's hyperparameters now (:meth:`EngineOptimizer.hypers`):
-        what an update decided now uses. Raises ValueError naming a bad value."""
-        return self.optimizer.hypers()
-
     # -- training loop -----------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
         """Run the model's forward on ``args``/``kwargs`` and return its output unchanged.
@@ -279,7 +192,7 @@ class OffloadEngine:
         the compute dtype (as FSDP's mixed precision casts forward inputs).
         """
         self._check_open()
-        args, kwargs = _to_device((args, kwargs), self.device, self.config.dtype)
+        args, kwargs = to_device((args, kwargs), self.device, self.config.dtype)
         return self.module(*args, **kwargs)
 
     forward = __call__
@@ -300,22 +213,10 @@ class OffloadEngine:
         ``update_timing="backward"``) if a parameter group's hyperparameter is bad.
         """
         self._check_open()
-        if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
-            raise ValueError(f"backward needs a scalar loss tensor that requires grad, got {_describe(loss)}")
-        if self.config.update_timing == BACKWARD and self._backward_pending:
-            raise RuntimeError("update_timing='backward' updates the weights during backward, "
-                               "so gradients cannot accumulate over several backward calls: "
-                               "call step() after each backward, or use update_timing='step' "
-                               "(or 'next_forward')")
-        if self.config.update_timing == BACKWARD:
-            self._hypers()  # a bad value fails here, not inside backward's hooks
-        with self._together(Phase.BACKWARD):
+        self._accum.check_backward(loss)  # (ValueError, RuntimeError: see the docstring)
+        with self.comm.together(Phase.BACKWARD):
             self.apply_pending_updates()  # (units the last forward did not run)
-            self._states.grads_pending = True
-            self._micro_stepped = False
-            n = self.config.gradient_accumulation_steps
-            if n > 1:
-                loss = loss / n
+            loss = self._accum.start_backward(loss)  # (divided by gradient_accumulation_steps)
             if self.loss_scaler is not None:
                 # in fp32: a scaled fp16 loss would overflow long before its gradients do
                 loss = loss.float() * self.loss_scaler.scale
@@ -331,35 +232,33 @@ class OffloadEngine:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop the gradients accumulated since the last :meth:`step` (to skip a batch, say
-        after an error in backward); the next backward starts afresh. Without a backward
-        since the last step (torch's habit of ``step(); zero_grad()``) there is nothing to
-        drop and nothing changes: ``update_timing="next_forward"``'s pending updates stay for
-        the next forward. With ``update_timing="backward"`` the weights already changed in
-        backward: this ends the step as :meth:`step` does. With ``gradient_accumulation_steps`` > 1 a :meth:`step`
-        that only ended a micro-batch counts as a step here too (nothing is dropped until the
-        next backward), so ``step(); zero_grad()`` after each micro-batch accumulates; after a
-        backward it drops every micro-batch's gradient since the last update, and the next N
-        :meth:`step` calls make the next update. ``set_to_none`` is accepted as torch's
+        after an error in backward); the next backward starts afresh. Without a backward since
+        the last step (torch's habit of ``step(); zero_grad()``) there is nothing to drop and
+        nothing changes: ``update_timing="next_forward"``'s pending updates stay for the next
+        forward. With ``update_timing="backward"`` the weights already changed in backward: this
+        ends the step as :meth:`step` does. With ``gradient_accumulation_steps`` > 1 a
+        :meth:`step` that only ended a micro-batch counts as a step here too (nothing is dropped
+        until the next backward), so ``step(); zero_grad()`` after each micro-batch accumulates;
+        after a backward it drops every micro-batch's gradient since the last update, and the
+        next N :meth:`step` calls make the next update. ``set_to_none`` is accepted as torch's
         optimizers take it and changes nothing: the gradient shards are the engine's buffers,
         zeroed either way. Raises RuntimeError if the engine is closed."""
         self._check_open()
-        if not self._backward_pending or self._micro_stepped:
+        if self._accum.nothing_to_drop():
             return
         if self.config.update_timing == BACKWARD:
             self._step()
             return
         self.grads.zero()  # (pending "next_forward" updates: backward applied them)
-        n = self.config.gradient_accumulation_steps
-        self._micro_steps -= self._micro_steps % n  # (the accumulation window starts again)
-        self._states.grads_pending = False
+        self._accum.dropped()
 
     def apply_pending_updates(self) -> None:
         """Apply every update that :meth:`step` decided and ``update_timing="next_forward"``
-        left for the units' next gathers (no-op otherwise): before anything reads the weights or the
-        optimizer state as a whole (checkpoints, :meth:`full_state_dict`, the next
-        :meth:`step`), and by :meth:`backward` for units the last forward did not run.
-        Raises SwapIOError if an NVMe transfer fails (file and offset named), RuntimeError if
-        the engine is closed."""
+        left for the units' next gathers (no-op otherwise): before anything reads the weights or
+        the optimizer state as a whole (checkpoints, :meth:`full_state_dict`, the next
+        :meth:`step`), and by :meth:`backward` for units the last forward did not run. Raises
+        SwapIOError if an NVMe transfer fails (file and offset named), RuntimeError if the
+        engine is closed."""
         self._check_open()
         self._updates.apply_pending()
 
@@ -367,7 +266,6 @@ class OffloadEngine:
         """Finish every update still streaming and apply every pending one (see
         :meth:`UpdateTimings.finish_updates`): before anything reads the weights whole."""
         self._updates.finish_updates()
-
 
     def step(self) -> None:
         """Update every trainable flat parameter with Adam/AdamW, then zero the gradients;
@@ -393,30 +291,21 @@ class OffloadEngine:
     def is_gradient_accumulation_boundary(self) -> bool:
         """Whether the next :meth:`step` call updates the weights: with
         ``gradient_accumulation_steps=N``, every N-th call does (always True with N=1)."""
-        return (self._micro_steps + 1) % self.config.gradient_accumulation_steps == 0
-
-    def is_gradient_accumulation_boundary(self) -> bool:
-        """Whether the next :meth:`step` call updates the weights: with
-        ``gradient_accumulation_steps=N``, every N-th call does (always True with N=1)."""
-        return (self._micro_steps + 1) % self.config.gradient_accumulation_steps == 0
+        return self._accum.is_boundary()
 
     @torch.no_grad()
     def _step(self) -> None:
         """:meth:`step`'s work (``engine.optimizer.step()`` calls it): count the micro-batch,
         and at a gradient accumulation boundary update (:meth:`UpdateTimings.step`)."""
         self._check_open()
-        with self._together(Phase.STEP):
-            boundary = self.is_gradient_accumulation_boundary()
-            if not boundary:
-                self.scheduler.reshard_all()  # (as the update does: the root may be gathered)
-                self._micro_steps += 1
-                self._micro_stepped = True
+        with self.comm.together(Phase.STEP):
+            if self._accum.ends_micro_batch():
                 return
             skipped = self.skipped_steps
-            hypers = self._hypers()
+            hypers = self.optimizer.hypers()
             self._exposure.before_step()  # writes to the model's parameters since the forward
             self._updates.step(hypers)
-            self._micro_steps += 1
+            self._accum.updated()
             if self.lr_scheduler is not None and self.skipped_steps == skipped:
                 self.lr_scheduler.step()
 
@@ -457,31 +346,18 @@ class OffloadEngine:
         "capacity_bytes", ...}}}``; ``"nvme"`` also has ``"read_bytes"`` and ``"written_bytes"``
         (cumulative bytes moved through the swapper), ``"state_read_bytes"`` and
         ``"state_written_bytes"`` (the optimizer state's part of them, counted as each transfer
-        starts); with the optimizer state on NVMe,
-        ``"host_cache"`` gives its split between host memory and files (see
-        :meth:`offload_zero.memory.state_stores.NVMeStore.cache_report`). ``"pools"``
-        lists the fixed buffers sized at start-up, each with its ``"tier"`` (the device gather
-        pool for unsharded units, parameter-shard read-ahead, the NVMe optimizer pipeline, the
-        host staging buffer, the reduce-scatter scratch): exactly :attr:`memory_plan`'s pools
-        (see :mod:`offload_zero.plan`). With ``max_host_bytes``, ``"host_budget"`` gives the
-        budget, the planned and measured host peak and what was lowered to fit
-        (:func:`offload_zero.plan.host_budget_report`). ``"io_stages"``: each flat parameter
-        whose NVMe bytes are not at rest, ``{name: {"optimizer_state", "parameter_shard"}}``
-        (see :meth:`UpdateStates.io_report`). Units: bytes.
+        starts); with the optimizer state on NVMe, ``"host_cache"`` gives its split between host
+        memory and files (see :meth:`offload_zero.memory.state_stores.NVMeStore.cache_report`).
+        ``"pools"`` lists the fixed buffers sized at start-up, each with its ``"tier"`` (the
+        device gather pool for unsharded units, parameter-shard read-ahead, the NVMe optimizer
+        pipeline, the host staging buffer, the reduce-scatter scratch): exactly
+        :attr:`memory_plan`'s pools (see :mod:`offload_zero.plan`). With ``max_host_bytes``,
+        ``"host_budget"`` gives the budget, the planned and measured host peak and what was
+        lowered to fit (:func:`offload_zero.plan.host_budget_report`). ``"io_stages"``: each
+        flat parameter whose NVMe bytes are not at rest, ``{name: {"optimizer_state",
+        "parameter_shard"}}`` (see :meth:`UpdateStates.io_report`). Units: bytes.
         """
-        rep = self._acct.report()
-        rep["nvme"]["read_bytes"] = getattr(self.store, "read_bytes", 0)
-        rep["nvme"]["written_bytes"] = getattr(self.store, "written_bytes", 0)
-        rep["nvme"]["state_read_bytes"] = getattr(self.store, "state_read_bytes", 0)
-        rep["nvme"]["state_written_bytes"] = getattr(self.store, "state_written_bytes", 0)
-        rep["live_units"] = {"current": self.scheduler.live_units(), "peak": self.scheduler.live_peak}
-        rep["pools"] = pools_report(self._parts)
-        rep["io_stages"] = self._states.io_report()  # (see [Note: update states])
-        if isinstance(self.store, NVMeStore):
-            rep["host_cache"] = self.store.cache_report()
-        if self.memory_plan.settings.max_host_bytes is not None:
-            rep["host_budget"] = host_budget_report(self.memory_plan, rep["host"]["peak_bytes"])
-        return rep
+        return memory_report(self._acct, self._parts, self._states)
 
     def update_states(self) -> Dict[str, str]:
         """``{flat parameter name: state}`` of every trainable flat parameter whose update is
@@ -509,22 +385,9 @@ class OffloadEngine:
         gathers). Shapes: the original parameter shapes.
         """
         self._check_open()
-        with self._together(Phase.EXPORT):
-            return self._full_state_dict(rank0_only)
-
-    def _full_state_dict(self, rank0_only: bool) -> Dict[str, torch.Tensor]:
-        from offload_zero.hf_export import iter_full_parameters
-        self._exposure.take_outside_writes()
-        out: Dict[str, torch.Tensor] = dict(iter_full_parameters(self, buffers=False))
-        # persistent buffers (and any extra state), as the model's own state_dict() has them
-        with self._exposure.exporting():
-            own = self.module.state_dict()
-        for name, buf in own.items():
-            if name not in out:
-                out[name] = buf.detach().cpu().clone() if isinstance(buf, torch.Tensor) else buf
-        if rank0_only and self.rank != 0:
-            return {}
-        return out
+        from offload_zero.hf_export import full_state_dict
+        with self.comm.together(Phase.EXPORT):
+            return full_state_dict(self, self._exposure, rank0_only)
 
     def iter_full_parameters(self, dtype: Optional[torch.dtype] = None
                              ) -> Iterator[tuple]:
@@ -539,7 +402,7 @@ class OffloadEngine:
         every tensor)."""
         self._check_open()
         from offload_zero.hf_export import iter_full_parameters
-        with self._together(Phase.EXPORT):
+        with self.comm.together(Phase.EXPORT):
             yield from iter_full_parameters(self, dtype)
 
     def save_pretrained(self, folder, dtype: Optional[torch.dtype] = None,
@@ -554,17 +417,16 @@ class OffloadEngine:
         parameter is written once, under the name transformers keeps.
 
         Streamed (see [Note: streamed export] in :mod:`offload_zero.hf_export`): gathered one
-        flat parameter at a time across ranks and written by rank 0, so host memory holds
-        about one unit. Atomic: the folder is written as a hidden sibling and swapped in; a
-        failed export leaves an earlier folder intact. Collective. Returns ``{"dir",
-        "weights" (the index or single file), "weights_bytes", "tensors", "shards",
-        "dropped_tied", "files"}`` (other ranks list the weight files only). Raises ValueError
-        for a bad ``dtype`` or size, or a
-        ``folder`` holding files an export does not write; the write's own error (OSError)
+        flat parameter at a time across ranks and written by rank 0, so host memory holds about
+        one unit. Atomic: the folder is written as a hidden sibling and swapped in; a failed
+        export leaves an earlier folder intact. Collective. Returns ``{"dir", "weights" (the
+        index or single file), "weights_bytes", "tensors", "shards", "dropped_tied", "files"}``
+        (other ranks list the weight files only). Raises ValueError for a bad ``dtype`` or size,
+        or a ``folder`` holding files an export does not write; the write's own error (OSError)
         on rank 0, a RuntimeError naming rank 0 on the others."""
         self._check_open()
         from offload_zero.hf_export import save_pretrained
-        with self._together(Phase.EXPORT):
+        with self.comm.together(Phase.EXPORT):
             return save_pretrained(self, folder, dtype=dtype, max_shard_size=max_shard_size,
                                    tokenizer=tokenizer)
 
@@ -580,7 +442,7 @@ class OffloadEngine:
         :func:`offload_zero.checkpoint.save_checkpoint`."""
         from offload_zero.checkpoint import save_checkpoint
         self._check_open()
-        with self._together(Phase.CHECKPOINT):
+        with self.comm.together(Phase.CHECKPOINT):
             self._exposure.take_outside_writes()
             save_checkpoint(self, folder, client_state)
 
@@ -592,7 +454,7 @@ class OffloadEngine:
         between steps. Raises ValueError naming the mismatched field or the bad file:
         :func:`offload_zero.checkpoint.load_checkpoint`."""
         from offload_zero.checkpoint import load_checkpoint
-        with self._together(Phase.CHECKPOINT):
+        with self.comm.together(Phase.CHECKPOINT):
             out = load_checkpoint(self, folder)
         self._exposure.record_versions()  # (the loaded values are the engine's own)
         return out
@@ -601,18 +463,6 @@ class OffloadEngine:
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError(f"[rank {self.rank}] this OffloadEngine is closed")
-
-    @contextlib.contextmanager
-    def _together(self, phase: Phase) -> Iterator[None]:
-        """The body's collectives carry ``phase`` in their lockstep fingerprints, and an error
-        in it is recorded for the other ranks, which stop waiting for this one (see [Note:
-        lockstep])."""
-        with self.comm.phase(phase):
-            try:
-                yield
-            except BaseException as exc:
-                self.comm.report_failure(exc)
-                raise
 
     def close(self) -> None:
         """Release buffers, remove swap files and hooks; idempotent. Also runs on garbage
@@ -623,18 +473,7 @@ class OffloadEngine:
         if self._closed:
             return
         self._closed = self._states.closed = True
-        try:
-            self._exposure.remove()
-            self._updates.close()  # updates cut short by an error: end their I/O first
-        except BaseException as exc:
-            self.comm.report_failure(exc)
-            raise
-        finally:
-            try:
-                self._finalizer()
-            except BaseException as exc:
-                self.comm.report_failure(exc)
-                raise
+        close_engine(self.comm, self._exposure, self._updates, self._finalizer)
 
     def __enter__(self) -> "OffloadEngine":
         return self
@@ -642,10 +481,7 @@ class OffloadEngine:
     def __exit__(self, exc_type, exc, tb) -> None:
         """Close the engine. When the block raised, an error in closing is logged instead of
         raised, so the block's own exception (a Ctrl-C, say) is what the caller sees."""
-        if exc is None:
-            self.close()
-            return
-        with not_replacing(exc, self.rank):
+        with contextlib.nullcontext() if exc is None else not_replacing(exc, self.rank):
             self.close()
 
     # -- state for checkpoints ---------------------------------------------------------------
@@ -655,9 +491,8 @@ class OffloadEngine:
     def settle_between_steps(self, what: str) -> None:
         """Bring the engine to a point between steps for ``what`` (``"save_checkpoint"``,
         ``"load_checkpoint"``): finish every update still streaming (``update_timing``
-        ``"backward"``), apply those left for the next forward (``"next_forward"``), and
-        reshard every gathered unit,
-        so the shards and optimizer state hold a completed step's values.
+        ``"backward"``), apply those left for the next forward (``"next_forward"``), and reshard
+        every gathered unit, so the shards and optimizer state hold a completed step's values.
 
         Raises RuntimeError (naming the rank) if the engine is closed, or if gradients of a
         ``backward()`` wait for ``step()`` (nothing is changed then); SwapIOError if an NVMe
@@ -684,21 +519,3 @@ class OffloadEngine:
         ``optimizer.param_groups``, one per entry (model parameter) in layout order (see
         [Note: parameter groups] in :mod:`offload_zero.optim.facade`). Read only."""
         return self._entry_groups
-
-
-def _to_device(obj, device, dtype):
-    if isinstance(obj, torch.Tensor):
-        if obj.is_floating_point() and obj.dtype != dtype:
-            return obj.to(device=device, dtype=dtype)
-        return obj.to(device) if obj.device != device else obj
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_device(o, device, dtype) for o in obj)
-    if isinstance(obj, dict):
-        return {k: _to_device(v, device, dtype) for k, v in obj.items()}
-    return obj
-
-
-def _describe(x) -> str:
-    if isinstance(x, torch.Tensor):
-        return f"tensor of shape {tuple(x.shape)} (requires_grad={x.requires_grad})"
-    return repr(type(x).__name__)

@@ -91,6 +91,24 @@ def iter_full_parameters(engine, dtype: Optional[torch.dtype] = None, buffers: b
         yield name, buf.to(dtype) if dtype is not None and buf.is_floating_point() else buf
 
 
+def full_state_dict(engine, exposure, rank0_only: bool) -> Dict[str, torch.Tensor]:
+    """``engine.full_state_dict(rank0_only)`` (see :meth:`OffloadEngine.full_state_dict`):
+    every parameter name's full fp32 CPU tensor (:func:`iter_full_parameters`), then what else
+    the model's own ``state_dict()`` holds (persistent buffers, extra state), read through
+    ``exposure`` (the engine's :class:`offload_zero.exposure.ModelExposure`); ``{}`` on ranks
+    other than 0 with ``rank0_only``. Collective."""
+    exposure.take_outside_writes()
+    out: Dict[str, torch.Tensor] = dict(iter_full_parameters(engine, buffers=False))
+    with exposure.exporting():
+        own = engine.module.state_dict()
+    for name, buf in own.items():
+        if name not in out:
+            out[name] = buf.detach().cpu().clone() if isinstance(buf, torch.Tensor) else buf
+    if rank0_only and engine.rank != 0:
+        return {}
+    return out
+
+
 def _tied_patterns(model) -> List[str]:
     from offload_zero.train.hf_folder import tied_weight_patterns
     return tied_weight_patterns(model)

@@ -53,6 +53,20 @@ def not_replacing(exc: BaseException, rank: int, doing: str = "releasing the eng
                     type(cleanup_exc).__name__, cleanup_exc)
 
 
+def close_engine(comm, exposure, updates, finalizer) -> None:
+    """``engine.close()``'s work, in order: the model's hooks go (``exposure.remove()``), updates
+    cut short by an error end their I/O (``updates.close()``), then ``finalizer()`` releases
+    the parts (:func:`release`), even if the first two raised. Each error is recorded for the
+    other ranks (``comm.reporting()``) and raised; the finalizer's replaces an earlier one."""
+    try:
+        with comm.reporting():
+            exposure.remove()
+            updates.close()
+    finally:
+        with comm.reporting():
+            finalizer()
+
+
 def release(acct, store, param_home, swapper, pools, scheduler, grads, flat_params) -> None:
     """Close the engine's resources; swap files go first: they must not outlive the process.
 

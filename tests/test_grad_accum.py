@@ -122,3 +122,69 @@ def test_grad_accum_in_the_main_job_matches_one_batch_of_all_the_micro_batches(t
     assert "cannot accumulate --grad-accum 2" in capsys.readouterr().err
     with pytest.raises(ValueError, match=r"the saved run used --grad-accum 2, this one 1"):
         train.run(_parse(*common, "--steps", 6, "--batch-size", 2, "--resume", ckpt))
+
+
+def test_the_micro_step_count_alone_matches_deepspeeds_boundaries():
+    """update/accumulation.py on its own (no engine): with 3 steps every third step() updates,
+    backward's loss is divided by 3, a step that only ended a micro-batch reshards the units,
+    and zero_grad() after a backward restarts the window (the next update is 3 calls away)."""
+    from offload_zero.update.accumulation import Accumulation
+    from offload_zero.update.state import UpdateStates
+
+    class Scheduler:
+        resharded = 0
+
+        def reshard_all(self):
+            self.resharded += 1
+
+    states, sched = UpdateStates(0), Scheduler()
+    acc = Accumulation(3, "step", states, sched, hypers=lambda: ())
+    updates = []
+    for call in range(6):
+        loss = acc.start_backward(torch.tensor(6.0, requires_grad=True))
+        assert loss.item() == 2.0 and states.grads_pending
+        if not acc.ends_micro_batch():
+            acc.updated()
+            updates.append(call)
+    assert updates == [2, 5] and sched.resharded == 4 and acc.micro_steps == 6
+    acc.start_backward(torch.tensor(1.0, requires_grad=True))
+    assert acc.ends_micro_batch() and acc.micro_steps == 7 and sched.resharded == 5
+    assert acc.nothing_to_drop()  # (step(); zero_grad() after a micro-batch accumulates)
+    acc.start_backward(torch.tensor(1.0, requires_grad=True))
+    assert not acc.nothing_to_drop()
+    acc.dropped()  # zero_grad() after a backward: the window starts again after the 6 calls
+    assert acc.micro_steps == 6 and not states.grads_pending
+    assert [acc.ends_micro_batch() for _ in range(2)] == [True, True] and acc.is_boundary()
+    with pytest.raises(ValueError, match="scalar loss tensor that requires grad"):
+        acc.check_backward(torch.ones(2))
+    acc.check_backward(torch.tensor(1.0, requires_grad=True))  # (timing "step": nothing else)
+
+    def bad_group():
+        raise ValueError("parameter group 0: lr=-1.0")
+    in_backward = Accumulation(1, "backward", states, sched, hypers=bad_group)
+    with pytest.raises(ValueError, match="lr=-1.0"):  # (before backward's hooks run)
+        in_backward.check_backward(torch.tensor(1.0, requires_grad=True))
+    states.grads_pending = True
+    with pytest.raises(RuntimeError, match="cannot accumulate over several backward calls"):
+        in_backward.check_backward(torch.tensor(1.0, requires_grad=True))
+
+
+def test_update_modules_import_no_engine():
+    """The update modules, the construction and the build are given their collaborators: none
+    imports the engine (no import cycle; they never call back into it)."""
+    import ast
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1] / "offload_zero"
+    files = sorted(root.glob("update/*.py")) + [root / n for n in ("construct.py", "build.py",
+                                                                  "lifetime.py", "inputs.py")]
+    assert len(files) >= 9
+
+    def engine_imports(path):
+        tree = ast.parse(path.read_text())
+        return [node.lineno for node in ast.walk(tree)
+                if (isinstance(node, ast.ImportFrom) and (node.module == "offload_zero.engine" or (
+                    node.module == "offload_zero" and any(a.name == "OffloadEngine"
+                                                          for a in node.names))))
+                or (isinstance(node, ast.Import)
+                    and any(a.name == "offload_zero.engine" for a in node.names))]
+    assert not {f.name: engine_imports(f) for f in files if engine_imports(f)}

@@ -132,6 +132,18 @@ def test_path_without_nvme_warns_that_it_is_unused(kw, tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_construction_warnings_name_the_line_that_built_the_engine(tmp_path):
+    """The config's and the build's warnings point at the caller's ``OffloadEngine(...)`` line
+    (where the setting to change is), not at the engine's own code."""
+    with pytest.warns(UserWarning) as record:
+        OffloadEngine(TinyLM(), offload="cpu", path=str(tmp_path)).close()
+        OffloadEngine(TinyLM(), offload="cpu", update_timing="backward",
+                      tail_state_in_host=True).close()
+    messages = [str(w.message) for w in record]
+    assert any("is not used" in m for m in messages) and any("no effect" in m for m in messages)
+    assert {w.filename for w in record} == {__file__}, [(w.filename, w.lineno) for w in record]
+
+
 def test_read_only_path_raises_value_error(tmp_path):
     ro = tmp_path / "ro"
     ro.mkdir()
