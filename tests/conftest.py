@@ -24,6 +24,11 @@ if "OFFLOAD_ZERO_CACHE" not in os.environ:
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+# torch's own ops on one thread in the test process, as the spawned ranks run them: the models
+# are tiny, and two OpenMP workers spinning against the Adam kernel's threads (which do not
+# follow torch's count) doubled the suite's CPU time on 2 cores. No test depends on the count.
+torch.set_num_threads(1)
+
 
 @pytest.fixture(scope="module")
 def torch_single_thread():
