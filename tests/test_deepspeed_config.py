@@ -461,7 +461,7 @@ def test_docs_table_is_the_modules_table():
 # -- the CLI ----------------------------------------------------------------------------------
 
 def _cli(args, cwd):
-    env = dict(os.environ, OMP_NUM_THREADS="2")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), str(REPO)) if p)
     return subprocess.run([sys.executable, "-m", "offload_zero.cli", "train", *map(str, args)],
                           cwd=cwd, env=env, capture_output=True, text=True, timeout=240)

@@ -57,7 +57,7 @@ def test_sigterm_removes_swap_files(signame, code, word, tmp_path):
     import signal
     import time
     swap = tmp_path / "swap"
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="2")
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     proc = subprocess.Popen([sys.executable, "-m", "offload_zero.cli", "train", "--preset", "tiny",
                              "--steps", "100000", "--offload", "nvme", "--path", str(swap), *FAST],
                             cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,

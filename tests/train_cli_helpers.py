@@ -15,7 +15,7 @@ def _run(args, cwd, timeout=240, **env_overrides):
     """Run ``python -m offload_zero.cli ARGS`` in ``cwd`` with the repo importable."""
     env = dict(os.environ, **env_overrides)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), str(REPO)) if p)
-    env.setdefault("OMP_NUM_THREADS", "2")
+    env.setdefault("OMP_NUM_THREADS", "1")  # (as the test process: see conftest.py)
     return subprocess.run([sys.executable, "-m", "offload_zero.cli", *map(str, args)], cwd=cwd,
                           env=env, capture_output=True, text=True, timeout=timeout)
 
