@@ -34,6 +34,8 @@ AdamW lr 1e-4, wd 0.01; N = 1 by default):
 - ``ours-nvme+cache``: ``ours-nvme`` with ``host_cache_bytes`` = ``--host-cache-frac`` (default
   0.5) of the optimizer state's bytes (12, or 8 with bf16 moments, per parameter): those flat
   parameters' state stays in RAM (no I/O), the rest on NVMe. Same losses.
+- ``ours-nvme+int8m``: ``ours-nvme`` with ``moment_dtype="int8"`` (6.03 bytes of state per
+  parameter); suffixes combine: ``ours-nvme+cache+bf16m`` is both.
 - ``ours-nvme+bf16m``: ``ours-nvme`` with ``moment_dtype="bf16"`` (8 bytes of state per
   parameter instead of 12; close to, not equal to, fp32 moments' losses).
 - ``--moment-dtype bf16`` gives every other ``ours-*`` row bf16 moments too.
@@ -99,7 +101,8 @@ from typing import Dict, List
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = ["torch", "torch+io", "ours-cpu", "ours-nvme", "ours-nvme-opt", "ours-nvme+sib",
            "ours-nvme-opt+sib", "ours-nvme+plain", "ours-nvme-opt+plain", "ours-nvme+cache",
-           "ours-nvme+bf16m", "ds-cpu", "ds-nvme-opt", "ds-nvme-opt+param"]
+           "ours-nvme+bf16m", "ours-nvme+int8m", "ours-nvme+cache+bf16m",
+           "ours-nvme+cache+int8m", "ds-cpu", "ds-nvme-opt", "ds-nvme-opt+param"]
 LR, BETAS, EPS, WD = 1e-4, (0.9, 0.999), 1e-8, 0.01
 GB = 1e9
 
@@ -285,9 +288,12 @@ def worker(args) -> None:
             extra["update_timing"] = "backward"
         if config.endswith("+plain"):
             extra["update_timing"] = "step"
-        extra["moment_dtype"] = "bf16" if config.endswith("+bf16m") else args.moment_dtype
-        if config.endswith("+cache"):
-            per_param = 8 if extra["moment_dtype"] == "bf16" else 12
+        parts = config.split("+")[1:]
+        extra["moment_dtype"] = ("bf16" if "bf16m" in parts else "int8" if "int8m" in parts
+                                 else args.moment_dtype)
+        if "cache" in parts:
+            from offload_zero.memory.state_format import StateFormat, moment_dtype_of
+            per_param = StateFormat(moment_dtype_of(extra["moment_dtype"])).resident_bytes_per_element
             state = per_param * sum(p.numel() for p in model.parameters())
             extra["host_cache_bytes"] = int(args.host_cache_frac * state)
         engine = OffloadEngine(model, stage=3, offload=offload,
