@@ -49,8 +49,8 @@ import torch.nn as nn
 from offload_zero.config import check_int
 from offload_zero.memory.pool import storage_rebinding_supported
 from offload_zero.memory.state_format import StateFormat, moment_dtype_of
-from offload_zero.plan import (KINDS, FlatSpec, MemoryPlan, PlanSettings, layout_of,
-                               memory_plan)
+from offload_zero.plan import (KINDS, FlatSpec, MemoryPlan, PlanSettings, fit_host_budget,
+                               layout_of, memory_plan)
 from offload_zero.plan import shard_numel as _shard_numel  # noqa: F401 (the name callers import)
 from offload_zero.tables import (DTYPE_LONG_NAMES, DTYPES, OFFLOADS, SHORT_NAME as _SHORT,
                                  TIERS, default_offload_param)
@@ -452,7 +452,8 @@ def placement_bytes(model: nn.Module, stage: int, offload_optimizer: str, offloa
                     unit_classes: Sequence[type] = (), accelerator: bool = True,
                     layout=None, update_timing: str = "auto",
                     tail_state_in_host: Optional[bool] = None,
-                    host_cache_bytes: int = 0, moment_dtype="fp32") -> "Placement":
+                    host_cache_bytes: int = 0, moment_dtype="fp32",
+                    max_host_bytes: Optional[int] = None) -> "Placement":
     """Bytes per rank for one placement with the optimizer and parameter tiers set apart.
 
     ``offload_optimizer`` / ``offload_param``: "none", "cpu" or "nvme" (parameters off the
@@ -461,8 +462,11 @@ def placement_bytes(model: nn.Module, stage: int, offload_optimizer: str, offloa
     options of those names (``update_timing="auto"``: the engine's default for this placement,
     see :func:`offload_zero.update.rules.default_timing`); ``host_cache_bytes``: bytes of
     optimizer state the engine keeps in host memory instead of NVMe (see [Note: host cache] in
-    :mod:`offload_zero.memory.host_cache`); ``moment_dtype``: ``"fp32"`` or ``"bf16"``, the
-    engine's option. Returns a :class:`Placement` whose
+    :mod:`offload_zero.memory.host_cache`); ``moment_dtype``: ``"fp32"``, ``"bf16"`` or
+    ``"int8"``, the engine's option; ``max_host_bytes``: the engine's option (bytes), whose
+    budget streams the optimizer state in smaller chunks as the engine's build does
+    (:func:`offload_zero.plan.fit_host_budget`; a plan that cannot fit is counted as it is,
+    over the budget). Returns a :class:`Placement` whose
     ``offload`` reads ``"<optimizer>+<param>"``. Used by ``offload="auto"``
     (:mod:`offload_zero.placement`).
     """
@@ -472,8 +476,14 @@ def placement_bytes(model: nn.Module, stage: int, offload_optimizer: str, offloa
         layout = model_layout(model, unit_classes)
     plan = _plan(layout, stage, offload_optimizer, offload_param, world_size,
                  resolve_dtype(dtype), prefetch, accelerator, True,
-                 update_timing=update_timing, tail_state_in_host=tail_state_in_host, host_cache_bytes=host_cache_bytes,
-                 moment_dtype=moment_dtype_of(moment_dtype))
+                 update_timing=update_timing, tail_state_in_host=tail_state_in_host,
+                 host_cache_bytes=host_cache_bytes, moment_dtype=moment_dtype_of(moment_dtype),
+                 max_host_bytes=max_host_bytes)
+    if max_host_bytes is not None:
+        try:
+            plan = fit_host_budget(plan.layout, plan.settings)
+        except ValueError:
+            pass  # (over the budget whatever the chunks: the caller sees it short)
     return _placement(plan, f"{offload_optimizer}+{offload_param}", 1)
 
 

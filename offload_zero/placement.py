@@ -177,7 +177,7 @@ def choose_placement(model: nn.Module, stage: int, world_size: int, dtype: torch
     search = _Search(model, stage, world_size, dtype, prefetch, unit_classes, device, path,
                      update_timing, tail_state_in_host, host_cache_bytes, moment_dtype, workload,
                      aio_backend, comm, disk, flops, budgets,
-                     model_layout(model, unit_classes, leaf_modules))
+                     model_layout(model, unit_classes, leaf_modules), max_host_bytes)
     choice = search.run()
     log.info("offload='auto' chose offload_optimizer=%r offload_param=%r update_timing=%r "
              "moment_dtype=%r: %s; budgets %s; %s", choice.offload_optimizer,
@@ -209,6 +209,7 @@ class _Search:
     flops: Optional[float]
     budgets: dict
     layout: list
+    max_host_bytes: Optional[int] = None  # (the engine's option: chunks shrink to fit it)
 
     def run(self) -> PlacementChoice:
         """Try the options, pick one (raises ValueError when none fits)."""
@@ -279,7 +280,8 @@ class _Search:
                                 self.dtype, self.prefetch, self.unit_classes,
                                 self.device.type != "cpu", layout=self.layout,
                                 update_timing=o.timing, tail_state_in_host=self.tail_state_in_host,
-                                host_cache_bytes=cache, moment_dtype=o.moments)
+                                host_cache_bytes=cache, moment_dtype=o.moments,
+                                max_host_bytes=self.max_host_bytes)
             need = placement_need(p, self.activations["device"], per_node=False)
             need["host"] += self.activations["host"]
             return p, need

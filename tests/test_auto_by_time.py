@@ -3,6 +3,7 @@ it knows the workload ([Note: step-time model] in offload_zero/step_time.py): wi
 disk rates, FLOP/s and budgets, the split, the update timing, the host cache and the moments'
 format it picks follow the numbers."""
 import copy
+import re
 import types
 
 import pytest
@@ -87,17 +88,20 @@ def test_a_fast_disk_and_a_small_host_take_nvme_with_the_cache_the_budget_allows
 
 
 def test_a_slow_disk_takes_the_placement_that_moves_the_fewest_bytes(tmp_path):
-    """Where the disk dominates, the plain step's smaller host need leaves a larger cache and
-    fewer NVMe bytes than updates in the next forward (the first placement that fits); with
-    compute enough to hide the next forward's I/O, that one wins again."""
+    """Where the disk dominates, the placement that leaves the largest cache and the fewest
+    NVMe bytes wins (parameter shards on NVMe free host memory for the cache), not the first
+    that fits (optimizer state alone on NVMe, updates in the next forward); with compute
+    enough to hide the next forward's I/O, that one wins again."""
     model = _model()
     budgets = _small_host(model)
     choice = _choose(model, tmp_path, workload=WORK, disk=SLOW, flops=FLOPS,
                      host_cache_bytes="auto", **budgets)
     assert (choice.offload_optimizer, choice.offload_param, choice.update_timing) == (
-        "nvme", "cpu", "step")
+        "nvme", "nvme", "next_forward")
     fitting = [line for line in choice.tried if "-> fits" in line]
-    assert len(fitting) == 4 and "next_forward" in fitting[0]  # (fit alone would take it)
+    assert len(fitting) == 4 and fitting[0].startswith("nvme+cpu next_forward")
+    seconds = [float(re.search(r"~([0-9.]+) s a step", line).group(1)) for line in fitting]
+    assert seconds[1] == min(seconds) < seconds[0]  # (fit alone would take the first)
     first = _choose(model, tmp_path, **budgets, host_cache_bytes="auto")
     assert first.update_timing == "next_forward"  # (no workload: by fit)
     assert choice.step.traffic.total_bytes < first.need["nvme"] * 2

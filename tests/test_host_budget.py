@@ -196,3 +196,34 @@ def test_the_steps_run_in_order_each_only_where_it_is_needed():
     with pytest.raises(ValueError, match=r"update_timing='step' \(or 'auto'\) would fit"):
         fit_host_budget(layout, dataclasses.replace(given, max_host_bytes=roomy,
                                                     left_to_engine=frozenset()))
+
+
+def test_auto_placement_takes_a_placement_that_fits_with_smaller_chunks(tmp_path):
+    """offload="auto" with max_host_bytes counts each candidate as the build will hold it, its
+    optimizer state streamed in the chunks the budget needs: a budget that only smaller chunks
+    fit keeps the NVMe placement's own timing (counted at full-size chunks, it used to fall
+    back to the plain step), and the engine runs it within the budget with the weights of
+    offload="nvme"."""
+    from offload_zero.estimator import placement_bytes
+    torch.manual_seed(0)
+    model = TinyLM(**WIDE)
+    full = placement_bytes(model, 3, "nvme", "nvme", dtype=torch.float32, accelerator=False,
+                           tail_state_in_host=False)
+    budget = _host_bytes(full.plan, pipeline_chunk_numel=SMALLEST_CHUNK)
+    assert budget < full.plan.tier_bytes("host")
+    folder = tmp_path / "auto"
+    folder.mkdir()
+    with OffloadEngine(copy.deepcopy(model), offload="auto", path=str(folder), lr=1e-2,
+                       weight_decay=0.1, tail_state_in_host=False, max_host_bytes=budget,
+                       max_device_bytes=full.plan.tier_bytes("device")) as eng:
+        assert (eng.config.offload_optimizer, eng.config.offload_param) == ("nvme", "nvme")
+        assert eng.config.update_timing == "next_forward"
+        for x, y in batches(3):
+            eng.backward(lm_loss(eng(x), y))
+            eng.step()
+        eng.apply_pending_updates()
+        rep, state = eng.memory_report(), eng.full_state_dict()
+    hb = rep["host_budget"]
+    assert hb["peak_bytes"] <= budget and hb["shrunk"][0].startswith("pipeline_chunk_numel")
+    ref = _train(copy.deepcopy(model), tmp_path, "ref", update_timing=eng.config.update_timing)
+    assert all(torch.equal(state[k], ref[0][k]) for k in ref[0])
