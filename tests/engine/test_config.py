@@ -19,10 +19,23 @@ def _deep():
 
 
 def _needs(stage=3):
+    """Each candidate's bytes per tier; ``"host"`` at its smallest, the optimizer state
+    streamed in the smallest chunks (what a host budget may shrink it to)."""
     from offload_zero.estimator import placement_bytes
     from offload_zero.placement import CANDIDATES
-    return {c: {t: placement_bytes(_deep(), stage, *c, dtype=torch.float32, accelerator=False)
-                .tier_bytes(t) for t in ("device", "host", "nvme")} for c in CANDIDATES}
+    return {c: _floor(placement_bytes(_deep(), stage, *c, dtype=torch.float32, accelerator=False))
+            for c in CANDIDATES}
+
+
+def _floor(placement) -> dict:
+    """``placement``'s bytes per tier, its host tier with the pipeline's smallest chunks."""
+    import dataclasses
+    from offload_zero.plan import memory_plan
+    plan = placement.plan
+    smallest = memory_plan(plan.layout, dataclasses.replace(plan.settings,
+                                                            pipeline_chunk_numel=1024))
+    return {"device": plan.tier_bytes("device"), "host": smallest.tier_bytes("host"),
+            "nvme": plan.tier_bytes("nvme")}
 
 
 @pytest.mark.parametrize("kwargs, match", [
@@ -240,9 +253,9 @@ def test_auto_takes_the_plain_step_when_only_it_fits(tmp_path):
     needs = _needs()
 
     def host(sif):
-        return placement_bytes(_deep(), 3, "nvme", "nvme", dtype=torch.float32, accelerator=False,
-                               update_timing="next_forward" if sif else "step"
-                               ).tier_bytes("host")
+        return _floor(placement_bytes(_deep(), 3, "nvme", "nvme", dtype=torch.float32,
+                                      accelerator=False,
+                                      update_timing="next_forward" if sif else "step"))["host"]
     max_dev, max_host = needs[("cpu", "none")]["device"] - 1, host(True) - 1
     assert host(False) <= max_host
     with OffloadEngine(_deep(), offload="auto", path=str(tmp_path), max_device_bytes=max_dev,
