@@ -24,9 +24,10 @@ if "OFFLOAD_ZERO_CACHE" not in os.environ:
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-# torch's own ops on one thread in the test process, as the spawned ranks run them: the models
-# are tiny, and two OpenMP workers spinning against the Adam kernel's threads (which do not
-# follow torch's count) doubled the suite's CPU time on 2 cores. No test depends on the count.
+# torch's own ops on one thread in the test process, as the ranks run them: the models are
+# tiny, and two OpenMP workers spinning against the Adam kernel's threads (which do not follow
+# torch's count) made tests up to several times slower on a busy 2-core machine. No test
+# depends on the count.
 torch.set_num_threads(1)
 
 
