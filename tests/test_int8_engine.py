@@ -12,7 +12,7 @@ from offload_zero.memory.state_format import StateFormat, moment_dtype_of
 from offload_zero.memory.tiers import NVMeStore
 from models import TinyLM, batches, lm_loss
 from test_host_cache import CacheLM
-from test_moment_dtype import _engine, _train
+from test_moment_dtype import _engine, _run_and_save_halfway, _train
 
 
 def test_state_format_of_int8_moments():
@@ -120,20 +120,8 @@ def test_int8_checkpoint_resumes_bit_for_bit(offload, tmp_path):
     """Saved with int8 moments (decoded, float32), loaded into a fresh engine, two more steps:
     the weights of the run that did not stop; the moments read back are the saved ones; the
     same checkpoint loads into an fp32-moment engine with those values exactly."""
-    torch.manual_seed(0)
-    model = TinyLM(n_blocks=3)
     kw = {"stage": 3, "moment_dtype": "int8", "offload": offload}
-    with _engine(copy.deepcopy(model), tmp_path, "whole", **kw) as eng:
-        _train(eng, steps=4)
-        whole = eng.full_state_dict()
-    xs = batches(4)
-    with _engine(copy.deepcopy(model), tmp_path, "first", **kw) as a:
-        for x, y in xs[:2]:
-            a.backward(lm_loss(a(x), y))
-            a.step()
-        a.save_checkpoint(str(tmp_path / "ckpt"))
-        saved = {fp.name: a.store.read_all(fp) for fp in a.trainable}
-        scales = {fp.name: a.store.scales(fp).clone() for fp in a.trainable}
+    model, whole, xs, saved, scales = _run_and_save_halfway(tmp_path, kw)
     with _engine(copy.deepcopy(model), tmp_path, "second", **kw) as b:
         b.load_checkpoint(str(tmp_path / "ckpt"))
         for fp in b.trainable:

@@ -37,6 +37,28 @@ def _train(eng, steps=5, seed=0, repeat=False):
     return losses
 
 
+def _run_and_save_halfway(tmp_path, kw):
+    """A resume's two sides for engine options ``kw``: 4 steps in one run, and a run of the
+    first 2 that saves its checkpoint to ``tmp_path / "ckpt"``. Returns ``(model, full state
+    dict after 4 steps, the 4 batches, {flat parameter name: its optimizer state read back at
+    the save}, {name: its int8 moments' scales, or None for other formats})``."""
+    torch.manual_seed(0)
+    model = TinyLM(n_blocks=3)
+    with _engine(copy.deepcopy(model), tmp_path, "whole", **kw) as eng:
+        _train(eng, steps=4)
+        whole = eng.full_state_dict()
+    xs = batches(4)
+    with _engine(copy.deepcopy(model), tmp_path, "first", **kw) as a:
+        for x, y in xs[:2]:
+            a.backward(lm_loss(a(x), y))
+            a.step()
+        a.save_checkpoint(str(tmp_path / "ckpt"))
+        saved = {fp.name: a.store.read_all(fp) for fp in a.trainable}
+        scales = {fp.name: (a.store.scales(fp).clone() if kw.get("moment_dtype") == "int8"
+                            else None) for fp in a.trainable}
+    return model, whole, xs, saved, scales
+
+
 def test_state_format_bytes():
     fp32, bf16 = StateFormat(), StateFormat(BF16)
     assert (fp32.bytes_per_element, bf16.bytes_per_element) == (12, 8)
@@ -148,19 +170,8 @@ def test_bf16_checkpoint_resumes_bit_for_bit_and_converts_across_dtypes(tmp_path
     """Saved with bf16 moments (in bf16), loaded into a fresh engine, two more steps: the
     weights of the run that did not stop. Loaded into an fp32-moment engine the moments are the
     bf16 ones exactly; an fp32 checkpoint loads into a bf16 engine rounded to nearest."""
-    torch.manual_seed(0)
-    model = TinyLM(n_blocks=3)
     kw = {"stage": 3, "moment_dtype": "bf16"}
-    with _engine(copy.deepcopy(model), tmp_path, "whole", **kw) as eng:
-        _train(eng, steps=4)
-        whole = eng.full_state_dict()
-    xs = batches(4)
-    with _engine(copy.deepcopy(model), tmp_path, "first", **kw) as a:
-        for x, y in xs[:2]:
-            a.backward(lm_loss(a(x), y))
-            a.step()
-        a.save_checkpoint(str(tmp_path / "ckpt"))
-        saved = {fp.name: a.store.read_all(fp) for fp in a.trainable}
+    model, whole, xs, saved, _ = _run_and_save_halfway(tmp_path, kw)
     from safetensors import safe_open
     with safe_open(str(tmp_path / "ckpt" / "rank00000.safetensors"), framework="pt") as f:
         name = next(k for k in f.keys() if k.endswith("/exp_avg"))
