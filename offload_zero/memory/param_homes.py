@@ -167,9 +167,15 @@ class NVMeParamHome:
         state)."""
         if self._holds_read(fp) or self._from_store(fp):
             return
-        self._wait_writes_of(fp)
-        if self._holds_read(fp):  # the write just retired kept its buffer: that is the read
-            return
+        if self.io_stages.stage(fp) is ShardIO.WRITING:
+            if self._keep(fp):
+                # the buffer being written holds the new shard: it is the read, at once (a
+                # gather only reads it; the write's handle is waited for before the buffer
+                # goes back to the pool, in done_with)
+                io = self.io_stages
+                io.move(fp, ShardIO.KEPT, handles=io.handles(fp))
+                return
+            self._retire(fp)
         if self.master_source is not None and fp in self._in_master:
             self.master_source.wait_writes(fp)
         buf = self._acquire(fp)
@@ -182,7 +188,8 @@ class NVMeParamHome:
         if not self._holds_read(fp) and self._from_store(fp):
             return self.master_source.master_view(fp)
         self.fetch(fp)
-        self.io_stages.handles(fp)[0].wait()
+        if self.io_stages.stage(fp) is ShardIO.READING:  # (KEPT: the bytes are there)
+            self.io_stages.handles(fp)[0].wait()
         return self.io_stages.buffer(fp)[:fp.shard_numel]
 
     def done_with(self, fp) -> None:
@@ -262,10 +269,6 @@ class NVMeParamHome:
             if not kept:
                 io.move(fp, ShardIO.AT_REST)
                 self._pool_for(fp).release(buf)
-
-    def _wait_writes_of(self, fp) -> None:
-        if self.io_stages.stage(fp) is ShardIO.WRITING:
-            self._retire(fp)
 
     def drain(self) -> None:
         """Wait for every write in flight and return their buffers (or keep them, see

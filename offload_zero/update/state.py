@@ -66,7 +66,8 @@ keeping dicts of their own.
 
  AT_REST --fetch--> READING --done_with (gathered, or stale)--> AT_REST
  AT_REST --update_target--> IN_UPDATE --commit--> WRITING --retired--> AT_REST
-                             |   |                   +--retired, keep_after_update--+
+                             |   |                   +--its gather follows (write----+
+                             |   |                      in flight), keep_after_update|
                              |   +--commit (its bytes are the master's), kept------+|
                              |                                                     vv
                              +--discard (overflow)--> AT_REST     KEPT --done_with--> AT_REST
@@ -301,7 +302,9 @@ class ShardIO(enum.Enum):
     READING = "reading"
     """Being read (or read) into a pool buffer for its next gather."""
     KEPT = "kept"
-    """Its new shard stays in the pool buffer the update wrote, as the next gather's read."""
+    """Its new shard stays in the pool buffer the update wrote, as the next gather's read (the
+    buffer's write to the file may still be in flight: the gather only reads it, and the
+    buffer goes back to the pool once that write is done)."""
     IN_UPDATE = "in_update"
     """The update writes the new shard into a pool buffer."""
     WRITING = "writing"

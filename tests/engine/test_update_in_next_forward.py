@@ -462,3 +462,53 @@ def test_update_in_next_forward_an_error_applying_updates_loses_none(tmp_path, m
                                                     for fp in eng.trainable for e in fp.entries}))
     (w0, n0), (w1, n1) = results
     assert n0 == n1 and all(torch.equal(w0[k], w1[k]) for k in w0)
+
+
+def test_update_in_next_forward_gathers_a_new_shard_without_waiting_for_its_write(
+        tmp_path, monkeypatch):
+    """bf16 parameter shards on NVMe: the next forward's update of a block writes its new shard
+    from a pool buffer, and the block's gather reads that buffer while the write is in flight
+    (the write is waited for only before the buffer goes back to the pool). Waiting for it first
+    made each block's gather wait for the whole disk queue. The weights equal the plain step's."""
+    from offload_zero.memory.swapper import SwapHandle
+    events = []
+    wait = SwapHandle.wait
+
+    def logged_wait(handle, timeout_s=None):
+        if handle.op == "out" and handle.key.endswith(".param") and not handle.done():
+            events.append(("write waited", handle.key[:-len(".param")]))
+        return wait(handle, timeout_s)
+
+    def on_gather(home):
+        shard_for_gather = home.shard_for_gather
+
+        def logged(fp):
+            events.append(("gathered", fp.name))
+            return shard_for_gather(fp)
+        return logged
+
+    weights = []
+    for sif in (False, True):
+        torch.manual_seed(0)
+        (tmp_path / f"s{sif}").mkdir()
+        with OffloadEngine(TinyLM(n_blocks=4), offload="nvme", path=str(tmp_path / f"s{sif}"),
+                           dtype=torch.bfloat16, lr=1e-2,
+                           update_timing="next_forward" if sif else "step") as eng:
+            for i, (x, y) in enumerate(batches(3, seed=5)):
+                if sif and i == 1:
+                    monkeypatch.setattr(SwapHandle, "wait", logged_wait)
+                    monkeypatch.setattr(eng.param_home, "shard_for_gather",
+                                        on_gather(eng.param_home))
+                loss = lm_loss(eng(x), y)
+                if sif and i == 1:
+                    monkeypatch.undo()
+                    forward_events = list(events)
+                eng.backward(loss)
+                eng.step()
+            weights.append(eng.full_state_dict())
+    blocks = [f"unit{k}.trainable" for k in range(4)]
+    assert [n for e, n in forward_events if e == "gathered" and n in blocks] == blocks
+    early = [n for k, (e, n) in enumerate(forward_events) if e == "write waited"
+             and ("gathered", n) not in forward_events[:k]]
+    assert early == [], f"new shards' writes waited for before their gathers: {early}"
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
