@@ -289,12 +289,19 @@ class _Builder:
                 # being read back from the files
                 keep = lambda fp: fp.name in outsized and fp.name not in in_host  # noqa: E731
         if cfg.update_timing == NEXT_FORWARD:
-            # a block's update runs just before its gather: the new shard stays in its
-            # buffer for that gather instead of being written and read back (the root's
-            # only where it has a buffer per flat parameter, as above)
+            # a unit's update runs just before its gather: the new shard stays in its buffer
+            # for that gather instead of being written and read back (the gather reads it
+            # while the write is in flight, and returns the buffer). The root's outsized parts,
+            # with buffers of their own, stay until the next forward, as above; its other
+            # parts, in fp32 with the state on NVMe too, take no buffer (the gather reads the
+            # master the update wrote)
             keep_root, states = keep or (lambda fp: False), self.states
-            keep = lambda fp: (keep_root(fp) if fp.name.startswith("root.")  # noqa: E731
-                               else states.gather_follows(fp) and fp.name not in in_host)
+
+            def keep(fp, keep_root=keep_root, states=states):
+                root = fp.name.startswith("root.")
+                return ((root and keep_root(fp))
+                        or (states.gather_follows(fp) and fp.name not in in_host
+                            and not (root and share)))
         p.param_home = NVMeParamHome(p.swapper, pool_for, self.acct, master_is_param=share,
                                      keep_after_update=keep, io_stages=self.states.shard_io)
 

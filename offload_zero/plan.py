@@ -24,9 +24,10 @@ flight ahead of the running one, ``prefetch`` capped at the other blocks):
   ``gather_root`` (device): one slot of the root unit's gathered bytes.
 - ``param_shards`` (host): parameter shards on NVMe; ``f * (ahead + 2) + ring`` buffers of the
   largest block shard (reads ahead of use for the ``f`` flat parameters of a block, 1, or 2
-  where a block holds trainable and frozen parameters; and the step's
-  write-back ring of 2; no ring when fp32 shards and their optimizer state are both on NVMe:
-  the shard is the master's bytes and the update writes it once). ``param_shards_root``
+  where a block holds trainable and frozen parameters; and 2 more for new shards' write-backs
+  in flight, a write being waited for only when every buffer is in use; none when fp32 shards
+  and their optimizer state are both on NVMe: the shard is the master's bytes and the update
+  writes it once). ``param_shards_root``
   (host): where a root flat parameter is larger than a block shard, root-sized buffers, one per
   such outsized flat parameter when all the root is trainable (each keeps its updated shard
   for the next forward; none for a state kept in host memory that is its own shard), else one.
@@ -94,7 +95,7 @@ from offload_zero.tables import TIER_OF_OFFLOAD, TIERS
 KINDS = ("parameters", "gradients", "master_weights", "moments", "buffers")
 ALIGN_BYTES = 4096
 Number = Union[int, Fraction]
-_WRITE_RING = 2       # parameter shards written back at once (NVMeParamHome's ring)
+_WRITE_RING = 2       # parameter-shard buffers for write-backs in flight (NVMeParamHome)
 _PIPELINE_DEPTH = 3   # optimizer pipeline buffer sets
 _IDLE_PIPELINE_NUMEL = 1024  # the pipeline's chunk when nothing streams
 

@@ -1,7 +1,7 @@
 """Fast swap backend: Linux native AIO (io_submit / io_getevents) through the ``libaio`` bindings.
 
 [Note: libaio backend flow]
-``submit`` appends requests to a pending queue under one lock and wakes the *reaper*, a daemon
+``submit`` appends requests to a pending queue (reads first: :class:`ReadsFirst`) under one lock and wakes the *reaper*, a daemon
 thread that hands as many as fit (``queue_depth - in_flight``) to the kernel with a single
 ``io_submit`` and blocks in ``io_getevents`` (ctypes releases the GIL there, so the caller
 keeps computing); it finishes each completed request and refills the kernel queue from the
@@ -18,11 +18,12 @@ finishing a request can drop it), where it cannot wait for the reaper to finish.
 """
 from __future__ import annotations
 
-import collections
 import errno
 import threading
 
 import libaio
+
+from offload_zero.memory.aio_queue import ReadsFirst
 
 __all__ = ["LibaioBackend"]
 
@@ -52,7 +53,7 @@ class LibaioBackend:
         self._ctx = libaio.AIOContext(queue_depth)
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)
-        self._pending: collections.deque = collections.deque()
+        self._pending = ReadsFirst()
         self._in_flight = 0
         self._blocks: set = set()  # AIOBlocks handed to the kernel and not yet reaped
         self._closing = False
@@ -84,23 +85,23 @@ class LibaioBackend:
         failed = []
         while self._pending and self._in_flight < self._queue_depth:
             count = min(self._queue_depth - self._in_flight, len(self._pending))
-            batch = [self._pending.popleft() for _ in range(count)]
+            batch = self._pending.take(count)
             blocks = [self._make_block(r) for r in batch]
             try:
                 submitted = self._ctx.submit(blocks)
             except OSError as exc:
                 if exc.errno == errno.EAGAIN and self._in_flight > 0:
                     # Kernel queue momentarily full: retry after the next completion.
-                    self._pending.extendleft(reversed(batch))
+                    self._pending.put_back(batch)
                     break
                 # io_submit fails as a whole only when its first block is bad.
                 failed.append((batch[0], -(exc.errno or errno.EIO)))
-                self._pending.extendleft(reversed(batch[1:]))
+                self._pending.put_back(batch[1:])
                 continue
             self._in_flight += submitted
             self._blocks.update(blocks[:submitted])
             if submitted < len(batch):  # kernel took a prefix; the rest waits for a completion
-                self._pending.extendleft(reversed(batch[submitted:]))
+                self._pending.put_back(batch[submitted:])
                 break
         return failed
 
@@ -119,9 +120,8 @@ class LibaioBackend:
         except BaseException:  # noqa: BLE001 - never leave a waiter hanging
             with self._lock:
                 self._closing = True
-                orphans = [b.oz_request for b in self._blocks] + list(self._pending)
+                orphans = [b.oz_request for b in self._blocks] + self._pending.items()
                 self._blocks.clear()
-                self._pending.clear()
                 self._in_flight = 0
                 self._work.notify_all()
             for request in orphans:
@@ -174,8 +174,7 @@ class LibaioBackend:
             if self._closing:
                 return
             self._closing = True
-            cancelled = list(self._pending)
-            self._pending.clear()
+            cancelled = self._pending.items()
             self._work.notify_all()
         for request in cancelled:
             request.finish(-errno.ECANCELED)

@@ -12,17 +12,18 @@ at call time, so a test may patch them to inject faults.
 """
 from __future__ import annotations
 
-import collections
 import errno
 import os
 import threading
+
+from offload_zero.memory.aio_queue import ReadsFirst
 
 __all__ = ["ThreadsBackend"]
 
 
 class ThreadsBackend:
     """Runs each request as one blocking ``preadv``/``pwritev`` on ``queue_depth`` worker threads
-    that take requests from one queue.
+    that take requests from one queue (reads before writes: :class:`ReadsFirst`).
 
     ``submit`` adds all of its requests to the queue in one step (a Ctrl-C, raised in the main
     thread at any bytecode, cannot leave some of them never handed over).
@@ -35,7 +36,7 @@ class ThreadsBackend:
 
     def __init__(self, queue_depth: int) -> None:
         self._work = threading.Condition(threading.Lock())
-        self._queue: collections.deque = collections.deque()
+        self._queue = ReadsFirst()  # (reads before writes; see offload_zero.memory.aio_queue)
         self._closing = False
         self._workers = [threading.Thread(target=self._serve, name=f"oz-swap-io-{i}", daemon=True)
                          for i in range(queue_depth)]
@@ -61,7 +62,7 @@ class ThreadsBackend:
                     self._work.wait()
                 if not self._queue:
                     return  # closing, nothing left
-                request = self._queue.popleft()
+                request = self._queue.take(1)[0]
                 closing = self._closing
             if closing:
                 request.finish(-errno.ECANCELED)

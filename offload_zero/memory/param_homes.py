@@ -76,7 +76,9 @@ class NVMeParamHome:
     ``fetch`` starts an asynchronous read of a shard into a pool buffer; ``shard_for_gather``
     waits for it; ``done_with`` returns the buffer right after the gather, so host memory holds
     parameter shards only for units in flight. After the update, ``commit`` writes the new shard
-    back through a ring of at most ``_WRITE_RING`` pool buffers.
+    back from the pool buffer the update wrote; nothing waits for the write until that buffer
+    is needed (a pool with every buffer in use retires the oldest write), the shard is read
+    again or updated again, or :meth:`drain`.
 
     Args:
         swapper: the rank's :class:`offload_zero.memory.swapper.Swapper`.
@@ -108,7 +110,6 @@ class NVMeParamHome:
     """
 
     tier = Tier.NVME
-    _WRITE_RING = 2
 
     def __init__(self, swapper, pool, accountant: TierAccountant, master_is_param: bool = False,
                  keep_after_update=None, io_stages: Optional[IOStages] = None):
@@ -195,11 +196,16 @@ class NVMeParamHome:
     def done_with(self, fp) -> None:
         """Return ``fp``'s read buffer to the pool (a gather used it, or an update is about to
         make it stale): ``READING`` or ``KEPT`` -> ``AT_REST``; nothing to do without one (a
-        shard gathered from the store's read-ahead)."""
+        shard gathered from the store's read-ahead). A kept shard whose write is still in
+        flight goes back to ``WRITING`` instead: its buffer returns to the pool when the write
+        is retired (by a later acquire, update or drain), so the caller does not wait for it."""
         if not self._holds_read(fp):
             return
         io = self.io_stages
         buf, handles = io.buffer(fp), io.handles(fp)
+        if io.stage(fp) is ShardIO.KEPT and not handles[0].done():
+            io.move(fp, ShardIO.WRITING, handles=handles)
+            return
         io.move(fp, ShardIO.AT_REST)
         handles[0].wait()
         self._pool_for(fp).release(buf)
@@ -213,8 +219,6 @@ class NVMeParamHome:
             return None
         if self.io_stages.stage(fp) is ShardIO.WRITING:
             self._retire(fp, keep=False)
-        while len(self._writes()) >= self._WRITE_RING:
-            self._retire(self._writes()[0])
         buf = self._acquire(fp)
         self.io_stages.move(fp, ShardIO.IN_UPDATE, buffer=buf)
         return buf[:fp.shard_numel]

@@ -71,6 +71,7 @@ keeping dicts of their own.
                              |   +--commit (its bytes are the master's), kept------+|
                              |                                                     vv
                              +--discard (overflow)--> AT_REST     KEPT --done_with--> AT_REST
+                                                      (its write still in flight: WRITING)
 ```
 
 - ``StateIO.READ_AHEAD``: the whole state is being read into a read-ahead buffer, or was read
@@ -330,7 +331,8 @@ _SH = ShardIO
 SHARD_IO_LEGAL = {
     _SH.AT_REST: {_SH.READING, _SH.IN_UPDATE},
     _SH.READING: {_SH.AT_REST},
-    _SH.KEPT: {_SH.AT_REST},
+    # gathered: its buffer back to the pool, or (its write still in flight) writing again
+    _SH.KEPT: {_SH.AT_REST, _SH.WRITING},
     # written; kept (its bytes are the master's, written by the store); discarded (overflow)
     _SH.IN_UPDATE: {_SH.WRITING, _SH.KEPT, _SH.AT_REST},
     # retired: its buffer back to the pool, or kept as the next gather's read
