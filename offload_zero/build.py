@@ -274,7 +274,7 @@ class _Builder:
         # through the block-sized pool like a block's (see [Note: pools])
         main = self._host_pool(mplan.pool("param_shards"))
         pool_for = lambda fp: main  # noqa: E731
-        keep = None
+        keep = follows = None
         # a state kept in host memory is, in fp32, the shard itself: no buffer, no file
         in_host = p.in_host if share else set()
         spec = mplan.pool("param_shards_root")
@@ -291,19 +291,16 @@ class _Builder:
         if cfg.update_timing == NEXT_FORWARD:
             # a unit's update runs just before its gather: the new shard stays in its buffer
             # for that gather instead of being written and read back (the gather reads it
-            # while the write is in flight, and returns the buffer). The root's outsized parts,
-            # with buffers of their own, stay until the next forward, as above; its other
-            # parts, in fp32 with the state on NVMe too, take no buffer (the gather reads the
-            # master the update wrote)
-            keep_root, states = keep or (lambda fp: False), self.states
-
-            def keep(fp, keep_root=keep_root, states=states):
-                root = fp.name.startswith("root.")
-                return ((root and keep_root(fp))
-                        or (states.gather_follows(fp) and fp.name not in in_host
-                            and not (root and share)))
+            # while the write is in flight, and returns the buffer). The root's parts, in fp32
+            # with the state on NVMe too, take no buffer (the gather reads the master the
+            # update wrote) but the outsized ones kept as above
+            states = self.states
+            follows = lambda fp: (states.gather_follows(fp)  # noqa: E731
+                                  and fp.name not in in_host
+                                  and not (share and fp.name.startswith("root.")))
         p.param_home = NVMeParamHome(p.swapper, pool_for, self.acct, master_is_param=share,
-                                     keep_after_update=keep, io_stages=self.states.shard_io)
+                                     keep_after_update=keep, gather_follows=follows,
+                                     io_stages=self.states.shard_io)
 
     def _host_pool(self, spec, dtype=None) -> HostBufferPool:
         """The plan's host pool ``spec`` (a :class:`offload_zero.plan.PoolSpec`), built and

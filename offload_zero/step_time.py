@@ -14,12 +14,14 @@ For one rank and one optimizer step (``gradient_accumulation_steps`` micro-batch
   is read once and written once a step, the plan's ``host_cache["nvme_state_bytes"]`` each way
   (what ``memory_report()["host_cache"]`` and the store's byte counters show:
   tests/test_host_cache.py, tests/test_accum_io.py). Parameter shards on NVMe are read in
-  forward and again in backward (K bytes an element; with ``update_timing="next_forward"``
-  only in backward, the forward gathering a block's updated shard from its read buffer), the
-  root's once (it stays gathered from forward to backward) and, where all the root trains,
-  its outsized parts not at all (their buffers keep them from step to step), none whose shard
-  is a state kept in host memory; the trainable ones are written once, except in fp32 with the
-  state on NVMe (the shard is the master's bytes, written with the state). Exact in bf16 in
+  forward and again in backward (K bytes an element; with ``update_timing="next_forward"`` a
+  trainable block's only in backward, the forward gathering its updated shard from the buffer
+  its update wrote), the root's once (it stays gathered from forward to backward; with
+  ``"next_forward"`` its trainable parts not at all, gathered from their updates' buffers
+  too, but in fp32 with the state on NVMe) and, where all the root trains, its outsized parts
+  not at all (their buffers keep them from step to step), none whose shard is a state kept in
+  host memory; the trainable ones are written once, except in fp32 with the state on NVMe (the
+  shard is the master's bytes, written with the state). Exact in bf16 in
   every timing and for the fp32 plain step (tests/test_auto_by_time.py); in fp32 with updates in
   backward or in the next forward some gathers take the shard from the state read, and the
   figure is an upper bound.
@@ -151,10 +153,16 @@ def nvme_traffic(plan) -> NVMeTraffic:
     forward = plan.settings.in_forward  # (a block's updated shard stays in its read buffer)
     read = written = 0
     for i, (spec, shard) in enumerate(zip(plan.layout, plan.shard_numel)):
-        kept = spec.unit == -1 and plan.keep_root and i in plan.outsized_root
-        if kept or (shared and i in plan.in_host):
-            continue  # (its shard is the host master / stays in its own buffer)
-        read += (1 if spec.unit == -1 or forward else 2) * k * shard
+        if shared and i in plan.in_host:
+            continue  # (its shard is the host master)
+        # "next_forward": a trainable shard's gather in forward takes it from the buffer its
+        # update wrote (the root's, in fp32 with the state on NVMe too, is read from the master)
+        follows = forward and spec.trainable and not (shared and spec.unit == -1)
+        if spec.unit == -1:  # gathered once, from forward to backward
+            kept = plan.keep_root and i in plan.outsized_root  # (in its own buffer)
+            read += 0 if kept or follows else k * shard
+        else:
+            read += (1 if follows else 2) * k * shard
         if spec.trainable and not shared:
             written += k * shard
     return NVMeTraffic(state, int(read), int(written))

@@ -9,7 +9,7 @@ import types
 import pytest
 import torch
 
-from models import TinyLM, batches, lm_loss
+from models import TinyLM, batches, big_root_lm, lm_loss
 from offload_zero import OffloadEngine, step_time
 from offload_zero.activations import DecoderShape, activation_bytes
 from offload_zero.estimator import model_layout, placement_bytes
@@ -336,12 +336,20 @@ def test_the_state_io_is_hidden_by_the_compute_its_timing_overlaps(timing):
     (torch.bfloat16, "step", True), (torch.bfloat16, "backward", True),
     (torch.bfloat16, "next_forward", True), (torch.float32, "step", True),
     (torch.float32, "next_forward", False)])
-def test_nvme_bytes_per_step_are_the_engines(dtype, timing, exact, tmp_path,
+@pytest.mark.parametrize("shape", ["plain", "outsized_root", "frozen"])
+def test_nvme_bytes_per_step_are_the_engines(dtype, timing, exact, shape, tmp_path,
                                              torch_single_thread):
     """The model's NVMe bytes per step (state and parameter shards on NVMe) are what the
     engine reads and writes in a steady step; an upper bound where fp32 gathers take some
-    shards from the state read."""
-    model = _model(n_blocks=4)
+    shards from the state read. Also with a root larger than a block (its parts kept in
+    buffers of their own from step to step, and still written), and with frozen parts (the
+    embeddings, the blocks' norms: read in forward and in backward, never written)."""
+    torch.manual_seed(0)
+    model = big_root_lm(n_blocks=4, vocab_scale=4) if shape == "outsized_root" else \
+        _model(n_blocks=4)
+    if shape == "frozen":
+        for p in [model.emb.weight, *(p for b in model.blocks for p in b.ln.parameters())]:
+            p.requires_grad_(False)
     traffic = nvme_traffic(placement_bytes(model, 3, "nvme", "nvme", dtype=dtype,
                                            accelerator=False, update_timing=timing).plan)
     with OffloadEngine(copy.deepcopy(model), offload="nvme", path=str(tmp_path), dtype=dtype,

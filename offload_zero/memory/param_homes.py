@@ -92,9 +92,12 @@ class NVMeParamHome:
             ``fp.name``; see :class:`NVMeStore`) and never written by this home: the update
             writes it once, as the master. No second file, no second write per step.
         keep_after_update: ``f(fp) -> bool``: flat parameters whose new shard, written by the
-            optimizer into a pool buffer, stays there as the read for their next gather (the
-            root unit, gathered first in forward, with a buffer of its own): one read of the
-            shard per step less. None keeps nothing.
+            optimizer into a pool buffer, stays there as the read for their next gather, from
+            step to step (the root unit, gathered first in forward, with a buffer of its own):
+            one read of the shard per step less. None keeps nothing.
+        gather_follows: ``f(fp) -> bool``: flat parameters whose gather follows the update
+            being made (``update_timing="next_forward"``): the buffer the update writes the
+            new shard into serves that gather, the write still in flight. None: no such.
         io_stages: the :class:`offload_zero.update.state.IOStages` of the parameter shards
             (:class:`ShardIO`: ``READING``, ``KEPT``, ``IN_UPDATE``, ``WRITING``, each with its
             pool buffer and handle; see [Note: update states]): the engine's
@@ -112,7 +115,8 @@ class NVMeParamHome:
     tier = Tier.NVME
 
     def __init__(self, swapper, pool, accountant: TierAccountant, master_is_param: bool = False,
-                 keep_after_update=None, io_stages: Optional[IOStages] = None):
+                 keep_after_update=None, gather_follows=None,
+                 io_stages: Optional[IOStages] = None):
         self.swapper, self._acct = swapper, accountant
         self._pool_for = pool if callable(pool) else (lambda fp: pool)
         self.io_stages = (io_stages if io_stages is not None
@@ -123,7 +127,13 @@ class NVMeParamHome:
         # bytes (read from the optimizer's file, never written by this home)
         self._in_master: set = set()
         self._keep = keep_after_update or (lambda fp: False)
+        self._follows = gather_follows or (lambda fp: False)
         self.master_source: Optional[NVMeStore] = None
+
+    def _wants(self, fp) -> bool:
+        """Whether ``fp``'s new shard stays in the buffer its update writes, for the gather
+        that follows the update or from step to step."""
+        return self._follows(fp) or self._keep(fp)
 
     def _key(self, fp) -> str:
         return fp.name if fp in self._in_master else f"{fp.name}.param"
@@ -169,7 +179,7 @@ class NVMeParamHome:
         if self._holds_read(fp) or self._from_store(fp):
             return
         if self.io_stages.stage(fp) is ShardIO.WRITING:
-            if self._keep(fp):
+            if self._wants(fp):
                 # the buffer being written holds the new shard: it is the read, at once (a
                 # gather only reads it; the write's handle is waited for before the buffer
                 # goes back to the pool, in done_with)
@@ -215,7 +225,7 @@ class NVMeParamHome:
         ``IN_UPDATE``; see :meth:`commit`), or None when the shard is the master weights
         (updated in place by the optimizer). A write of ``fp``'s previous shard still in
         flight is retired first, and not kept: the update makes it stale."""
-        if fp in self._in_master and not self._keep(fp):
+        if fp in self._in_master and not self._wants(fp):
             return None
         if self.io_stages.stage(fp) is ShardIO.WRITING:
             self._retire(fp, keep=False)
@@ -227,7 +237,7 @@ class NVMeParamHome:
         """Write the new shard in ``target`` back to ``fp``'s file, asynchronously
         (``IN_UPDATE`` -> ``WRITING``; nothing to do for a shard that is its master weights;
         ``KEPT`` for one that stays in its buffer for the next gather)."""
-        if fp in self._in_master and not self._keep(fp):
+        if fp in self._in_master and not self._wants(fp):
             return
         if fp in self._in_master:  # its bytes are written as the master; keep the copy
             self.io_stages.move(fp, ShardIO.KEPT,

@@ -267,13 +267,23 @@ class UpdateStates:
         """Forget ``fp``'s target (its update ended or failed); returns it."""
         return self._targets.pop(fp, None)
 
-    def set_gather_follows(self, fps: Iterable) -> None:
-        """The flat parameters whose gather follows their update now (those of the unit about
-        to be gathered): their new NVMe shards stay in their buffers for it."""
-        self._gather_follows = set(fps)
+    def follow_with_gather(self, fps: Iterable) -> None:
+        """``fps``' updates, about to be made (or streamed) for their unit's gather in a
+        forward (``"next_forward"``), are followed by that gather: their new NVMe shards stay
+        in the buffers the updates write for it (see :meth:`forget_gather_follows`)."""
+        self._gather_follows.update(fps)
+
+    def forget_gather_follows(self, fps: Optional[Iterable] = None) -> None:
+        """No gather follows an update of ``fps`` (default: of any flat parameter) any more:
+        their unit is gathered again with no update of theirs before it (a backward's gather:
+        its shard is read from its file), or updates are made with no gather after them."""
+        if fps is None:
+            self._gather_follows.clear()
+        else:
+            self._gather_follows.difference_update(fps)
 
     def gather_follows(self, fp) -> bool:
-        """Whether ``fp``'s gather follows its update (see :meth:`set_gather_follows`)."""
+        """Whether ``fp``'s next gather follows its update (see :meth:`follow_with_gather`)."""
         return fp in self._gather_follows
 
 

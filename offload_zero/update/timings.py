@@ -220,8 +220,9 @@ class UpdateTimings:
     def before_gather(self, unit) -> None:
         """``unit``'s parameters are about to be read (gathered or prefetched): apply its
         pending updates first, then start reading ahead the state of the units that follow.
-        Their new shards on NVMe stay in their buffers for that read (and only theirs: a
-        shard kept for no gather would hold a buffer of the pool until its unit ran again).
+        Their new shards on NVMe stay in their buffers for that gather (and only theirs, see
+        :meth:`UpdateStates.follow_with_gather`: a shard kept for no gather would hold a buffer
+        of the pool until its unit ran again; a backward's gather reads the shard's file).
 
         When a training forward gathers the root, the pending update of its part used after
         the blocks (the LM head; see ``after_blocks``) is not applied but started as a stream
@@ -229,13 +230,18 @@ class UpdateTimings:
         and writes run while the blocks compute, and the root gathers that part only when its
         first module runs (:meth:`finish_streaming`)."""
         states = self.states
-        states.set_gather_follows(unit.flat_params)
         stream = []
-        if unit.is_root and self.scheduler.training_forward:
+        root_in_training = unit.is_root and self.scheduler.training_forward
+        if root_in_training:
             stream = [fp for fp in unit.flat_params
                       if fp in self.after_blocks and states.is_pending(fp)
                       and not states.streaming(fp) and self.scheduler.may_gather_late(fp)]
-        else:
+        # the gather (late, for the streamed ones) follows these updates: their new shards stay
+        # in their buffers for it; the unit's others were updated before an earlier gather
+        updating = [fp for fp in unit.flat_params if states.is_pending(fp) or states.streaming(fp)]
+        states.forget_gather_follows(fp for fp in unit.flat_params if fp not in updating)
+        states.follow_with_gather(updating)
+        if not root_in_training:
             for fp in unit.flat_params:  # gathered now, not late: its update ends first
                 self.finish_streaming(fp)
             self.pace_streams(unit)
@@ -338,7 +344,7 @@ class UpdateTimings:
     def apply_pending(self) -> None:
         """Apply every update that a step decided and ``"next_forward"`` left for the units'
         next gathers (no-op otherwise). Raises SwapIOError if an NVMe transfer fails."""
-        self.states.set_gather_follows(())
+        self.states.forget_gather_follows()  # (no gather follows these updates)
         self.pump(all_of_them=True)  # (a streaming update: its flat parameter leaves pending)
         pending = self.states.pending()
         if pending:
