@@ -1,19 +1,17 @@
 """``offload-zero bench nvme``: JSON and table output, bad values exit 2 with one line."""
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
+from dist_harness import run_cli
 from offload_zero import cli
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _bench(*argv):
-    return subprocess.run([sys.executable, "-m", "offload_zero.cli", "bench", "nvme", *argv],
-                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    return run_cli(["bench", "nvme", *argv], REPO, timeout=120)
 
 
 def test_json_subprocess(tmp_path):

@@ -9,8 +9,6 @@ import json
 import logging
 import math
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -461,10 +459,10 @@ def test_docs_table_is_the_modules_table():
 # -- the CLI ----------------------------------------------------------------------------------
 
 def _cli(args, cwd):
+    from dist_harness import run_cli
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), str(REPO)) if p)
-    return subprocess.run([sys.executable, "-m", "offload_zero.cli", "train", *map(str, args)],
-                          cwd=cwd, env=env, capture_output=True, text=True, timeout=240)
+    return run_cli(["train", *args], cwd, env=env, timeout=240)
 
 
 CLI_CONFIG = {

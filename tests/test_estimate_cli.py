@@ -1,8 +1,6 @@
 """``offload-zero estimate``: JSON with the ZeRO paper's figures, a readable table, flag errors."""
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
@@ -17,9 +15,10 @@ def _row_states(data, stage, offload="none"):
 
 
 def test_json_subprocess_gives_the_paper_numbers():
-    out = subprocess.run([sys.executable, "-m", "offload_zero.cli", "estimate", "--params",
-                          "7.5e9", "--gpus", "64", "--json"], cwd=REPO, capture_output=True,
-                         text=True, timeout=120, check=True).stdout
+    from dist_harness import run_cli
+    run = run_cli(["estimate", "--params", "7.5e9", "--gpus", "64", "--json"], REPO, timeout=120)
+    assert run.returncode == 0, run.stderr
+    out = run.stdout
     data = json.loads(out)
     assert data["world_size"] == 64 and data["units"] == "bytes"
     got = [f"{_row_states(data, s) / 1e9:.1f}" for s in (0, 1, 2, 3)]

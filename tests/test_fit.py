@@ -2,8 +2,6 @@
 on the command line, and its errors."""
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -103,8 +101,8 @@ def test_table_lines(capsys):
 
 
 def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "offload_zero.cli", *args], cwd=REPO,
-                          capture_output=True, text=True, timeout=120)
+    from dist_harness import run_cli
+    return run_cli(args, REPO, timeout=120)
 
 
 def test_bad_size_is_one_line_naming_the_value():

@@ -1,10 +1,9 @@
-"""What the ``offload-zero train`` tests share: the CLI run in a subprocess with the repository
-importable, a tiny Hugging Face checkpoint, a small BPE tokenizer, and flags parsed in process."""
+"""What the ``offload-zero train`` tests share: the CLI run in a child process (forked from the
+harness's forkserver) with the repository importable, a tiny Hugging Face checkpoint, a small BPE tokenizer, and flags parsed in process."""
 import os
-import subprocess
-import sys
 from pathlib import Path
 
+from dist_harness import run_cli
 from offload_zero import cli, train
 
 REPO = Path(__file__).resolve().parents[1]
@@ -12,12 +11,12 @@ FAST = ["--seq-len", "64", "--batch-size", "4", "--log-every", "0"]
 
 
 def _run(args, cwd, timeout=240, **env_overrides):
-    """Run ``python -m offload_zero.cli ARGS`` in ``cwd`` with the repo importable."""
+    """Run ``python -m offload_zero.cli ARGS`` in ``cwd`` with the repo importable, as a child
+    of the harness's forkserver (:func:`dist_harness.run_cli`)."""
     env = dict(os.environ, **env_overrides)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), str(REPO)) if p)
     env.setdefault("OMP_NUM_THREADS", "1")  # (as the test process: see conftest.py)
-    return subprocess.run([sys.executable, "-m", "offload_zero.cli", *map(str, args)], cwd=cwd,
-                          env=env, capture_output=True, text=True, timeout=timeout)
+    return run_cli(args, cwd, env=env, timeout=timeout)
 
 
 def _files_under(path: Path):
