@@ -200,6 +200,32 @@ def _build_model(args, dtype):
     return model.to(dtype).train()
 
 
+def ours_engine(args, config: str, model, dtype, dev):
+    """The ``OffloadEngine`` of row ``config`` (an ``ours-*`` name, see the module docstring)
+    around ``model``, with the benchmark's AdamW settings and ``args``' path, cache fraction,
+    moment format and accumulation."""
+    from offload_zero import OffloadEngine
+    base = config.split("+")[0]
+    offload = base.split("-")[1]
+    extra = {"offload_param": "none"} if base == "ours-nvme-opt" else {}
+    if config.endswith("+sib"):
+        extra["update_timing"] = "backward"
+    if config.endswith("+plain"):
+        extra["update_timing"] = "step"
+    parts = config.split("+")[1:]
+    extra["moment_dtype"] = ("bf16" if "bf16m" in parts else "int8" if "int8m" in parts
+                             else args.moment_dtype)
+    if "cache" in parts:
+        from offload_zero.memory.state_format import StateFormat, moment_dtype_of
+        per_param = StateFormat(moment_dtype_of(extra["moment_dtype"])).resident_bytes_per_element
+        state = per_param * sum(p.numel() for p in model.parameters())
+        extra["host_cache_bytes"] = int(args.host_cache_frac * state)
+    return OffloadEngine(model, stage=3, offload=offload,
+                         path=args.path if offload == "nvme" else None, **extra,
+                         lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, dtype=dtype,
+                         device=dev, gradient_accumulation_steps=args.grad_accum)
+
+
 def _ds_init(args, dtype, config: str, path: str):
     """DeepSpeed engine for ``config``; returns (engine, step function)."""
     import torch
@@ -279,27 +305,7 @@ def worker(args) -> None:
                 traffic.wait()
             return loss
     elif config.startswith("ours-"):
-        from offload_zero import OffloadEngine
-        model = _build_model(args, dtype)
-        base = config.split("+")[0]
-        offload = base.split("-")[1]
-        extra = {"offload_param": "none"} if base == "ours-nvme-opt" else {}
-        if config.endswith("+sib"):
-            extra["update_timing"] = "backward"
-        if config.endswith("+plain"):
-            extra["update_timing"] = "step"
-        parts = config.split("+")[1:]
-        extra["moment_dtype"] = ("bf16" if "bf16m" in parts else "int8" if "int8m" in parts
-                                 else args.moment_dtype)
-        if "cache" in parts:
-            from offload_zero.memory.state_format import StateFormat, moment_dtype_of
-            per_param = StateFormat(moment_dtype_of(extra["moment_dtype"])).resident_bytes_per_element
-            state = per_param * sum(p.numel() for p in model.parameters())
-            extra["host_cache_bytes"] = int(args.host_cache_frac * state)
-        engine = OffloadEngine(model, stage=3, offload=offload,
-                               path=args.path if offload == "nvme" else None, **extra,
-                               lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, dtype=dtype,
-                               device=dev, gradient_accumulation_steps=args.grad_accum)
+        engine = ours_engine(args, config, _build_model(args, dtype), dtype, dev)
         closer = engine.close
 
         def step(x):

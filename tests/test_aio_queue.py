@@ -9,8 +9,8 @@ from offload_zero.memory.aio_queue import ReadsFirst
 
 
 class _Req:
-    def __init__(self, name, fd, is_write):
-        self.name, self.fd, self.is_write = name, fd, is_write
+    def __init__(self, name, fd, is_write, urgent=False):
+        self.name, self.fd, self.is_write, self.urgent = name, fd, is_write, urgent
 
     def __repr__(self):
         return self.name
@@ -39,6 +39,18 @@ def test_a_read_stays_behind_queued_writes_of_its_own_file():
     # once the file's writes have left the queue, its reads go first again
     q.extend([_Req("w5", 5, True), _Req("r1b", 1, False)])
     assert _names(q.take(2)) == ["r1b", "w5"]
+
+
+def test_urgent_reads_go_before_other_reads_but_not_before_their_files_writes():
+    q = ReadsFirst()
+    q.extend([_Req("w1", 1, True), _Req("r2", 2, False), _Req("u3", 3, False, urgent=True),
+              _Req("u1", 1, False, urgent=True), _Req("u4", 4, False, urgent=True)])
+    assert _names(q.take(3)) == ["u3", "u4", "r2"]
+    assert _names(q.take(3)) == ["w1", "u1"]
+    q.extend([_Req("r5", 5, False), _Req("u6", 6, False, urgent=True)])
+    taken = q.take(2)
+    q.put_back(taken)
+    assert _names(q.take(2)) == ["u6", "r5"]
 
 
 def test_put_back_restores_the_order_and_items_empties():

@@ -121,9 +121,9 @@ def test_frozen_base_on_nvme_is_read_never_written(dtype, tmp_path):
             written[key] = written.get(key, 0) + tensor.numel() * tensor.element_size()
             return out(key, tensor, offset_bytes)
 
-        def swap_in(key, tensor, offset_bytes=0):
+        def swap_in(key, tensor, offset_bytes=0, **kw):
             read[key] = read.get(key, 0) + tensor.numel() * tensor.element_size()
-            return inn(key, tensor, offset_bytes)
+            return inn(key, tensor, offset_bytes, **kw)
 
         sw.swap_out, sw.swap_in = swap_out, swap_in
         frozen = [fp.name for fp in eng.flat_params if not fp.requires_grad]

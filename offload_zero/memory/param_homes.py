@@ -192,7 +192,7 @@ class NVMeParamHome:
         buf = self._acquire(fp)
         view = buf[:fp.shard_numel]
         self.io_stages.move(fp, ShardIO.READING, buffer=buf,
-                            handles=[self.swapper.swap_in(self._key(fp), view)])
+                            handles=[self.swapper.swap_in(self._key(fp), view, urgent=True)])
 
     def shard_for_gather(self, fp) -> torch.Tensor:
         """Wait for ``fp``'s read (starting it if needed) and return the host shard."""

@@ -128,11 +128,14 @@ class SwapHandle:
 class _Request:
     """One contiguous O_DIRECT transfer: ``nbytes`` at file ``offset`` <-> memory at ``addr``."""
 
-    __slots__ = ("handle", "path", "fd", "offset", "addr", "nbytes", "is_write", "counters")
+    __slots__ = ("handle", "path", "fd", "offset", "addr", "nbytes", "is_write", "counters",
+                 "urgent")
 
-    def __init__(self, handle, path, fd, offset, addr, nbytes, is_write, counters):
+    def __init__(self, handle, path, fd, offset, addr, nbytes, is_write, counters,
+                 urgent=False):
         self.handle, self.path, self.fd, self.offset = handle, path, fd, offset
         self.addr, self.nbytes, self.is_write, self.counters = addr, nbytes, is_write, counters
+        self.urgent = urgent  # (a read a computation will soon wait for: queued first)
 
     def buffer(self):
         """A writable ctypes view of the request's memory (no copy)."""
@@ -509,13 +512,16 @@ class Swapper:
         """
         return self._start(key, tensor, offset_bytes, is_write=True)
 
-    def swap_in(self, key: str, tensor: torch.Tensor, offset_bytes: int = 0) -> SwapHandle:
+    def swap_in(self, key: str, tensor: torch.Tensor, offset_bytes: int = 0,
+                urgent: bool = False) -> SwapHandle:
         """Start reading ``tensor.nbytes`` bytes at ``offset_bytes`` of ``key``'s file into
         ``tensor``. Same arguments, rules and errors as ``swap_out``; do not read the tensor
-        until the handle is done."""
-        return self._start(key, tensor, offset_bytes, is_write=False)
+        until the handle is done. Queued reads go before queued writes (but those of their own
+        file); ``urgent`` ones before the other reads (see
+        :mod:`offload_zero.memory.aio_queue`)."""
+        return self._start(key, tensor, offset_bytes, is_write=False, urgent=urgent)
 
-    def _start(self, key, tensor, offset_bytes, is_write) -> SwapHandle:
+    def _start(self, key, tensor, offset_bytes, is_write, urgent=False) -> SwapHandle:
         self._check_open()
         swap_file = self._state.files.get(key)
         if swap_file is None:
@@ -536,7 +542,7 @@ class Swapper:
         base = tensor.data_ptr()
         requests = [
             _Request(handle, swap_file.path, swap_file.fd, offset_bytes + start, base + start,
-                     min(self.block_size, nbytes - start), is_write, self._counters)
+                     min(self.block_size, nbytes - start), is_write, self._counters, urgent)
             for start in range(0, nbytes, self.block_size)
         ]
         if requests:

@@ -358,9 +358,9 @@ def test_update_in_backward_forward_read_ahead_keeps_the_parameter_reads_first(t
         log = []
         swap_in = eng.swapper.swap_in
 
-        def logged(key, tensor, offset_bytes=0):
+        def logged(key, tensor, offset_bytes=0, **kw):
             log.append((names.get(key), offset_bytes > 0))
-            return swap_in(key, tensor, offset_bytes=offset_bytes)
+            return swap_in(key, tensor, offset_bytes=offset_bytes, **kw)
         eng.swapper.swap_in = logged
         x, y = batches(1)[0]
         loss = lm_loss(eng(x), y)
