@@ -161,9 +161,10 @@ def main() -> None:
     if args.worker:
         return worker(args)
     configs = [c for c in args.configs.split(",") if c]
-    bad = [c for c in configs if c not in bench_step.CONFIGS or c.startswith("torch")]
+    bad = [c for c in configs if not bench_step.known_config(c) or c.startswith("torch")]
     if bad:
-        p.error(f"unknown configs {bad}; choose from the ours-*/ds-* rows of {bench_step.CONFIGS}")
+        p.error(f"unknown configs {bad}; choose the ours-*/ds-* rows of bench_step.py "
+                f"({bench_step.CONFIGS}, suffixes {bench_step.SUFFIXES})")
     tmp = None
     if args.path is None:
         tmp = args.path = tempfile.mkdtemp(prefix="bench_paired_", dir="/tmp")

@@ -35,7 +35,8 @@ AdamW lr 1e-4, wd 0.01; N = 1 by default):
   0.5) of the optimizer state's bytes (12, or 8 with bf16 moments, per parameter): those flat
   parameters' state stays in RAM (no I/O), the rest on NVMe. Same losses.
 - ``ours-nvme+int8m``: ``ours-nvme`` with ``moment_dtype="int8"`` (6.03 bytes of state per
-  parameter); suffixes combine: ``ours-nvme+cache+bf16m`` is both.
+  parameter); suffixes combine in any order: ``ours-nvme+cache+bf16m`` is both,
+  ``ours-nvme+cache+sib`` the cache with ``update_timing="backward"``.
 - ``ours-nvme+bf16m``: ``ours-nvme`` with ``moment_dtype="bf16"`` (8 bytes of state per
   parameter instead of 12; close to, not equal to, fp32 moments' losses).
 - ``--moment-dtype bf16`` gives every other ``ours-*`` row bf16 moments too.
@@ -103,8 +104,21 @@ CONFIGS = ["torch", "torch+io", "ours-cpu", "ours-nvme", "ours-nvme-opt", "ours-
            "ours-nvme-opt+sib", "ours-nvme+plain", "ours-nvme-opt+plain", "ours-nvme+cache",
            "ours-nvme+bf16m", "ours-nvme+int8m", "ours-nvme+cache+bf16m",
            "ours-nvme+cache+int8m", "ds-cpu", "ds-nvme-opt", "ds-nvme-opt+param"]
+SUFFIXES = ("sib", "plain", "cache", "bf16m", "int8m")  # (an ours-* row's, combined in any order)
 LR, BETAS, EPS, WD = 1e-4, (0.9, 0.999), 1e-8, 0.01
 GB = 1e9
+
+
+def known_config(name: str) -> bool:
+    """Whether ``name`` is a row: one of :data:`CONFIGS`, or an ``ours-*`` base with ``+``
+    suffixes of :data:`SUFFIXES` (at most one of ``sib``/``plain`` and of ``bf16m``/``int8m``),
+    e.g. ``ours-nvme+cache+sib``."""
+    if name in CONFIGS:
+        return True
+    base, *parts = name.split("+")
+    return (base in ("ours-cpu", "ours-nvme", "ours-nvme-opt") and bool(parts)
+            and all(p in SUFFIXES for p in parts) and len(set(parts)) == len(parts)
+            and not {"sib", "plain"} <= set(parts) and not {"bf16m", "int8m"} <= set(parts))
 
 
 # -- worker: one configuration, in its own process ------------------------------------------------
@@ -208,11 +222,11 @@ def ours_engine(args, config: str, model, dtype, dev):
     base = config.split("+")[0]
     offload = base.split("-")[1]
     extra = {"offload_param": "none"} if base == "ours-nvme-opt" else {}
-    if config.endswith("+sib"):
-        extra["update_timing"] = "backward"
-    if config.endswith("+plain"):
-        extra["update_timing"] = "step"
     parts = config.split("+")[1:]
+    if "sib" in parts:
+        extra["update_timing"] = "backward"
+    if "plain" in parts:
+        extra["update_timing"] = "step"
     extra["moment_dtype"] = ("bf16" if "bf16m" in parts else "int8" if "int8m" in parts
                              else args.moment_dtype)
     if "cache" in parts:
@@ -428,9 +442,10 @@ def main() -> None:
     if args.path is None:
         tmp = args.path = tempfile.mkdtemp(prefix="bench_step_", dir="/tmp")
     configs = [c for c in args.configs.split(",") if c]
-    bad = [c for c in configs if c not in CONFIGS]
+    bad = [c for c in configs if not known_config(c)]
     if bad:
-        p.error(f"unknown configs {bad}; choose from {CONFIGS}")
+        p.error(f"unknown configs {bad}; choose from {CONFIGS}, or an ours-* row with "
+                f"+suffixes of {SUFFIXES}")
     if args.device == "cuda" and any(c.startswith("ds-") for c in configs):
         p.error("the ds-* rows run with --device cpu only; leave them out of --configs")
     ds_version = _deepspeed_status() if any(c.startswith("ds-") for c in configs) else ""

@@ -43,7 +43,9 @@ class EngineParts:
 
     Fields: ``plan`` (``(blocks, root, [(unit, trainable, members)], users)``),
     ``memory_plan`` (the :class:`offload_zero.plan.MemoryPlan` every byte below comes from:
-    the engine allocates exactly its pools), ``tail`` (the
+    the engine allocates exactly its pools), ``config`` (the :class:`EngineConfig` the parts
+    were built with: the one given, or its copy with the ``update_timing`` and ``prefetch`` a
+    host budget lowered, see :meth:`EngineConfig.lowered`), ``tail`` (the
     name of the flat parameter ``tail_state_in_host`` keeps, or None), ``in_host`` (names of
     flat parameters whose NVMe-placed state stays in host memory), ``swapper``, ``param_home``,
     ``pools`` (``{name: HostBufferPool | GatherPool}``), ``store``, ``blocks``, ``root``,
@@ -53,7 +55,7 @@ class EngineParts:
     """
 
     def __init__(self):
-        self.plan = self.memory_plan = self.tail = None
+        self.plan = self.memory_plan = self.tail = self.config = None
         self.swapper = self.param_home = self.store = None
         self.blocks = self.root = self.grads = self.staging = self.reduction = None
         self.updates = self.adam = self.scheduler = self.grad_order = None
@@ -98,7 +100,10 @@ class _Builder:
         p.memory_plan = fit_host_budget(
             layout_of([(-1 if u.is_root else u.index, t, m) for u, t, m in plan[2]]),
             settings_of(cfg, self.world_size, self.device, storage_rebinding_supported()))
-        cfg.take_lowered(p.memory_plan.settings.update_timing, p.memory_plan.settings.prefetch)
+        # every part below runs the timing and prefetch the plan settled on
+        cfg = self.cfg = p.config = cfg.lowered(p.memory_plan.settings.update_timing,
+                                                p.memory_plan.settings.prefetch)
+        self.device = cfg.device
         # names of the flat parameters whose optimizer state stays in RAM (see [Note: host cache])
         p.tail, p.in_host = self._state_in_host(plan)
         if "nvme" in (cfg.offload_optimizer, cfg.offload_param):

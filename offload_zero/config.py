@@ -6,6 +6,7 @@ valid choices.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import enum
 import math
@@ -410,17 +411,26 @@ class EngineConfig:
                           f"{self.offload_param!r}) puts nothing on NVMe; {fix} to use it",
                           UserWarning, stacklevel=4)
 
-    def take_lowered(self, update_timing: str, prefetch: int) -> None:
-        """Hold the ``update_timing`` and ``prefetch`` a host budget left in force (see
-        :func:`offload_zero.plan.fit_host_budget`), so that the config says what runs: called
-        once by the engine's build, before any part reads them. Raises RuntimeError (an
-        internal error) for a change of a setting not in ``left_to_engine``."""
-        for name, value in (("update_timing", update_timing), ("prefetch", prefetch)):
-            if value != getattr(self, name):
-                if name not in self.left_to_engine:
-                    raise RuntimeError(f"internal error: {name}={getattr(self, name)!r} was "
-                                       f"given, the host budget may not change it to {value!r}")
-                object.__setattr__(self, name, value)
+    def lowered(self, update_timing: str, prefetch: int) -> "EngineConfig":
+        """This config with the ``update_timing`` and ``prefetch`` a host budget left in force
+        (see :func:`offload_zero.plan.fit_host_budget`): ``self`` when they are unchanged, else
+        a copy holding them (validated already; ``left_to_engine`` kept), which the engine's
+        build and the engine then use, so that ``engine.config`` says what runs. Raises
+        RuntimeError (an internal error) for a change of a setting not in
+        ``left_to_engine``."""
+        changes = {name: value for name, value in (("update_timing", update_timing),
+                                                   ("prefetch", prefetch))
+                   if value != getattr(self, name)}
+        if not changes:
+            return self
+        for name, value in changes.items():
+            if name not in self.left_to_engine:
+                raise RuntimeError(f"internal error: {name}={getattr(self, name)!r} was "
+                                   f"given, the host budget may not change it to {value!r}")
+        out = copy.copy(self)
+        for name, value in changes.items():
+            object.__setattr__(out, name, value)  # (a fresh copy: no one else holds it yet)
+        return out
 
     def _check_moments_and_workload(self) -> None:
         """Validate (and normalise) ``moment_dtype`` and ``workload``."""

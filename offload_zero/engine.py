@@ -136,6 +136,7 @@ class OffloadEngine:
     def _take(self, parts: EngineParts, r: Resolved) -> None:
         """Hold the parts built (stores, homes, units, schedule) and build the optimizer and the
         accumulation count on them, inside the build's guard (an error releases the parts)."""
+        self.config = parts.config  # (the settings in force: see EngineConfig.lowered)
         self.swapper, self.param_home, self.store = parts.swapper, parts.param_home, parts.store
         self.blocks, self.root, self.units = parts.blocks, parts.root, parts.units
         self.flat_params, self.trainable = parts.flat_params, parts.trainable

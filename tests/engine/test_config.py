@@ -269,3 +269,19 @@ def test_auto_takes_the_plain_step_when_only_it_fits(tmp_path):
             eng.backward(lm_loss(eng(x), y))
             eng.step()
         assert eng.memory_report()["host"]["peak_bytes"] <= max_host
+
+
+def test_a_host_budgets_lowered_settings_come_in_a_copy_of_the_config(tmp_path):
+    """EngineConfig.lowered: the config itself when nothing changes; else a copy with the
+    timing and prefetch in force (what the user left to the engine kept so), the original
+    untouched; a change of a setting the user gave is an internal error."""
+    from offload_zero.config import EngineConfig
+    cfg = EngineConfig(offload="nvme", path=str(tmp_path))
+    assert cfg.lowered(cfg.update_timing, cfg.prefetch) is cfg
+    low = cfg.lowered("step", 0)
+    assert (low.update_timing, low.prefetch) == ("step", 0) and low is not cfg
+    assert (cfg.update_timing, cfg.prefetch) != ("step", 0)
+    assert low.left_to_engine == cfg.left_to_engine and low.path == cfg.path
+    given = EngineConfig(offload="nvme", path=str(tmp_path), update_timing="next_forward")
+    with pytest.raises(RuntimeError, match="update_timing='next_forward' was given"):
+        given.lowered("step", given.prefetch)
