@@ -18,7 +18,7 @@ the host bytes of state per parameter; plots the curves to ``--png``.
 
 Usage: PYTHONPATH=. python benchmarks/bench_moments.py [--steps 300] [--hidden 1024]
     [--intermediate 2048] [--layers 8] [--heads 16] [--vocab 32000] [--seq 256] [--batch 4]
-    [--offload nvme] [--path DIR] [--formats fp32 bf16 int8] [--png FILE]
+    [--offload nvme] [--dtype fp32|bf16] [--path DIR] [--formats fp32 bf16 int8] [--png FILE]
 """
 from __future__ import annotations
 
@@ -58,7 +58,8 @@ def _run(model, fmt: str, args) -> Dict[str, object]:
     losses: List[float] = []
     with tempfile.TemporaryDirectory(dir=args.path) as folder:
         kw = {"path": folder} if args.offload == "nvme" else {}
-        with OffloadEngine(model, offload=args.offload, stage=3, lr=args.lr,
+        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
+        with OffloadEngine(model, offload=args.offload, stage=3, lr=args.lr, dtype=dtype,
                            weight_decay=args.weight_decay, moment_dtype=fmt, **kw) as eng:
             batches = _batches(args)
             rep0 = eng.memory_report()
@@ -125,6 +126,8 @@ def main() -> None:
     p.add_argument("--weight-decay", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--offload", choices=["cpu", "nvme"], default="nvme")
+    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
+                   help="compute dtype (the master weights are fp32 either way)")
     p.add_argument("--path", default=None, help="folder for the NVMe state (default: tmp)")
     p.add_argument("--formats", nargs="+", default=["fp32", "bf16", "int8"],
                    choices=["fp32", "bf16", "int8"])
@@ -139,7 +142,8 @@ def main() -> None:
     print(f"# model: Llama hidden={args.hidden} intermediate={args.intermediate} "
           f"layers={args.layers} heads={args.heads} vocab={args.vocab}: {params / 1e6:.1f}M "
           f"parameters; seq {args.seq} x batch {args.batch}, {args.steps} steps, lr {args.lr}, "
-          f"offload={args.offload}, stage 3, default corpus (stdlib, byte tokenizer)")
+          f"offload={args.offload}, stage 3, compute {args.dtype}, default corpus (stdlib, "
+          f"byte tokenizer)")
     results = {fmt: _run(copy.deepcopy(base), fmt, args) for fmt in args.formats}
     tail = max(1, args.steps // 10)
     ref = results.get("fp32")
