@@ -236,15 +236,19 @@ class NVMeParamHome:
     def commit(self, fp, target: torch.Tensor) -> None:
         """Write the new shard in ``target`` back to ``fp``'s file, asynchronously
         (``IN_UPDATE`` -> ``WRITING``; nothing to do for a shard that is its master weights;
-        ``KEPT`` for one that stays in its buffer for the next gather)."""
+        ``KEPT`` for one whose gather follows, or a master's copy kept for it: the buffer
+        serves that gather whenever the write completes)."""
         if fp in self._in_master and not self._wants(fp):
             return
         if fp in self._in_master:  # its bytes are written as the master; keep the copy
             self.io_stages.move(fp, ShardIO.KEPT,
                                 handles=[SwapHandle(self._key(fp), "kept", None, 0)])
             return
-        self.io_stages.move(fp, ShardIO.WRITING,
-                            handles=[self.swapper.swap_out(self._key(fp), target)])
+        handles = [self.swapper.swap_out(self._key(fp), target)]
+        # a gather follows: the buffer is its read at once, the write in flight (no write-back
+        # a full pool retires takes it from that gather: it would read the file instead)
+        self.io_stages.move(fp, ShardIO.KEPT if self._follows(fp) else ShardIO.WRITING,
+                            handles=handles)
 
     def discard(self, fp) -> None:
         """The update was skipped (overflow): return the target buffer unwritten
@@ -305,10 +309,10 @@ class NVMeParamHome:
     def close(self) -> None:
         """Finish reads and writes in flight."""
         try:
-            self.drain()
-        finally:
             for fp in self.io_stages.in_stage(ShardIO.READING, ShardIO.KEPT):
                 try:
-                    self.done_with(fp)
+                    self.done_with(fp)  # (a kept shard's write in flight: WRITING)
                 except Exception:
                     pass
+        finally:
+            self.drain()

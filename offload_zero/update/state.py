@@ -66,10 +66,10 @@ keeping dicts of their own.
 
  AT_REST --fetch--> READING --done_with (gathered, or stale)--> AT_REST
  AT_REST --update_target--> IN_UPDATE --commit--> WRITING --retired--> AT_REST
-                             |   |                   +--its gather follows (write----+
-                             |   |                      in flight), keep_after_update|
-                             |   +--commit (its bytes are the master's), kept------+|
-                             |                                                     vv
+                             | | |                   +--retired, keep_after_update---+
+                             | | +--commit, its gather follows (write in flight)---+ |
+                             | +--commit (its bytes are the master's), kept------+ | |
+                             |                                                   v v v
                              +--discard (overflow)--> AT_REST     KEPT --done_with--> AT_REST
                                                       (its write still in flight: WRITING)
 ```
@@ -86,7 +86,10 @@ keeping dicts of their own.
   the forward's last pending update, so the disk serves the reads first.
 - ``ShardIO.READING`` / ``KEPT``: a pool buffer holds the shard for the next gather, read from
   the file, or kept from the update; ``IN_UPDATE``: the update writes the new shard into a
-  pool buffer; ``WRITING``: that buffer's write to the file is in flight (a ring of two).
+  pool buffer; ``WRITING``: that buffer's write to the file is in flight, and no gather waits
+  for it (a full pool retires the oldest such write: a shard whose gather follows its update
+  is ``KEPT`` from its commit, so how fast the disk writes never sends that gather to the
+  file).
 
 State kept in host memory (``keep_in_host``), the resident stores and the host parameter home
 have no I/O: always at rest. After a step of ``"step"`` or ``"backward"`` every optimizer
