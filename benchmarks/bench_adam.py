@@ -17,12 +17,15 @@ Rows:
   AdamW assumes).
 - ``CPUAdam bf16 moments``: ``exp_avg``/``exp_avg_sq`` in bf16 (stochastic rounding), with and
   without the fused copy; compared with the same torch rows (they keep fp32 moments).
+- ``CPUAdam int8 moments + fused bf16 copy``: blockwise 8-bit moments (decoded, updated and
+  encoded again in the one pass).
 
 Bytes per parameter counted as useful traffic: 28 (read param, grad, exp_avg, exp_avg_sq;
 write param, exp_avg, exp_avg_sq), 30 with a bf16 weight copy, 28 for bf16 grads + bf16 copy,
-20 / 22 with bf16 moments. CPUAdam also reads the gradients once more before the update (the
-overflow check, csrc/dispatch.cpp) unless check_overflow=False: +4 B/param (+2 for bf16
-grads), not counted.
+20 / 22 with bf16 moments, 18 with int8 moments and the copy (one byte a moment, read and
+written; the absmax per 256 not counted). CPUAdam also reads the gradients once more before
+the update (the overflow check, csrc/dispatch.cpp) unless check_overflow=False: +4 B/param
+(+2 for bf16 grads), not counted.
 "GB/s" is that over the median time; "of stream" divides by the addcmul bandwidth; "vs best
 peer" and "vs AdamW" are explained in ``_table``. Rows share the gradient and bf16 buffers.
 
@@ -97,13 +100,26 @@ def _ours(numel: int, shared: _Shared) -> List[_Case]:
                        eps=EPS, weight_decay=WD, adamw=True, out=out, num_threads=threads)
         return step
 
+    m_q8 = torch.zeros(numel, dtype=torch.uint8)
+    v_q8 = torch.zeros(numel, dtype=torch.uint8)
+    absmax = [torch.zeros(-(-numel // 256)) for _ in range(2)]
+
+    def run_int8_moments(out):
+        def step(threads: int) -> None:
+            counter[0] += 1
+            adam_step_(param, grad, m_q8, v_q8, step=counter[0], lr=LR, betas=BETAS,
+                       eps=EPS, weight_decay=WD, adamw=True, out=out, num_threads=threads,
+                       exp_avg_absmax=absmax[0], exp_avg_sq_absmax=absmax[1])
+        return step
+
     return [_Case("CPUAdam fp32", 28, run(grad, None)),
             _Case("CPUAdam + fused bf16 copy", 30, run(grad, out_bf16)),
             _Case("CPUAdam bf16 grad + fused bf16 copy", 28, run(grad_bf16, out_bf16)),
             _Case("CPUAdam fp32, no overflow pass", 28, run(grad, None, False)),
             _Case("CPUAdam + fused bf16 copy, no overflow pass", 30, run(grad, out_bf16, False)),
             _Case("CPUAdam bf16 moments", 20, run_bf16_moments(None)),
-            _Case("CPUAdam bf16 moments + fused bf16 copy", 22, run_bf16_moments(out_bf16))]
+            _Case("CPUAdam bf16 moments + fused bf16 copy", 22, run_bf16_moments(out_bf16)),
+            _Case("CPUAdam int8 moments + fused bf16 copy", 18, run_int8_moments(out_bf16))]
 
 
 def _torch(numel: int, shared: _Shared, with_adam: bool) -> List[_Case]:

@@ -191,14 +191,74 @@ inline __m512i table8_epi32(const int32_t* t) {
   return _mm512_zextsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t)));
 }
 
-// The per-map constants of q8_encode, broadcast once per block.
+// The per-map constants of q8_encode. The decade z = #{j : r < thresh[j]} is found from r's
+// binary exponent: r in [2^-i, 2^(1-i)) (i = 0..31; i = 31 also for every smaller r) is below
+// every threshold >= 2^(1-i), above every one <= 2^-i, and at most one threshold lies between
+// (they are a factor 10 apart): z = below[i] + (r < between[i]), between[i] = 0 without one
+// (thresholds are >= 1e-7 > 2^-30: the smallest octaves have none).
 struct Q8Vec {
-  __m512 thresh[7], a, b;
-  __m512i base, lo, hi;
+  __m512 a, b, between_lo, between_hi;
+  __m512i base, lo, hi, below_lo, below_hi;
   explicit Q8Vec(const Q8Map& q)
       : a(table8_ps(q.a)), b(table8_ps(q.b)), base(table8_epi32(q.base)),
         lo(table8_epi32(q.lo)), hi(table8_epi32(q.hi)) {
-    for (int j = 0; j + 1 < q.bits; ++j) thresh[j] = _mm512_set1_ps(q.thresh[j]);
+    alignas(64) int32_t below[32];
+    alignas(64) float between[32];
+    for (int i = 0; i < 32; ++i) {
+      const float bottom = std::ldexp(1.0f, -i), top = std::ldexp(1.0f, 1 - i);
+      below[i] = 0;
+      between[i] = 0.0f;
+      for (int j = 0; j + 1 < q.bits; ++j) {
+        if (q.thresh[j] >= top) ++below[i];
+        else if (q.thresh[j] > bottom) between[i] = q.thresh[j];
+      }
+    }
+    below_lo = _mm512_load_si512(below);
+    below_hi = _mm512_load_si512(below + 16);
+    between_lo = _mm512_load_ps(between);
+    between_hi = _mm512_load_ps(between + 16);
+  }
+};
+
+// A map's 256 decoded values (Q8Map::value) in 16 registers: value[code] of 16 lanes by
+// permutes, not a gather (a gather of 16 lanes costs more than this whole lookup).
+struct Q8Values {
+  __m512 t[16];
+  explicit Q8Values(const Q8Map& q) {
+    for (int k = 0; k < 16; ++k) t[k] = _mm512_loadu_ps(q.value + 16 * k);
+  }
+  // value[code & 0x7f] (a code's bits 0-4 pick one of 32 values, bits 5-6 one of 4 such)
+  inline __m512 low128(__m512i code) const {
+    const __mmask16 b5 = _mm512_test_epi32_mask(code, _mm512_set1_epi32(32));
+    const __mmask16 b6 = _mm512_test_epi32_mask(code, _mm512_set1_epi32(64));
+    const __m512 r0 = _mm512_permutex2var_ps(t[0], code, t[1]);
+    const __m512 r1 = _mm512_permutex2var_ps(t[2], code, t[3]);
+    const __m512 r2 = _mm512_permutex2var_ps(t[4], code, t[5]);
+    const __m512 r3 = _mm512_permutex2var_ps(t[6], code, t[7]);
+    return _mm512_mask_blend_ps(b6, _mm512_mask_blend_ps(b5, r0, r1),
+                                _mm512_mask_blend_ps(b5, r2, r3));
+  }
+  // value[code] of the signed map (exp_avg): value[sign << 7 | mag] is -value[mag], but
+  // value[0x80] is +0, as value[0]
+  inline __m512 signed_lookup(__m512i code) const {
+    const __mmask16 neg = _mm512_test_epi32_mask(code, _mm512_set1_epi32(0x80)) &
+                          _mm512_test_epi32_mask(code, _mm512_set1_epi32(0x7f));
+    const __m512i mag = _mm512_castps_si512(low128(code));
+    return _mm512_castsi512_ps(
+        _mm512_mask_xor_epi32(mag, neg, mag, _mm512_set1_epi32(static_cast<int>(0x80000000u))));
+  }
+  // value[code] for codes 0..255 (int32 lanes)
+  inline __m512 lookup(__m512i code) const {
+    const __mmask16 b5 = _mm512_test_epi32_mask(code, _mm512_set1_epi32(32));
+    const __mmask16 b6 = _mm512_test_epi32_mask(code, _mm512_set1_epi32(64));
+    const __mmask16 b7 = _mm512_test_epi32_mask(code, _mm512_set1_epi32(128));
+    __m512 r[8];
+    for (int k = 0; k < 8; ++k) r[k] = _mm512_permutex2var_ps(t[2 * k], code, t[2 * k + 1]);
+    const __m512 s0 = _mm512_mask_blend_ps(b6, _mm512_mask_blend_ps(b5, r[0], r[1]),
+                                           _mm512_mask_blend_ps(b5, r[2], r[3]));
+    const __m512 s1 = _mm512_mask_blend_ps(b6, _mm512_mask_blend_ps(b5, r[4], r[5]),
+                                           _mm512_mask_blend_ps(b5, r[6], r[7]));
+    return _mm512_mask_blend_ps(b7, s0, s1);
   }
 };
 
@@ -210,11 +270,13 @@ inline __m512i q8_encode16(const Q8Vec& c, int32_t top, __m512 x, float absmax, 
       _mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(0x7fffffff)));
   const __m512 r0 = _mm512_mul_ps(ax, _mm512_set1_ps(inv));
   const __m512 r = _mm512_min_ps(r0, _mm512_set1_ps(1.0f));  // (NaN -> 1, as std::fmin)
-  __m512i z = _mm512_setzero_si512();
-  for (int j = 0; j + 1 < kBits; ++j) {
-    const __mmask16 below = _mm512_cmp_ps_mask(r, c.thresh[j], _CMP_LT_OQ);
-    z = _mm512_mask_add_epi32(z, below, z, _mm512_set1_epi32(1));
-  }
+  // i = -(r's exponent), clamped to 31 (r = 0: getexp gives -inf)
+  const __m512 e = _mm512_max_ps(_mm512_getexp_ps(r), _mm512_set1_ps(-31.0f));
+  const __m512i i = _mm512_cvttps_epi32(_mm512_sub_ps(_mm512_setzero_ps(), e));
+  __m512i z = _mm512_permutex2var_epi32(c.below_lo, i, c.below_hi);
+  const __mmask16 under = _mm512_cmp_ps_mask(
+      r, _mm512_permutex2var_ps(c.between_lo, i, c.between_hi), _CMP_LT_OQ);
+  z = _mm512_mask_add_epi32(z, under, z, _mm512_set1_epi32(1));
   __m512 t = _mm512_fmadd_ps(r, _mm512_permutexvar_ps(z, c.a), _mm512_permutexvar_ps(z, c.b));
   t = _mm512_roundscale_ps(_mm512_add_ps(t, u), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
   t = _mm512_min_ps(_mm512_max_ps(t, _mm512_set1_ps(-2.0f)), _mm512_set1_ps(256.0f));
@@ -251,7 +313,8 @@ inline __m512 dither16(__m512i bits16) {
 // Returns the max |g| bits seen (> 0x7f7fffff iff some g is inf or nan) of the vector part.
 template <DType G, DType O, bool kStream, bool kBf16Insn>
 inline __m512i q8_block16(const AdamBuffers& b, const AdamHyper& h, const Q8Vec& qm,
-                          const Q8Vec& qv, int64_t begin, int64_t end, __m512i seen) {
+                          const Q8Vec& qv, const Q8Values& lm, const Q8Values& lv,
+                          int64_t begin, int64_t end, __m512i seen) {
   const Q8Tables& t = q8_tables();
   const int64_t blk = begin / kQ8Block;
   uint8_t* mc = static_cast<uint8_t*>(b.exp_avg);
@@ -268,8 +331,8 @@ inline __m512i q8_block16(const AdamBuffers& b, const AdamHyper& h, const Q8Vec&
     __m512 p = _mm512_loadu_ps(b.param + i);
     const __m128i cm = _mm_loadu_si128(reinterpret_cast<const __m128i*>(mc + i));
     const __m128i cv = _mm_loadu_si128(reinterpret_cast<const __m128i*>(vc + i));
-    __m512 m = _mm512_mul_ps(vam, _mm512_i32gather_ps(_mm512_cvtepu8_epi32(cm), t.m.value, 4));
-    __m512 v = _mm512_mul_ps(vav, _mm512_i32gather_ps(_mm512_cvtepu8_epi32(cv), t.v.value, 4));
+    __m512 m = _mm512_mul_ps(vam, lm.signed_lookup(_mm512_cvtepu8_epi32(cm)));
+    __m512 v = _mm512_mul_ps(vav, lv.lookup(_mm512_cvtepu8_epi32(cv)));
     if (h.scale_grad) g = _mm512_mul_ps(g, _mm512_set1_ps(h.grad_scale));
     seen = _mm512_max_epu32(seen, _mm512_and_si512(_mm512_castps_si512(g), abs_mask));
     if (h.l2) g = _mm512_fmadd_ps(p, _mm512_set1_ps(h.l2_decay), g);
@@ -324,10 +387,11 @@ template <DType G, DType O, bool kStream, bool kBf16Insn>
 bool q8_update_impl(const AdamBuffers& b, const AdamHyper& h, int64_t begin, int64_t end) {
   const Q8Tables& t = q8_tables();
   const Q8Vec qm(t.m), qv(t.v);
+  const Q8Values lm(t.m), lv(t.v);
   __m512i seen = _mm512_setzero_si512();
   for (int64_t i = begin; i < end; i += kQ8Block) {
     const int64_t e = i + kQ8Block < end ? i + kQ8Block : end;
-    seen = q8_block16<G, O, kStream, kBf16Insn>(b, h, qm, qv, i, e, seen);
+    seen = q8_block16<G, O, kStream, kBf16Insn>(b, h, qm, qv, lm, lv, i, e, seen);
   }
   bool bad = _mm512_cmpgt_epu32_mask(seen, _mm512_set1_epi32(0x7f7fffff)) != 0;
   for (int64_t i = begin + (end - begin) / kLanes * kLanes; i < end; ++i) {

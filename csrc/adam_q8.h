@@ -35,7 +35,9 @@
 // exp_avg_sq below half of it gets the bottom code: error <= A * 10^-(N-1)); stochastic
 // rounding lands on one of the two lattice points around r: error < A * (s + 2^-22).
 // Every operation is a correctly rounded IEEE op (mul, fma, add, floor, compare) on the
-// tables of q8_tables(), so each instruction set gives the same codes as this file.
+// tables of q8_tables(), so each instruction set gives the same codes as this file. (AVX-512
+// finds the decade z from r's binary exponent and one compare, the same count, and decodes by
+// permutes of value[] instead of a gather: Q8Vec and Q8Values in adam_avx512.cpp.)
 // Bytes: 1 per element per moment, plus 4 per block of 256 for each absmax: 2 + 8/256 =
 // 2.03125 bytes per element for both moments (fp32: 8, bf16: 4).
 #pragma once

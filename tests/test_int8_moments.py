@@ -178,6 +178,57 @@ def test_every_isa_equals_the_scalar_reference(isa, n, grad_dtype, out_dtype, ad
         assert torch.equal(a, b), f"{isa} n={n}: {name} differs at {int((a != b).nonzero()[0])}"
 
 
+@pytest.mark.parametrize("isa", ["avx2", "avx512"])
+def test_every_isa_decodes_every_code_as_the_scalar_reference(isa, monkeypatch):
+    """Codes the encoder never writes (exp_avg's 0x80, a negative zero's place) and every
+    other, in blocks of varied absmax: one step of the SIMD kernel equals the scalar one."""
+    if isa not in ISAS:
+        pytest.skip(f"this CPU/OS lacks {isa} (available: {ISAS}): its kernel cannot run here")
+    gen = torch.Generator().manual_seed(5)
+    n = BLOCK_NUMEL * 16
+    p = torch.randn(n, generator=gen)
+    state = [p]
+    for _ in range(2):
+        codes = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen)
+        codes[:BLOCK_NUMEL] = torch.arange(256, dtype=torch.uint8)
+        state += [codes, torch.exp(torch.empty(blocks(n)).uniform_(-20, 0, generator=gen))]
+    grads = [torch.randn(n, generator=gen) * 1e-3]
+    ref = _run_q8("scalar", monkeypatch, state, grads)
+    got = _run_q8(isa, monkeypatch, state, grads)
+    for name, a, b in zip(("param", "m", "m_absmax", "v", "v_absmax"), got, ref):
+        assert torch.equal(a, b), f"{isa}: {name} differs at {int((a != b).nonzero()[0])}"
+
+
+@pytest.mark.parametrize("isa", ["avx2", "avx512"])
+def test_every_isa_encodes_values_at_each_decade_and_octave_edge_as_the_reference(isa,
+                                                                                monkeypatch):
+    """beta1 = 0 and zero moments make the new exp_avg the gradient itself: values one ulp
+    around each decade threshold 10^-k and each power of two 2^-i (i = 0..40), 16 per decade
+    down to 1e-9, zeros and subnormals, beside a block absmax of 1, encode to the scalar
+    kernel's codes."""
+    if isa not in ISAS:
+        pytest.skip(f"this CPU/OS lacks {isa} (available: {ISAS}): its kernel cannot run here")
+    edges = [float(np.float32(10.0 ** -k)) for k in range(1, 9)] + [2.0 ** -i for i in range(41)]
+    g = []
+    for x in edges:
+        g += [np.nextafter(np.float32(x), np.float32(0)), np.float32(x),
+              np.nextafter(np.float32(x), np.float32(1))]
+    g += [10.0 ** (-k / 16) for k in range(150)]  # (and between them)
+    g = torch.tensor(g + [0.0, 1e-40, 3e-39], dtype=torch.float32)
+    g = torch.cat([g, -g])
+    n = BLOCK_NUMEL * -(-g.numel() // BLOCK_NUMEL)
+    grad = torch.zeros(n)
+    grad[:g.numel()] = g
+    grad[::BLOCK_NUMEL] = 1.0  # (each block's absmax)
+    zeros = [torch.zeros(n, dtype=torch.uint8), torch.ones(blocks(n))]
+    state = [torch.zeros(n)] + zeros + [t.clone() for t in zeros]
+    kw = dict(betas=(0.0, 0.0))
+    ref = _run_q8("scalar", monkeypatch, state, [grad], **kw)
+    got = _run_q8(isa, monkeypatch, state, [grad], **kw)
+    for name, a, b in zip(("param", "m", "m_absmax", "v", "v_absmax"), got, ref):
+        assert torch.equal(a, b), f"{isa}: {name} differs at {int((a != b).nonzero()[0])}"
+
+
 @pytest.mark.parametrize("isa", ISAS)
 def test_fused_pass_equals_decode_fp32_step_encode(isa, monkeypatch):
     """The fused kernel is the format's decode, the fp32 kernel and a stochastic encode keyed
