@@ -175,9 +175,12 @@ class OffloadEngine:
         self._updates.skipped_steps = value
 
     @property
-    def last_grad_norm(self) -> float:
-        """The global gradient norm of the last step that clipped (``max_grad_norm``), before
-        clipping and after unscaling; AttributeError before the first such step."""
+    def last_grad_norm(self) -> Optional[float]:
+        """The global gradient 2-norm of the last step that clipped (``max_grad_norm``), before
+        clipping and after unscaling (inf or nan for a step skipped for it); None before the
+        first such step, and always without ``max_grad_norm``: the norm is computed only to
+        clip (one more pass over the gradient shards and an all-reduce), so a large
+        ``max_grad_norm`` measures it without clipping in effect."""
         return self._updates.last_grad_norm
 
     @property
@@ -211,7 +214,9 @@ class OffloadEngine:
         micro-batches' gradients sum to their mean loss's). With a loss scale (fp16) the loss is
         then multiplied by ``loss_scaler.scale`` in fp32; the update divides it out.
         Raises ValueError if ``loss`` is not a scalar tensor that requires grad, or (with
-        ``update_timing="backward"``) if a parameter group's hyperparameter is bad.
+        ``update_timing="backward"``) if a parameter group's hyperparameter is bad. A backward
+        through the wrapped model that does not come from here (``loss.backward()``) raises
+        RuntimeError saying to call this instead: it would skip the steps above.
         """
         self._check_open()
         self._accum.check_backward(loss)  # (ValueError, RuntimeError: see the docstring)
@@ -221,6 +226,7 @@ class OffloadEngine:
             if self.loss_scaler is not None:
                 # in fp32: a scaled fp16 loss would overflow long before its gradients do
                 loss = loss.float() * self.loss_scaler.scale
+            self.scheduler.in_engine_backward = True
             try:
                 loss.backward()
             except BaseException as exc:
@@ -230,6 +236,8 @@ class OffloadEngine:
                             and not collective_error(exc)):
                         self._step()  # (not on Ctrl-C or exit: no more I/O; zero_grad() ends it)
                 raise
+            finally:
+                self.scheduler.in_engine_backward = False
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop the gradients accumulated since the last :meth:`step` (to skip a batch, say

@@ -112,7 +112,17 @@ class ModelExposure:
             model.register_load_state_dict_pre_hook(self._load_pre),
             model.register_load_state_dict_post_hook(self._load_post),
         ]
+        # the model's zero_grad() drops the engine's gradients (torch's would set each .grad
+        # to None, which cannot drop one parameter's part of a flat gradient: it raises)
+        object.__setattr__(model, "zero_grad", self._zero_grad)
         self.record_versions()
+
+    def _zero_grad(self, set_to_none: bool = True) -> None:
+        """The wrapped model's ``zero_grad``: ``engine.zero_grad(set_to_none)`` (see
+        :meth:`OffloadEngine.zero_grad`); nothing to drop once the engine is closed."""
+        eng = self._live()
+        if eng is not None:
+            eng.zero_grad(set_to_none)
 
     def _live(self):
         eng = self._engine()
@@ -121,18 +131,19 @@ class ModelExposure:
     def remove(self) -> None:
         """Take the hooks off the model (idempotent), but for those that make its forward,
         ``state_dict()`` and ``load_state_dict()`` raise once the engine is closed (see
-        :meth:`_refuse_closed`); the model's ``save_pretrained`` (Hugging Face's, peft's)
-        then raises the same way (an instance attribute set on the closed model)."""
+        :meth:`_refuse_closed`); the model's ``save_pretrained`` and ``generate`` (Hugging
+        Face's, peft's) then raise the same way (instance attributes set on the closed
+        model)."""
         for h in self._handles:
             h.remove()
         self._handles.clear()
         eng = self._engine()
         model = None if eng is None else eng.module
-        if callable(getattr(model, "save_pretrained", None)):
-            # (Hugging Face's reads model.dtype first, which a model without parameters fails
-            # with StopIteration; peft's writes its config before the state dict)
-            object.__setattr__(model, "save_pretrained",
-                               lambda *args, **kwargs: self._refuse_closed(model))
+        for name in ("save_pretrained", "generate"):
+            if callable(getattr(model, name, None)):
+                # (Hugging Face's read model.dtype or model.device first, which a model without
+                # parameters fails with StopIteration; peft's save writes its config first)
+                object.__setattr__(model, name, lambda *args, **kwargs: self._refuse_closed(model))
 
     def _refuse_closed(self, module, *args) -> None:
         """Raise RuntimeError if the engine is closed or gone: its weights went with it, so

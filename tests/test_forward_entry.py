@@ -116,14 +116,17 @@ def test_closed_engine_refuses_state_dict_forward_and_save(tmp_path):
     assert not (tmp_path / "adapter").exists()
 
 
-def test_closed_engine_refuses_hf_save_pretrained(tmp_path):
+def test_closed_engine_refuses_hf_save_pretrained_and_generate(tmp_path):
     """A plain Hugging Face model's save_pretrained after close() raises the same
-    RuntimeError, and writes nothing."""
+    RuntimeError, and writes nothing; so does generate() (it raised a bare StopIteration from
+    reading the device of a model without parameters)."""
     model = tiny_llama()
     wrap(model, {"offload": "cpu"}, tmp_path).close()
     with pytest.raises(RuntimeError, match=r"OffloadEngine is closed.*before engine.close"):
         model.save_pretrained(str(tmp_path / "saved"))
     assert not (tmp_path / "saved").exists()
+    with pytest.raises(RuntimeError, match=r"OffloadEngine is closed"):
+        model.generate(prompt(), max_new_tokens=2)
 
 
 @pytest.mark.parametrize("kw", [{"offload": "cpu"}, {"offload": "nvme"}],

@@ -206,20 +206,86 @@ def test_save_pretrained_round_trip(stage, offload, tie, tmp_path):
 
 
 @pytest.mark.parametrize("stage,offload", [(1, "none"), (2, "cpu"), (3, "nvme")])
-def test_clip_grad_norm_raises_instead_of_zero(stage, offload, tmp_path):
+def test_clip_grad_norm_and_a_torch_optimizer_raise_instead_of_doing_nothing(stage, offload,
+                                                                              tmp_path):
     """clip_grad_norm_(model.parameters()) after backward raises pointing to max_grad_norm=
-    (it returned 0 silently); without gradients it returns 0 as for the unwrapped model, and
-    model.zero_grad() works."""
+    (it returned 0 silently), and a torch optimizer's step over the model's parameters to
+    engine.step(); without gradients clipping returns 0 as for the unwrapped model, and
+    torch's zero_grad between steps is accepted."""
     model = tiny_llama()
     ids = tokens(1)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
     with wrap(model, stage, offload, tmp_path) as eng:
         assert torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0).item() == 0.0
+        opt.zero_grad()
         eng.backward(model(input_ids=ids, labels=ids).loss)
-        model.zero_grad()
         with pytest.raises(RuntimeError, match="max_grad_norm"):
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        with pytest.raises(RuntimeError, match=r"engine\.step\(\)"):
+            opt.step()
         eng.step()
         assert all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.parametrize("stage,offload", [(1, "none"), (2, "cpu"), (3, "nvme")])
+def test_model_zero_grad_drops_the_engines_gradients(stage, offload, tmp_path):
+    """The wrapped model's zero_grad() drops the backward's gradients, as for the unwrapped
+    model (it changed nothing: the dropped batch's gradients reached the next step); setting
+    one parameter's .grad to None while the engine holds a gradient raises (it cannot drop
+    one parameter's part of a flat gradient)."""
+    model = tiny_llama()
+    ref = trained_reference(tiny_llama, steps=1)
+    with wrap(model, stage, offload, tmp_path) as eng:
+        bad = tokens(7)
+        eng.backward(model(input_ids=bad, labels=bad).loss)
+        p = next(model.parameters())
+        with pytest.raises(RuntimeError, match=r"zero_grad\(\) on the wrapped model"):
+            p.grad = None
+        model.zero_grad()
+        train(eng, model, steps=1)
+        assert max_diff(eng.full_state_dict(), ref.state_dict()) <= 1e-6
+
+
+@pytest.mark.parametrize("stage,offload", [(1, "none"), (3, "nvme")])
+def test_a_backward_outside_engine_backward_raises_and_changes_nothing(stage, offload,
+                                                                        tmp_path):
+    """loss.backward() (or torch.autograd.backward) through the wrapped model raises, pointing
+    to engine.backward(loss) (it skipped the loss scale, accumulation's 1/N and pending
+    updates, silently); after it the next forward and engine.backward train as if it never
+    ran."""
+    model = tiny_llama()
+    ref = trained_reference(tiny_llama, steps=2)
+    with wrap(model, stage, offload, tmp_path, gradient_accumulation_steps=1) as eng:
+        for plain in (lambda loss: loss.backward(),
+                      lambda loss: torch.autograd.backward([loss])):
+            ids = tokens(5)
+            with pytest.raises(RuntimeError, match=r"call engine\.backward\(loss\)"):
+                plain(model(input_ids=ids, labels=ids).loss)
+        train(eng, model, steps=2)
+        assert max_diff(eng.full_state_dict(), ref.state_dict()) <= 1e-6
+
+
+@pytest.mark.parametrize("stage,offload", [(1, "none"), (3, "nvme")])
+def test_changing_requires_grad_after_wrapping_raises(stage, offload, tmp_path):
+    """p.requires_grad = False and requires_grad_(False) after wrapping raise, saying to freeze
+    before wrapping (the first was accepted, read back False, and the parameter still
+    trained); the value it has is accepted, and a frozen one stays frozen."""
+    model = tiny_llama()
+    model.model.norm.weight.requires_grad_(False)
+    with wrap(model, stage, offload, tmp_path) as eng:
+        p, frozen = model.lm_head.weight, model.model.norm.weight
+        for change in (lambda: setattr(p, "requires_grad", False),
+                       lambda: p.requires_grad_(False), lambda: frozen.requires_grad_(True),
+                       lambda: model.requires_grad_(False)):
+            with pytest.raises(RuntimeError, match="before OffloadEngine"):
+                change()
+        p.requires_grad = True
+        assert p.requires_grad_() is p and p.requires_grad and not frozen.requires_grad
+        before = eng.full_state_dict()
+        train(eng, model, steps=1)
+        after = eng.full_state_dict()
+        assert torch.equal(after["model.norm.weight"], before["model.norm.weight"])
+        assert not torch.equal(after["lm_head.weight"], before["lm_head.weight"])
 
 
 @pytest.mark.parametrize("stage,offload", [(1, "none"), (2, "cpu"), (3, "none")])

@@ -298,6 +298,39 @@ def test_optimizer_state_dict_round_trip():
         del sched
 
 
+def test_optimizer_state_dict_cannot_restart_adam_silently(tmp_path, torch_single_thread):
+    """torch's resume habit (model.state_dict() + optimizer.state_dict() into a new engine)
+    would restart the moments, which the dict does not hold: loading it into an engine at
+    another Adam step count raises, pointing to save_checkpoint; after load_checkpoint (same
+    count) it loads. A torch optimizer's dict (with per-parameter moments) is refused too."""
+    torch.manual_seed(0)
+    model = TinyLM()
+    fresh = copy.deepcopy(model)
+    with _engine(model, 3, "cpu", None) as eng:
+        _train_steps(eng, _one_cycle(eng.optimizer), batches(2))
+        sd = copy.deepcopy(eng.optimizer.state_dict())
+        eng.save_checkpoint(str(tmp_path / "ckpt"))
+    assert sd["state"] == {} and sd["offload_zero_adam_steps"] == 2
+    with _engine(fresh, 3, "cpu", None) as new:
+        def values():
+            return [{k: v for k, v in g.items() if k != "params"}
+                    for g in new.optimizer.param_groups]
+        groups = values()
+        with pytest.raises(ValueError, match=r"saved after 2 Adam step\(s\).*at 0.*"
+                                             r"engine\.load_checkpoint"):
+            new.optimizer.load_state_dict(sd)
+        assert values() == groups
+        ref = torch.nn.Linear(2, 2)
+        opt = torch.optim.AdamW(ref.parameters())
+        ref(torch.ones(1, 2)).sum().backward()
+        opt.step()
+        with pytest.raises(ValueError, match=r"holds state for 2 parameter\(s\)"):
+            new.optimizer.load_state_dict(opt.state_dict())
+        new.load_checkpoint(str(tmp_path / "ckpt"))
+        new.optimizer.load_state_dict(sd)
+        assert new.optimizer.state_dict()["offload_zero_adam_steps"] == 2
+
+
 def _train_steps(eng, sched, data):
     for x, y in data:
         eng.backward(lm_loss(eng(x), y))

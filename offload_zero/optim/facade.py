@@ -191,6 +191,10 @@ def _plain(value):
     return _SKIP
 
 
+STEPS_KEY = "offload_zero_adam_steps"
+"""The key of :meth:`EngineOptimizer.state_dict` that records the engine's Adam step count."""
+
+
 class EngineOptimizer(torch.optim.Optimizer):
     """The engine's Adam/AdamW as a ``torch.optim.Optimizer`` (``engine.optimizer``).
 
@@ -209,7 +213,10 @@ class EngineOptimizer(torch.optim.Optimizer):
     of the two the loop calls), :meth:`zero_grad` is ``engine.zero_grad()``.
     :meth:`state_dict` / :meth:`load_state_dict` carry the groups' hyperparameters only
     (``state`` is empty): the moments and master weights are the engine's, saved by
-    ``engine.save_checkpoint``, which records the groups' values too.
+    ``engine.save_checkpoint``, which records the groups' values too. So that a resume through
+    them alone (torch's ``model.state_dict()`` + ``optimizer.state_dict()`` habit) cannot
+    restart the moments silently, the dict records the engine's Adam step count
+    (:data:`STEPS_KEY`) and a load into an engine at another count raises ValueError.
 
     The groups are fixed when the engine is built (``OffloadEngine(param_groups=...)``):
     :meth:`add_param_group` afterwards raises NotImplementedError.
@@ -262,11 +269,41 @@ class EngineOptimizer(torch.optim.Optimizer):
         """``engine.zero_grad(set_to_none)``: see :meth:`OffloadEngine.zero_grad`."""
         self._engine().zero_grad(set_to_none)
 
+    def _adam_steps(self) -> int:
+        """The engine's Adam step count: the most of its flat parameters' (0 before any)."""
+        return max(self._engine().step_counts.values(), default=0)
+
+    def state_dict(self) -> dict:
+        """torch's :meth:`~torch.optim.Optimizer.state_dict`: ``state`` empty (the moments are
+        the engine's: ``engine.save_checkpoint``), ``param_groups`` the groups' values, and
+        :data:`STEPS_KEY`: the engine's Adam step count (an int), which
+        :meth:`load_state_dict` checks."""
+        out = super().state_dict()
+        out[STEPS_KEY] = self._adam_steps()
+        return out
+
     def load_state_dict(self, state_dict: dict) -> None:
         """torch's :meth:`~torch.optim.Optimizer.load_state_dict` (same number of groups, each
         with as many parameters), then the groups' values are checked: ValueError naming a bad
         one, the groups left as they were. The moments are not in it: see
-        ``engine.load_checkpoint``."""
+        ``engine.load_checkpoint``. Raises ValueError, changing nothing, for a dict that holds
+        per-parameter state (a torch optimizer's moments: this optimizer cannot take them), or
+        one saved by an engine at another Adam step count than this one's (:data:`STEPS_KEY`:
+        its moments are not in it, so a resume through it would restart them)."""
+        if state_dict.get("state"):
+            raise ValueError(
+                f"this optimizer state_dict holds state for {len(state_dict['state'])} "
+                "parameter(s) (a torch optimizer's moments?): engine.optimizer takes the "
+                "groups' values only; the engine's Adam state is saved and restored by "
+                "engine.save_checkpoint(dir) / engine.load_checkpoint(dir)")
+        saved, now = state_dict.get(STEPS_KEY), self._adam_steps()
+        if saved is not None and saved != now:
+            raise ValueError(
+                f"this optimizer state_dict was saved after {saved} Adam step(s) and holds the "
+                f"groups' values only; this engine is at {now}: loading it would leave the "
+                "moments and step counts where they are (a silent restart of Adam). Resume "
+                "with engine.save_checkpoint(dir) / engine.load_checkpoint(dir), which restore "
+                "the masters, moments, step counts and groups together, then load this dict")
         before = [{k: v for k, v in g.items()} for g in self.param_groups]
         super().load_state_dict(state_dict)
         try:

@@ -176,9 +176,11 @@ def _whole(g: Optional[torch.Tensor], numel: int, dtype: torch.dtype) -> bool:
 
 _PENDING_GRAD_MESSAGE = (
     "{label}: its gradient lives in the OffloadEngine's gradient shards, not in .grad, so "
-    "torch.nn.utils.clip_grad_norm_ and other code reading .grad cannot see it. Clip with "
-    "OffloadEngine(..., max_grad_norm=...) instead (the engine clips by the global norm over "
-    "every rank; engine.last_grad_norm holds the norm of the last step)")
+    "code reading .grad cannot see it. Clip with OffloadEngine(..., max_grad_norm=...), not "
+    "torch.nn.utils.clip_grad_norm_ (the engine clips by the global norm over every rank; "
+    "engine.last_grad_norm holds the norm of the last step); update with engine.step() or "
+    "engine.optimizer (the engine's AdamW, which schedulers drive), not a torch.optim "
+    "optimizer over model.parameters()")
 
 
 class _PendingGrad(_FreedParam):
@@ -201,9 +203,14 @@ class ModelParam(nn.Parameter):
 
     ``.grad`` is None while the engine holds no gradient for the parameter, and a stand-in of
     the parameter's shape whose use raises ``RuntimeError`` (naming the parameter and
-    ``max_grad_norm=``) while it does; assigning None to it is accepted and changes nothing
-    (``model.zero_grad()``), assigning a tensor raises ``RuntimeError``. ``copy.deepcopy``
-    raises ``RuntimeError`` (the copy would not be the engine's).
+    ``max_grad_norm=``) while it does. Assigning None to it is accepted while it is None
+    (torch's ``zero_grad`` between steps), and raises ``RuntimeError`` while the engine holds
+    a gradient (one parameter's cannot be dropped alone: the wrapped model's ``zero_grad()``
+    and ``engine.zero_grad()`` drop them all); assigning a tensor raises ``RuntimeError``.
+    ``requires_grad`` reads as torch's; setting it to another value (``p.requires_grad =
+    False``, ``requires_grad_(False)``) raises ``RuntimeError``: which parameters train is
+    fixed when the engine is built. ``copy.deepcopy`` raises ``RuntimeError`` (the copy would
+    not be the engine's).
     """
 
     _oz_flat = None     # the owning FlatParam
@@ -224,10 +231,39 @@ class ModelParam(nn.Parameter):
 
     @grad.setter
     def grad(self, value):
-        """Only None may be assigned (as ``zero_grad`` does); RuntimeError otherwise."""
+        """Only None may be assigned, and only while the engine holds no gradient for the
+        parameter (as ``zero_grad`` between steps does); RuntimeError otherwise."""
         if value is not None:
             raise RuntimeError(f"{self._oz_label}: its gradient lives in the OffloadEngine's "
                                "gradient shards; .grad cannot be assigned while wrapped")
+        fp = self._oz_flat
+        if fp is not None and fp.grad_pending():
+            raise RuntimeError(
+                f"{self._oz_label}: its gradient lives in the OffloadEngine's gradient shards, "
+                "where one parameter's cannot be dropped alone (.grad = None would change "
+                "nothing): call zero_grad() on the wrapped model itself, or engine.zero_grad(), "
+                "to drop every gradient of the backward")
+
+    @property
+    def requires_grad(self):
+        """torch's ``requires_grad``; setting another value raises RuntimeError (see the
+        class docstring)."""
+        return torch.Tensor.requires_grad.__get__(self)
+
+    @requires_grad.setter
+    def requires_grad(self, value):
+        self.requires_grad_(value)
+
+    def requires_grad_(self, requires_grad: bool = True):
+        """``self`` when ``requires_grad`` is the parameter's value already; RuntimeError
+        otherwise (which parameters train is fixed when the engine is built)."""
+        if bool(requires_grad) != self.requires_grad:
+            raise RuntimeError(
+                f"{self._oz_label}: requires_grad={bool(requires_grad)} after wrapping would "
+                "not reach the OffloadEngine, which fixed which parameters train (their "
+                "gradient and Adam state) when it was built: freeze or unfreeze before "
+                "OffloadEngine(model, ...) (as for get_peft_model)")
+        return self
 
     def __deepcopy__(self, memo):
         raise RuntimeError(f"{self._oz_label}: its values live in the OffloadEngine, so a "
@@ -363,7 +399,8 @@ class _ShardedParam(ModelParam):
         raise RuntimeError(
             f"{label} is sharded: its unit is not gathered while {name or func} runs. Run the "
             "wrapped model's forward, or read the weights with model.state_dict() / "
-            "engine.full_state_dict()")
+            "engine.full_state_dict(); update them with engine.step() (engine.optimizer), not a "
+            "torch.optim optimizer over model.parameters()")
 
     def _detached(self) -> "_ShardedParam":
         """``p.data``: the same placeholder without autograd, whose writes go to ``p``."""

@@ -107,6 +107,8 @@ class UnitScheduler:
         self.order: List[Unit] = []          # recorded forward order of block units
         self._recording: Optional[List[Unit]] = None
         self._in_backward = False
+        # set by the engine around its own backward (see _refuse_plain_backward)
+        self.in_engine_backward = False
         self._pending = {}                   # unit -> trainable flat params awaiting gradients
         self._handles = []
         self._inputs_pending = {}             # unit -> forwards whose input gradients are due
@@ -405,6 +407,7 @@ class UnitScheduler:
                 raise RuntimeError("the OffloadEngine that ran this forward was closed before "
                                    "this backward; its parameters are gone: run backward "
                                    "before close()")
+            self._refuse_plain_backward()
             if not self._in_backward:
                 self._in_backward = True
                 self.comm.set_phase(Phase.BACKWARD)
@@ -421,8 +424,15 @@ class UnitScheduler:
             return None
         return hook
 
+    def _refuse_plain_backward(self) -> None:
+        """Raise RuntimeError unless the engine's ``backward`` runs this backward: a plain
+        ``loss.backward()`` would skip what it does around autograd."""
+        if not self.in_engine_backward:
+            raise RuntimeError(PLAIN_BACKWARD_MESSAGE)
+
     def _make_grad_hook(self, unit: Unit, fp):
         def hook(tensor):
+            self._refuse_plain_backward()
             self._on_grad(fp)
             if unit.is_root or not self.reshard_after_forward:
                 return
@@ -461,6 +471,14 @@ class UnitScheduler:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+
+
+PLAIN_BACKWARD_MESSAGE = (
+    "a backward through a model wrapped by an OffloadEngine ran outside engine.backward(loss) "
+    "(loss.backward(), torch.autograd.backward, accelerate's backward): it would skip what "
+    "engine.backward does around autograd (the 1/N of gradient_accumulation_steps, the fp16 "
+    "loss scale, the updates the last forward left pending, the ranks' lockstep), so its "
+    "gradients would differ. Run the forward again and call engine.backward(loss)")
 
 
 def runs_itself(module: nn.Module) -> bool:

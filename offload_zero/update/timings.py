@@ -10,7 +10,7 @@ not know the engine. The scheduler's hooks call its methods (``grad_ready``, ``b
 from __future__ import annotations
 
 import math
-from typing import List
+from typing import List, Optional
 
 import torch
 
@@ -40,7 +40,7 @@ class UpdateTimings:
     call this object), ``reduction`` (None, or the stage-2 :class:`OrderedReduction`),
     ``hypers`` (``f() -> tuple``: every parameter group's hyperparameters now), and
     ``grad_order`` (the reduction order, for stage 1's ``reduce_stage1``). Counters:
-    ``skipped_steps``; ``last_grad_norm`` once a step clipped.
+    ``skipped_steps``; ``last_grad_norm`` (None until a step clipped).
     """
 
     def __init__(self, cfg: EngineConfig, store, grads, comm, adam: ShardAdam,
@@ -56,6 +56,7 @@ class UpdateTimings:
         self.world_size = comm.world_size
         self.scheduler = self.reduction = self.hypers = self.grad_order = None
         self.skipped_steps = 0
+        self.last_grad_norm: Optional[float] = None
         self._pace = [0, 0]  # next_forward: [chunks streamed, chunks queued] (pace_streams)
         self._pending_step = (1.0, ())  # next_forward: (gradient factor, GroupHyper per group)
 

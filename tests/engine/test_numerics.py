@@ -356,7 +356,12 @@ def test_gradient_clipping_matches_torch_clip_grad_norm(tmp_path):
     model = TinyLM()
     ref = copy.deepcopy(model)
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.0, foreach=False)
+    with OffloadEngine(copy.deepcopy(model), offload="cpu", lr=1e-2) as unclipped:
+        unclipped.backward(lm_loss(unclipped(batches(1)[0][0]), batches(1)[0][1]))
+        unclipped.step()
+        assert unclipped.last_grad_norm is None  # (measured only to clip)
     with OffloadEngine(model, offload="cpu", lr=1e-2, max_grad_norm=0.5) as eng:
+        assert eng.last_grad_norm is None  # (before the first step)
         for x, y in batches(5):
             eng.backward(lm_loss(eng(x), y))
             eng.step()
