@@ -122,10 +122,12 @@ class _Option:
 def measure_budgets(device: torch.device, path: Optional[str], max_device_bytes: Optional[int],
                     max_host_bytes: Optional[int]) -> dict:
     """``{"device", "host", "nvme", "shared"}`` bytes available; ``shared`` is True when device
-    and host are one RAM (CPU-only machine, no explicit budgets), so their sum must fit."""
+    and host are one RAM (CPU-only machine, no ``max_device_bytes`` to set them apart), so
+    their sum must fit the host budget (``max_host_bytes`` when given: on a CPU-only machine it
+    bounds the device tier's bytes too, which are host memory)."""
     import psutil
     avail = psutil.virtual_memory().available
-    shared = device.type == "cpu" and max_device_bytes is None and max_host_bytes is None
+    shared = device.type == "cpu" and max_device_bytes is None
     if max_device_bytes is not None:
         dev = max_device_bytes
     elif device.type == "cuda":

@@ -172,6 +172,27 @@ def test_a_budget_nothing_fits_raises_before_allocating(tmp_path):
     assert list(tmp_path.iterdir()) == []  # no swap files, no rank folder
 
 
+def test_auto_on_a_cpu_device_counts_the_device_tier_in_the_host_budget(tmp_path):
+    """With the CPU as the device the device tier is host memory: offload="auto" with
+    max_host_bytes checks device and host together against it (it chose offload="none", all
+    state in the device tier, past a budget no placement fits), and takes a placement whose
+    two tiers together fit."""
+    from offload_zero.estimator import placement_bytes
+    model = TinyLM(n_blocks=8)
+    with pytest.raises(ValueError, match=r"offload='auto'.*short of device\+host"):
+        OffloadEngine(model, offload="auto", path=str(tmp_path), max_host_bytes=1000)
+    kw = dict(update_timing="step", tail_state_in_host=False)
+    need = {o: placement_bytes(model, 3, o, o, dtype=torch.float32, accelerator=False,
+                               **kw).plan for o in ("none", "nvme")}
+    both = {o: p.tier_bytes("device") + p.tier_bytes("host") for o, p in need.items()}
+    assert both["nvme"] < both["none"]
+    with OffloadEngine(model, offload="auto", path=str(tmp_path), dtype=torch.float32,
+                       max_host_bytes=both["nvme"], **kw) as eng:
+        plan = eng.memory_plan
+        assert eng.config.offload_optimizer != "none"
+        assert plan.tier_bytes("device") + plan.tier_bytes("host") <= both["nvme"]
+
+
 def test_the_steps_run_in_order_each_only_where_it_is_needed():
     """The plan alone: a budget that needs all three steps lowers the chunk, the timing and
     prefetch, in that order; the chunk is the largest that then fits; without them left to the
