@@ -65,8 +65,11 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--repeats {args.repeats} is not valid; it must be >= 1")
     if not os.path.isdir(args.path):
         raise ValueError(f"--path {args.path!r} is not an existing directory")
-    if not os.access(args.path, os.W_OK | os.X_OK):
-        raise ValueError(f"--path {args.path!r} is not writable")
+    from offload_zero.config import write_error
+    error = write_error(args.path)
+    if error is not None:
+        raise ValueError(f"--path {args.path!r} is not writable (creating a file there: "
+                         f"{error}); give a folder this process can write to")
 
 
 def format_result(result: dict, path: str) -> str:

@@ -54,10 +54,11 @@ class EngineConfig:
         offload_param: ``"none"``/``"cpu"``/``"nvme"``, overrides ``offload`` for the
             compute-dtype parameter shards (stage 3 only); NVMe shards are read ahead of use
             into a fixed pool of host buffers. Default: from ``offload``.
-        path: folder for NVMe swap files (required for ``offload="nvme"``; must exist and be
-            writable). Each rank uses its own sub-folder ``rank<r>``. Given when nothing goes to
-            NVMe (and ``offload`` is not ``"auto"``), it is unused: a UserWarning says so.
-            Default ``None``.
+        path: folder for NVMe swap files, a str or ``os.PathLike`` (required for
+            ``offload="nvme"``; must exist and be writable: a file is created there, and
+            removed, to check). Each rank uses its own sub-folder ``rank<r>``. Given when
+            nothing goes to NVMe (and ``offload`` is not ``"auto"``), it is unused: a
+            UserWarning says so. Default ``None``.
         stage: ZeRO stage, 1 (optimizer state partitioned), 2 (+ gradients) or 3 (+ parameters).
             Default 3.
         lr: learning rate, >= 0 (0 moves the moments, not the weights: a warmup's first step).
@@ -102,7 +103,9 @@ class EngineConfig:
         offload_activations: with checkpointing on an accelerator, keep the checkpointed inputs
             in host memory until backward. Default False.
         max_device_bytes, max_host_bytes: budgets (bytes) that ``offload="auto"`` must fit in,
-            instead of the measured free device memory and available RAM. Default None.
+            instead of the measured free device memory and available RAM. Default None. On a
+            CPU-only machine without ``max_device_bytes``, ``"auto"`` fits the device and host
+            tiers together in ``max_host_bytes`` (both are host memory).
             ``max_host_bytes`` also bounds every placement's host tier (model states, pools,
             read-ahead and pipeline buffers, bytes in flight, as :mod:`offload_zero.plan`
             counts them): the optimizer state then streams in smaller chunks, then, where
@@ -275,6 +278,9 @@ class EngineConfig:
     def __post_init__(self):
         if self.offload not in OFFLOAD_CHOICES:
             raise ValueError(f"offload={self.offload!r} is not valid; choose one of {OFFLOAD_CHOICES}")
+        if self.path is not None and not isinstance(self.path, (str, os.PathLike)):
+            raise ValueError(f"path={self.path!r} is not valid; give the folder for NVMe swap "
+                             "files as a str or os.PathLike, or None (no NVMe)")
         stage = _scalar(self.stage)
         if (isinstance(stage, bool) or not isinstance(stage, numbers.Integral)
                 or stage not in STAGE_CHOICES):
@@ -600,13 +606,29 @@ def _check_swap_path(path, asked_by: str = "offload='nvme'") -> None:
         raise ValueError(f"{asked_by} needs path=<folder for swap files>; got path=None")
     path = os.fspath(path)
     if not os.path.isdir(path):
-        raise ValueError(f"path={path!r} does not exist or is not a folder; {asked_by} needs an existing writable folder")
-    if not os.access(path, os.W_OK | os.X_OK) or _is_read_only_mount(path):
-        raise ValueError(f"path={path!r} is not writable; {asked_by} needs an existing writable folder")
+        raise ValueError(f"path={path!r} does not exist or is not a folder; {asked_by} needs an "
+                         "existing writable folder")
+    error = write_error(path)
+    if error is not None:
+        raise ValueError(f"path={path!r} is not writable (creating a file there: {error}); "
+                         f"{asked_by} needs an existing folder this process can write to: give "
+                         "another path=")
 
 
-def _is_read_only_mount(path: str) -> bool:
+def write_error(folder) -> Optional[str]:
+    """Why no file can be created in the existing folder ``folder`` (the OS error, as
+    ``"[Errno 13] Permission denied"``), or None when one can: found by creating (and at once
+    removing) an empty file there, the only test that holds everywhere. ``os.access`` passes
+    for root on read-only file systems and on virtual ones such as ``/proc``, where every
+    write then fails."""
+    import tempfile
     try:
-        return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+        fd, name = tempfile.mkstemp(prefix=".offload-zero-write-test-", dir=os.fspath(folder))
+    except OSError as exc:
+        return f"[Errno {exc.errno}] {exc.strerror}" if exc.errno else str(exc)
+    os.close(fd)
+    try:
+        os.remove(name)
     except OSError:
-        return False
+        pass
+    return None

@@ -5,12 +5,14 @@ of it: ``mapped`` to an engine setting (the keyword named), ``auto`` (a tuning k
 decides itself: accepted, and listed once in one log line), or ``refused`` (a DeepSpeed feature
 the engine does not have: NotImplementedError, unless the value is one of the few that mean
 "off"). The parser, docs/deepspeed.md and the tests all read it. A key in no row is a
-ValueError naming its path and the nearest valid key.
+ValueError naming its path and where it belongs (a key or section placed in another section:
+``zero_optimization.aio``), else the nearest valid key.
 
 ``"auto"`` (the Hugging Face convention) is resolved from the keyword arguments given beside
-the config (``lr=``, ``dtype=``, ``train_micro_batch_size_per_gpu=``, ...); an ``"auto"`` that
-nothing resolves is a ValueError naming the key. A keyword that contradicts a value the config
-gives is a ValueError too (one source of truth per setting).
+the config (``lr=``, ``dtype=``, ``train_micro_batch_size_per_gpu=``, ...), else, for
+``scheduler.params.warmup_min_lr``, by 0 as transformers resolves it (:data:`AUTO_CONSTANTS`);
+an ``"auto"`` that nothing resolves is a ValueError naming the key. A keyword that
+contradicts a value the config gives is a ValueError too (one source of truth per setting).
 
 The three DeepSpeed schedules are ``torch.optim.lr_scheduler.LambdaLR`` objects on
 ``engine.optimizer`` (:class:`WarmupSchedule`), stepped by the engine after each update it makes
@@ -193,6 +195,11 @@ DS_ONLY = ("train_micro_batch_size_per_gpu", "train_batch_size", "warmup_min_lr"
            "warmup_max_lr", "warmup_num_steps", "warmup_type", "total_num_steps",
            "warmup_min_ratio", "cos_min_ratio")
 
+# "auto" values that no setting of the run fills: the constant transformers' DeepSpeed
+# integration puts there (HfTrainerDeepSpeedConfig: fill_only("scheduler.params.warmup_min_lr",
+# 0), "not a trainer arg"); a keyword or flag of that name resolves it first
+AUTO_CONSTANTS = {_SCHED + "warmup_min_lr": 0.0}
+
 
 def sections() -> set:
     """Every path that holds further keys (``zero_optimization``, ``optimizer.params``, ...)."""
@@ -360,8 +367,9 @@ def load_config(config) -> dict:
 
 def flatten(config: dict) -> Dict[str, Any]:
     """``{path: value}`` of every key of ``config`` that :data:`KEYS` knows. Raises
-    ValueError for an unknown key (naming its path and the nearest valid key) or a section
-    that is not an object, NotImplementedError for a refused key's value."""
+    ValueError for an unknown key (naming its path and where it belongs, see
+    :func:`_unknown`) or a section that is not an object, NotImplementedError for a refused
+    key's value."""
     known_sections = sections()
     leaves: Dict[str, Any] = {}
 
@@ -384,17 +392,21 @@ def flatten(config: dict) -> Dict[str, Any]:
 
 
 def _unknown(path: str, prefix: str) -> str:
+    """The message for the unknown key ``path`` (found under ``prefix``): where its name is a
+    key or section elsewhere (misplaced: ``zero_optimization.aio``), where it belongs;
+    otherwise (a misspelling) the nearest valid key beside it."""
     name = path[len(prefix):]
     known = sections() | set(KEYS)
+    where = f" under {prefix[:-1]!r}" if prefix else " at the top level of the config"
+    msg = f"unknown DeepSpeed config key {path!r}: {name!r} is not a key{where}"
+    elsewhere = sorted(p for p in known if p.rsplit(".", 1)[-1] == name)
+    if elsewhere:
+        places = " or ".join("at the top level of the config" if "." not in p
+                             else f"under {p.rsplit('.', 1)[0]!r} (as {p!r})" for p in elsewhere)
+        return f"{msg}; {name} belongs {places}: move it there"
     siblings = sorted({p[len(prefix):].split(".")[0] for p in known if p.startswith(prefix)})
     nearest = difflib.get_close_matches(name, siblings, n=1, cutoff=0.0)
-    where = f" under {prefix[:-1]!r}" if prefix else ""
-    msg = (f"unknown DeepSpeed config key {path!r}: {name!r} is not a key{where}; nearest "
-           f"valid key: {prefix + nearest[0]!r}" if nearest else f"unknown key {path!r}")
-    elsewhere = sorted(p for p in KEYS if p.rsplit(".", 1)[-1] == name)
-    if elsewhere:
-        msg += f" ({name!r} is a key at {', '.join(map(repr, elsewhere))})"
-    return msg
+    return f"{msg}; nearest valid key: {prefix + nearest[0]!r}" if nearest else msg
 
 
 def _check_refused(path: str, value) -> None:
@@ -446,6 +458,8 @@ class _Resolver:
             fallback = next((self.fallbacks[n] for n in names if n in self.fallbacks), _MISSING)
             if fallback is not _MISSING:
                 return fallback
+            if path in AUTO_CONSTANTS:
+                return AUTO_CONSTANTS[path]
             raise ValueError(f"DeepSpeed config key {path!r} is \"auto\" and nothing resolves "
                              f"it: pass {names[0]}=... beside the config")
         try:

@@ -365,7 +365,19 @@ class _Search:
             + ", ".join(f"{t} by {_fmt(b)}" for t, b in last.short.items())
             + f". Budgets: " + ", ".join(f"{t} {_fmt(b)}" for t, b in self.budgets.items()
                                          if t != "shared")
-            + f". Tried: {detail}. Use more ranks, a larger disk at path=, or a smaller model.")
+            + f". Tried: {detail}. " + self._disk_advice())
+
+    def _disk_advice(self) -> str:
+        """What to do, ending the refusal: an unwritable ``path`` named first (it leaves no
+        NVMe budget, which is not a small disk)."""
+        from offload_zero.config import write_error
+        error = None if self.path is None or not os.path.isdir(self.path) else \
+            write_error(self.path)
+        if error is not None:
+            return (f"path={self.path!r} cannot be written (creating a file there: {error}), "
+                    "so nothing could go to NVMe: give a writable path=, use more ranks, or a "
+                    "smaller model.")
+        return "Use more ranks, a larger disk at path=, or a smaller model."
 
 
 def _fastest(fitting: List[_Option], compute_s: float) -> _Option:

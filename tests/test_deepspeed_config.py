@@ -306,16 +306,34 @@ def test_a_mapped_and_automatic_config_logs_one_line(caplog):
 # -- unknown keys, bad values, conflicts ---------------------------------------------------------
 
 def test_unknown_key_names_its_path_and_the_nearest_key():
-    config = _zo(stage=3, offload_optimizer={"device": "cpu", "thread_count": 4})
+    config = _zo(stage=3, offload_optimizer={"device": "cpu", "thread_cuont": 4})
     with pytest.raises(ValueError) as info:
         parse(config)
     msg = str(info.value)
     siblings = sorted(p.rsplit(".", 1)[1] for p in KEYS
                       if p.startswith("zero_optimization.offload_optimizer."))
-    nearest = difflib.get_close_matches("thread_count", siblings, n=1, cutoff=0.0)[0]
-    assert "'zero_optimization.offload_optimizer.thread_count'" in msg
+    nearest = difflib.get_close_matches("thread_cuont", siblings, n=1, cutoff=0.0)[0]
+    assert "'zero_optimization.offload_optimizer.thread_cuont'" in msg
     assert f"nearest valid key: 'zero_optimization.offload_optimizer.{nearest}'" in msg
-    assert "'aio.thread_count'" in msg  # where that name is a key
+
+
+@pytest.mark.parametrize("config, says", [
+    (_zo(stage=3, aio={"block_size": 1 << 20}),
+     "'zero_optimization.aio': 'aio' is not a key under 'zero_optimization'; aio belongs at "
+     "the top level of the config: move it there"),
+    (_zo(stage=3, offload_optimizer={"device": "cpu", "thread_count": 4}),
+     "thread_count belongs under 'aio' (as 'aio.thread_count'): move it there"),
+    ({"stage": 3}, "'stage' is not a key at the top level of the config; stage belongs under "
+                   "'zero_optimization' (as 'zero_optimization.stage')"),
+])
+def test_a_misplaced_key_or_section_says_where_it_belongs(config, says):
+    """A key or section of another section is misplaced, not misspelled: the message says
+    where it belongs, not the nearest spelling beside it (zero_optimization.elastic_checkpoint
+    for aio)."""
+    with pytest.raises(ValueError) as info:
+        parse(config)
+    msg = str(info.value)
+    assert says in msg and "nearest valid key" not in msg, msg
 
 
 def test_unknown_top_level_key_suggests_the_spelling():
@@ -402,6 +420,19 @@ def test_auto_values_resolve_from_the_overrides():
             s.train_batch_size) == (8, 2, 16)
     assert s.schedule.params["warmup_max_lr"] == 3e-4  # (from lr=, as transformers resolves it)
     assert s.schedule.params["total_num_steps"] == 100
+
+
+@pytest.mark.parametrize("kind, extra", [("WarmupLR", {}),
+                                         ("WarmupDecayLR", {"total_num_steps": 100})])
+def test_auto_warmup_min_lr_is_zero_as_transformers_resolves_it(kind, extra):
+    """transformers' DeepSpeed integration fills an "auto" warmup_min_lr with 0 (no trainer
+    argument sets it); a warmup_min_lr= override still resolves it first."""
+    config = _sched(kind, warmup_min_lr="auto", warmup_max_lr=1e-3, warmup_num_steps=10,
+                    **extra)
+    assert parse(config).schedule.params["warmup_min_lr"] == 0.0
+    assert parse(config, warmup_min_lr=1e-5).schedule.params["warmup_min_lr"] == 1e-5
+    schedule = parse(config).schedule
+    assert schedule.lr_at(0, 1e-3) == pytest.approx(0.0)  # log warmup from the floor, 0
 
 
 @pytest.mark.parametrize("missing, key", [

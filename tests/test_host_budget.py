@@ -193,6 +193,16 @@ def test_auto_on_a_cpu_device_counts_the_device_tier_in_the_host_budget(tmp_path
         assert plan.tier_bytes("device") + plan.tier_bytes("host") <= both["nvme"]
 
 
+def test_auto_names_a_path_it_cannot_write_instead_of_a_small_disk():
+    """offload="auto" with a path no file can be created in (it counted 0 bytes of NVMe and
+    advised "a larger disk at path=") says the path cannot be written when nothing fits."""
+    from train_cli_helpers import unwritable_folder
+    folder = unwritable_folder()
+    with pytest.raises(ValueError, match=rf"path='{folder}' cannot be written \(creating a "
+                                         r"file there: .*\), so nothing could go to NVMe"):
+        OffloadEngine(TinyLM(**WIDE), offload="auto", path=folder, max_host_bytes=1000)
+
+
 def test_the_steps_run_in_order_each_only_where_it_is_needed():
     """The plan alone: a budget that needs all three steps lowers the chunk, the timing and
     prefetch, in that order; the chunk is the largest that then fits; without them left to the

@@ -1,6 +1,7 @@
 """``offload-zero train``'s flags in process: bad values exit 2 naming them, ``--help``, the
 presets, the learning-rate schedule, the summary, and the checks made before training."""
 import json
+import os
 import shutil
 import subprocess
 
@@ -8,7 +9,8 @@ import pytest
 
 from offload_zero import cli, train
 from offload_zero.train.summary import fmt_bytes
-from train_cli_helpers import FAST, REPO, _engine_keywords, _parse, _run, _tiny_checkpoint
+from train_cli_helpers import (FAST, REPO, _engine_keywords, _parse, _run, _tiny_checkpoint,
+                               unwritable_folder)
 
 
 def test_run_error_is_one_line_exit_2(tmp_path):
@@ -63,6 +65,27 @@ def test_help_lists_commands_and_defaults(capsys):
     for needle in ("--offload", "(default: cpu)", "--stage", "(default: 3)", "--preset",
                    "tiny", "--json", "--model", "standard library"):
         assert needle in text
+
+
+def test_host_cache_bytes_help_says_the_embeddings_state_stays_in_ram(tmp_path, capsys):
+    """--host-cache-bytes 0 is not "all on NVMe": with updates in backward or next_forward the
+    embeddings' optimizer state stays in host memory (tail_state_in_host), as an engine built
+    with host_cache_bytes=0 shows."""
+    from models import TinyLM
+    from offload_zero import OffloadEngine
+
+    with pytest.raises(SystemExit):
+        cli.main(["train", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    start = text.rindex("--host-cache-bytes SIZE")  # (its entry, after the usage line)
+    help_text = text[start:text.index("--max-host-bytes SIZE", start)]
+    assert "all on NVMe" not in help_text
+    for needle in ("default 0: no cache", "input embeddings' state stays in RAM",
+                   "backward or next_forward", "tail_state_in_host"):
+        assert needle in help_text, help_text
+    with OffloadEngine(TinyLM(), offload="nvme", path=str(tmp_path), host_cache_bytes=0,
+                       update_timing="next_forward") as engine:
+        assert engine.memory_report()["host_cache"]["host_flat_params"] == 1
 
 
 def test_value_errors_exit_2(tmp_path, capsys):
@@ -159,6 +182,61 @@ def test_bad_output_paths_fail_before_training(tmp_path, flags, word):
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert word in proc.stderr and "Traceback" not in proc.stderr
     assert "step " not in proc.stderr  # nothing was trained
+
+
+@pytest.mark.parametrize("flags, name", [
+    (["--json", "{ro}/summary.json"], "summary.json"),
+    (["--memory-plot", "{ro}/memory.png"], "memory.png"),
+    (["--save", "{ro}/x"], "x"),
+    (["--checkpoint", "{ro}/ck"], "ck"),
+    (["--offload", "nvme", "--path", "{ro}/swap"], "swap"),
+])
+def test_an_output_folder_that_cannot_be_written_fails_before_anything_is_built(
+        flags, name, capsys, monkeypatch):
+    """Each output flag's folder is tried by creating a file there, before the model is built:
+    ``os.access`` says root may write to /proc, where every file creation fails. One line: the
+    flag, the path, the OS error and what to do."""
+    ro = unwritable_folder()
+    flags = [f.replace("{ro}", ro) for f in flags]
+
+    def no_build(*args, **kwargs):
+        raise AssertionError("the model was built before the output flags were checked")
+    monkeypatch.setattr(train.loop, "build_model", no_build)
+    assert cli.main(["train", "--preset", "tiny", "--steps", "1", "--no-progress", *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    flag, value = flags[-2:]
+    assert err.startswith(f"offload-zero train: error: {flag} {value!r} cannot be written: "
+                          f"creating a file in {ro!r} failed ([Errno "), err
+    assert err.endswith(f"give another {flag}, in a folder this process can write to"), err
+
+
+def test_output_checks_leave_nothing_behind_and_refuse_a_folder_or_a_format(tmp_path):
+    """Writable output paths pass, and the test files are gone; a --json that names a folder,
+    and a --memory-plot in a format matplotlib cannot write, fail up front too."""
+    train.check_args(_parse("--json", tmp_path / "s.json", "--memory-plot", tmp_path / "m.png",
+                            "--save", tmp_path / "new" / "dir", "--checkpoint", tmp_path / "ck",
+                            "--offload", "nvme", "--path", tmp_path / "swap"))
+    assert os.listdir(tmp_path) == []
+    with pytest.raises(ValueError, match=f"^--json '{tmp_path}' is a folder; give a file name"):
+        train.check_args(_parse("--json", tmp_path))
+    with pytest.raises(ValueError, match=r"^--memory-plot '.*m\.txt': matplotlib cannot draw "
+                                         r"to a 'txt' file; give a name ending in \.png"):
+        train.check_args(_parse("--memory-plot", tmp_path / "m.txt"))
+    with pytest.raises(ValueError, match=r"^--json '/nonexistent-parent/s\.json': folder "
+                                         r"'/nonexistent-parent' does not exist; create it"):
+        train.check_args(_parse("--json", "/nonexistent-parent/s.json"))
+
+
+def test_a_json_that_cannot_be_written_after_the_run_is_a_value_error(monkeypatch):
+    """Should the --json folder turn unwritable during the run (checked before it), the write
+    raises a ValueError naming the flag (one line from the CLI), not an OSError traceback."""
+    ro = unwritable_folder()
+    monkeypatch.setattr(train.loop, "check_args", lambda args: None)  # (as if it changed since)
+    with pytest.raises(ValueError, match=rf"^--json '{ro}/s.json' cannot be written: .*the "
+                                         "summary is printed above"):
+        train.run(_parse("--preset", "tiny", "--steps", 1, "--no-progress", "--json",
+                         f"{ro}/s.json", *FAST))
 
 
 def test_warmup_more_than_steps_is_an_error(capsys):

@@ -113,7 +113,8 @@ def test_failed_save_leaves_no_half_written_weights(tmp_path, monkeypatch):
         raise OSError(errno.ENOSPC, "No space left on device", filename)
 
     monkeypatch.setattr(safetensors.torch, "save_file", disk_full)
-    with pytest.raises(ValueError, match=f"--save '{tmp_path}': cannot write.*No space left"):
+    with pytest.raises(ValueError, match=f"--save '{tmp_path}': cannot write the model's "
+                                         "weights folder: .*No space left"):
         train.save_hf_folder(str(tmp_path), {"w": torch.zeros(2, 3)})
     assert os.listdir(tmp_path) == ["model.safetensors"]  # the temporary file is gone
     assert (tmp_path / "model.safetensors").read_bytes() == good  # the earlier save is intact

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from offload_zero import cli, train
-from train_cli_helpers import FAST, REPO, _files_under, _parse
+from train_cli_helpers import FAST, REPO, _files_under, _parse, unwritable_folder
 
 
 def test_a_disk_too_small_for_the_nvme_files_is_one_line_before_training(tmp_path, capsys,
@@ -28,6 +28,20 @@ def test_a_disk_too_small_for_the_nvme_files_is_one_line_before_training(tmp_pat
     assert f"{str(swap)!r}" in err and "1.0 MiB free" in err
     assert "smaller model" in err and "--offload auto" in err and "another --path" in err
     assert not swap.exists()  # nothing was created
+
+
+def test_a_swap_folder_that_cannot_be_written_is_named_not_reported_full():
+    """A file system where no file can be created (/proc: 0 bytes free, and os.access passes
+    for root) is reported as such, with the OS error and another --path to give, not as a
+    disk too small ("0 B free: train a smaller model")."""
+    ro = unwritable_folder()
+    for path in (f"{ro}/swap", ro):
+        with pytest.raises(ValueError) as info:
+            train.check_disk_space(path, 1)
+        msg = str(info.value)
+        assert msg.startswith(f"--offload nvme: the swap folder --path {path!r} cannot be "
+                              f"written (creating a file in {ro!r}: [Errno "), msg
+        assert "give another --path" in msg and " free" not in msg, msg
 
 
 def test_a_disk_that_fills_up_during_the_run_is_the_same_one_line(tmp_path, capsys,

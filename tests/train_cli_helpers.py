@@ -1,7 +1,10 @@
 """What the ``offload-zero train`` tests share: the CLI run in a child process (forked from the
 harness's forkserver) with the repository importable, a tiny Hugging Face checkpoint, a small BPE tokenizer, and flags parsed in process."""
 import os
+import tempfile
 from pathlib import Path
+
+import pytest
 
 from dist_harness import run_cli
 from offload_zero import cli, train
@@ -84,3 +87,14 @@ def _engine_keywords(monkeypatch) -> dict:
         real_init(self, model, **kw)
     monkeypatch.setattr(OffloadEngine, "__init__", spy)
     return seen
+
+
+def unwritable_folder() -> str:
+    """``/proc``: a folder no file can be created in, not even by root, for whom ``os.access``
+    says it is writable (skips the test where that does not hold)."""
+    try:
+        with tempfile.NamedTemporaryFile(dir="/proc"):
+            pass
+    except OSError:
+        return "/proc"
+    pytest.skip("no /proc to stand for a folder that cannot be written")

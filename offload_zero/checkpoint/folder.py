@@ -38,16 +38,20 @@ def check_destination(folder) -> None:
 
 
 def check_creatable(path, what: str) -> None:
-    """Check, creating nothing, that the folder ``path`` exists or ``os.makedirs`` could make
-    it: its nearest existing ancestor is a folder this process can write to. Raises ValueError
-    ``"<what> cannot be created: <ancestor> is not a folder"`` (or ``"... not writable"``)."""
+    """Check, leaving nothing behind, that the folder ``path`` exists or ``os.makedirs`` could
+    make it: its nearest existing ancestor is a folder this process can create a file in
+    (:func:`offload_zero.config.write_error`). Raises ValueError ``"<what> cannot be created:
+    <ancestor> is not a folder"`` (or ``"... not writable (...)"``, with the OS error)."""
     ancestor = os.path.abspath(os.fspath(path))
     while not os.path.lexists(ancestor):
         ancestor = os.path.dirname(ancestor)
     if not os.path.isdir(ancestor):
         raise ValueError(f"{what} cannot be created: {ancestor!r} is not a folder")
-    if not os.access(ancestor, os.W_OK | os.X_OK):
-        raise ValueError(f"{what} cannot be created: {ancestor!r} is not writable")
+    from offload_zero.config import write_error
+    error = write_error(ancestor)
+    if error is not None:
+        raise ValueError(f"{what} cannot be created: {ancestor!r} is not writable (creating a "
+                         f"file there: {error})")
 
 
 @contextlib.contextmanager

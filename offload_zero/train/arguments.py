@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+from typing import List, Tuple
 
 import torch
 
@@ -14,6 +15,7 @@ from offload_zero.tables import DTYPES, parse_bytes  # (DTYPES: the --dtype name
 from offload_zero.train.hf_folder import WEIGHTS_NAME, check_save_dir
 from offload_zero.train.model import DEFAULT_PRESET, PRESETS
 from offload_zero.train.resume import check_checkpoint_args
+from offload_zero.train.summary import check_plot_file
 
 DEFAULTS = dict(offload="cpu", stage=3, steps=50, seq_len=128, batch_size=8, lr=2e-3,
                 weight_decay=0.0, seed=0, dtype="fp32", log_every=10)
@@ -174,8 +176,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(blockwise 8-bit, 6.03; see docs/moments.md); off the device "
                              "only; auto (with --offload auto): chosen with the placement")
     engine.add_argument("--host-cache-bytes", type=_size, default=0, metavar="SIZE",
-                        help="with --offload nvme, keep this much optimizer state in RAM "
-                             "instead of its files (e.g. 2GB; default 0: all on NVMe)")
+                        help="with --offload nvme, host memory for optimizer state kept in "
+                             "RAM instead of its files (e.g. 2GB; default 0: no cache). Even "
+                             "at 0 the input embeddings' state stays in RAM when updates run "
+                             "in backward or next_forward (--update-timing auto's usual "
+                             "choice at stages 2-3) unless it is over a quarter of the "
+                             "model's: its I/O could hide behind no compute (DESIGN.md: "
+                             "tail_state_in_host); it counts against this size")
     engine.add_argument("--max-host-bytes", type=_size, default=None, metavar="SIZE",
                         help="bound the run's host memory (model states, buffers): the NVMe "
                              "pipeline streams in smaller chunks to fit, or the run stops at "
@@ -203,13 +210,15 @@ def update_timing(args) -> str:
 
 def check_args(args: argparse.Namespace) -> None:
     """Check the flags that can be checked before anything is built, so a bad one fails in a
-    second instead of after the whole run. Writes nothing.
+    second instead of after the whole run. Writes nothing but one empty test file in each
+    output folder, removed at once (see :func:`_check_output_paths`).
 
     Raises ``ValueError`` (naming the flag and its value) if ``--warmup`` is more than
-    ``--steps``; ``--moment-dtype auto`` without ``--offload auto``; ``--path`` is given without ``--offload nvme``/``auto``, is not a folder or has
-    no parent folder; the folder of ``--json`` / ``--memory-plot`` is missing or not
-    writable; ``--save`` is not a folder or cannot be created (see :func:`check_save_dir`);
-    or a ``--checkpoint`` / ``--resume`` flag is bad (see :func:`check_checkpoint_args`).
+    ``--steps``; ``--moment-dtype auto`` without ``--offload auto``; ``--path`` is given
+    without ``--offload nvme``/``auto``, is not a folder or has no parent folder; an output
+    flag's folder cannot be written (see :func:`_check_output_paths`); ``--save`` is not a
+    folder or cannot be created (see :func:`check_save_dir`); or a ``--checkpoint`` /
+    ``--resume`` flag is bad (see :func:`check_checkpoint_args`).
     """
     if args.warmup is not None and args.warmup > args.steps:
         raise ValueError(f"--warmup {args.warmup} is more than --steps {args.steps}; "
@@ -218,21 +227,72 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--moment-dtype auto needs --offload auto (got --offload "
                          f"{args.offload}); give fp32, bf16 or int8")
     if args.path is not None and args.offload not in ("nvme", "auto"):
-        raise ValueError(f"--path is only used with --offload nvme or auto (got --offload {args.offload})")
+        raise ValueError(f"--path is only used with --offload nvme or auto (got --offload "
+                         f"{args.offload})")
     if args.path is not None:
         parent = os.path.dirname(os.path.abspath(args.path))
         if os.path.exists(args.path) and not os.path.isdir(args.path):
             raise ValueError(f"--path {args.path!r} is not a folder")
         if not os.path.isdir(parent):
             raise ValueError(f"--path {args.path!r}: its parent folder {parent!r} does not exist")
-    for flag, out in (("--json", args.json), ("--memory-plot", args.memory_plot)):
-        if out is not None:
-            folder = os.path.dirname(os.path.abspath(out))
-            if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
-                raise ValueError(f"{flag} {out!r}: folder {folder!r} does not exist or is not writable")
+    _check_output_paths(args)
     if args.save is not None:
         check_save_dir(args.save)
     check_checkpoint_args(args)
+
+
+def _output_folders(args: argparse.Namespace) -> List[Tuple[str, str, str, bool]]:
+    """``(flag, value, folder, is_file)`` for each output flag given: the folder that the
+    run creates its files in. ``--json`` and ``--memory-plot`` name a file (its folder);
+    ``--save`` and ``--path`` a folder, made if missing (itself, else the nearest existing
+    ancestor ``os.makedirs`` makes it in); ``--checkpoint`` a folder that a save builds as
+    a sibling and swaps in (the nearest existing ancestor of its parent)."""
+    def existing(folder: str) -> str:
+        while not os.path.lexists(folder) and os.path.dirname(folder) != folder:
+            folder = os.path.dirname(folder)
+        return folder
+
+    outputs = []
+    for flag, value in (("--json", args.json), ("--memory-plot", args.memory_plot)):
+        if value is not None:
+            outputs.append((flag, value, os.path.dirname(os.path.abspath(value)), True))
+    for flag, value in (("--save", args.save), ("--path", args.path)):
+        if value:
+            outputs.append((flag, value, existing(os.path.abspath(value)), False))
+    if args.checkpoint:
+        parent = os.path.dirname(os.path.realpath(args.checkpoint))
+        outputs.append(("--checkpoint", args.checkpoint, existing(parent), False))
+    return outputs
+
+
+def _check_output_paths(args: argparse.Namespace) -> None:
+    """Check, before anything is built, that every output flag (``--json``,
+    ``--memory-plot``, ``--save``, ``--checkpoint``, ``--path``) can be written: a file is
+    created in the folder it writes in (see :func:`_output_folders`) and removed at once
+    (``os.access`` is not enough: it passes for root on ``/proc`` or a read-only mount).
+
+    Raises ``ValueError`` (one line: the flag, its value, the folder, the OS error and what
+    to do) if that fails; if the folder of ``--json`` / ``--memory-plot`` does not exist or
+    the file named is a folder; or if ``--memory-plot`` names a format matplotlib cannot
+    write (see :func:`~offload_zero.train.summary.check_plot_file`). A folder flag whose
+    path is not a folder is left to its own check (:func:`check_save_dir`, ...).
+    """
+    from offload_zero.config import write_error
+    for flag, value, folder, is_file in _output_folders(args):
+        if is_file and os.path.isdir(value):
+            raise ValueError(f"{flag} {value!r} is a folder; give a file name")
+        if is_file and not os.path.isdir(folder):
+            raise ValueError(f"{flag} {value!r}: folder {folder!r} does not exist; create it "
+                             f"or give another {flag}")
+        if not os.path.isdir(folder):
+            continue
+        error = write_error(folder)
+        if error is not None:
+            raise ValueError(f"{flag} {value!r} cannot be written: creating a file in "
+                             f"{folder!r} failed ({error}); give another {flag}, in a folder "
+                             "this process can write to")
+    if args.memory_plot is not None:
+        check_plot_file(args.memory_plot)
 
 
 # train flag (its dest) -> the engine keyword or DeepSpeed name it sets (see --deepspeed)

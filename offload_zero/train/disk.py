@@ -60,9 +60,23 @@ def _disk_advice(path: Optional[str], need: Optional[int]) -> str:
 def check_disk_space(path: Optional[str], need: int) -> None:
     """Raise ValueError (one line: the bytes needed, the bytes free, what to do) if ``need``
     bytes of swap files do not fit in the free space of ``path``'s file system (``None``: the
-    system temp dir, where the run's temporary swap folder goes). Creates nothing."""
-    if need > shutil.disk_usage(_disk_folder(path)).free:
-        where = path if path is not None else tempfile.gettempdir()
+    system temp dir, where the run's temporary swap folder goes), or (the OS error, another
+    ``--path`` to give) if no file can be created in its folder (or in the nearest existing
+    ancestor it is to be made in): a read-only or virtual file system reports 0 bytes free,
+    which is not what is wrong. Leaves nothing behind (a test file is created and removed)."""
+    from offload_zero.config import write_error
+    folder = _disk_folder(path)
+    where = path if path is not None else tempfile.gettempdir()
+    error = write_error(folder)
+    if error is not None:
+        if path is not None:
+            what, fix = f"the swap folder --path {path!r}", "give another --path"
+        else:
+            what, fix = f"the system temp dir {where!r}", "give --path"
+        raise ValueError(f"--offload nvme: {what} cannot be written (creating a file in "
+                         f"{folder!r}: {error}); {fix}, a folder on a file system this "
+                         "process can write to")
+    if need > shutil.disk_usage(folder).free:
         raise ValueError(f"--offload nvme: not enough space on the file system of {where!r}: "
                          f"{_disk_advice(path, need)}")
 

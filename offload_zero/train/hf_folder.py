@@ -30,8 +30,11 @@ def check_save_dir(folder: str) -> None:
     if os.path.exists(folder):
         if not os.path.isdir(folder):
             raise ValueError(f"{flag} exists and is not a folder")
-        if not os.access(folder, os.W_OK | os.X_OK):
-            raise ValueError(f"{flag} is a folder this process cannot write to")
+        from offload_zero.config import write_error
+        error = write_error(folder)
+        if error is not None:
+            raise ValueError(f"{flag} is a folder this process cannot write to (creating a "
+                             f"file there: {error})")
         if os.path.isdir(os.path.join(folder, WEIGHTS_NAME)):
             raise ValueError(f"{flag}: {os.path.join(folder, WEIGHTS_NAME)!r} is a folder")
         return
@@ -137,7 +140,8 @@ def save_hf_folder(folder: str, state_dict: Dict[str, torch.Tensor], *, config: 
             if os.path.exists(temp):
                 os.remove(temp)
     except OSError as exc:
-        raise ValueError(f"--save {folder!r}: cannot write the checkpoint: {exc}") from exc
+        raise ValueError(f"--save {folder!r}: cannot write the model's weights folder: "
+                         f"{exc}") from exc
     files.append(WEIGHTS_NAME)
     return {"dir": folder, "weights": weights, "weights_bytes": os.path.getsize(weights),
             "tensors": len(tensors), "dropped_tied": dropped, "files": files}
@@ -176,4 +180,5 @@ def export(engine, args: argparse.Namespace, tokenizer) -> Dict[str, Any]:
                                       tokenizer=(_tokenizer_to_save(args, tokenizer)
                                                  if engine.rank == 0 else None))
     except OSError as exc:
-        raise ValueError(f"--save {str(args.save)!r}: cannot write the checkpoint: {exc}") from exc
+        raise ValueError(f"--save {str(args.save)!r}: cannot write the model's weights "
+                         f"folder: {exc}") from exc

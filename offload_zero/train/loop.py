@@ -217,7 +217,11 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         if args.memory_plot:
             plot_memory(trace, args.memory_plot, title=f"{description}, offload {args.offload}")
         if args.json:
-            with open(args.json, "w") as f:
-                json.dump(summary, f, indent=2)
-                f.write("\n")
+            try:
+                with open(args.json, "w") as f:
+                    json.dump(summary, f, indent=2)
+                    f.write("\n")
+            except OSError as exc:  # (checked before the run; the disk can change since)
+                raise ValueError(f"--json {args.json!r} cannot be written: {exc}; the summary "
+                                 "is printed above") from None
     return summary

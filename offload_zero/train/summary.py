@@ -2,6 +2,7 @@
 over ranks; printed at the end, written by ``--json``, and drawn by ``--memory-plot``."""
 from __future__ import annotations
 
+import os
 import sys
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -126,16 +127,36 @@ def _saved_lines(saved: Optional[Dict[str, Any]]) -> List[str]:
             f"{saved['tensors']} tensors){extra}"]
 
 
+def _matplotlib():
+    """matplotlib, imported with the Agg backend (files only); ValueError if it is missing."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise ValueError("--memory-plot needs matplotlib: pip install matplotlib") from None
+    matplotlib.use("Agg")
+    return matplotlib
+
+
+def check_plot_file(path: str) -> None:
+    """Check, before the run, that :func:`plot_memory` can draw to ``path``: matplotlib is
+    installed and writes the format its suffix names (no suffix: PNG), as ``savefig`` reads
+    it. Raises ValueError naming ``--memory-plot``, the suffix and the formats it writes."""
+    _matplotlib()
+    from matplotlib.backend_bases import FigureCanvasBase
+    suffix = os.path.splitext(path)[1][1:]
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if suffix and suffix.lower() not in formats:
+        raise ValueError(f"--memory-plot {path!r}: matplotlib cannot draw to a {suffix!r} file; "
+                         f"give a name ending in .png (or one of "
+                         f"{', '.join('.' + f for f in sorted(formats))})")
+
+
 def plot_memory(trace: List[Dict[str, int]], path: str, title: str = "") -> None:
     """Draw bytes per tier over the steps (solid: held after the step; dashed: peak so far) to
     a PNG at ``path`` with matplotlib. ``trace``: one dict per step as :func:`_train_loop` fills.
     Raises ValueError if matplotlib is missing or ``path`` cannot be written."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise ValueError("--memory-plot needs matplotlib: pip install matplotlib") from None
+    _matplotlib()
+    import matplotlib.pyplot as plt
     steps = list(range(1, len(trace) + 1))
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for tier, color in (("device", "tab:red"), ("host", "tab:blue"), ("nvme", "tab:green")):

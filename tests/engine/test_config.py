@@ -3,6 +3,7 @@ offload="auto"'s placement (budgets, what fits, the plain step where only it fit
 import os
 import re
 import subprocess
+import tempfile
 
 import numpy as np
 import pytest
@@ -47,6 +48,8 @@ def _floor(placement) -> dict:
     ({"offload": "nvme", "path": "/nonexistent/swap"},
      r"/nonexistent/swap.*; offload='nvme' needs an existing"),
     ({"offload": "cpu", "offload_param": "nvme"}, r"^offload_param='nvme' needs path="),
+    ({"path": 123}, r"^path=123 is not valid; give the folder .* as a str or os.PathLike"),
+    ({"offload": "nvme", "path": 123}, r"^path=123 is not valid; .*str or os.PathLike"),
     ({"betas": (0.9, 1.5)}, r"betas\[1\]=1.5"),
     ({"dtype": torch.int32}, r"dtype=torch.int32"),
 ])
@@ -174,6 +177,22 @@ def test_read_only_path_raises_value_error(tmp_path):
     finally:
         if mounted:
             subprocess.run(["umount", str(ro)], check=False)
+
+
+def test_a_path_no_file_can_be_created_in_raises_value_error():
+    """/proc passes os.access for root, and is no read-only mount, yet no file can be created
+    there: the folder is tried by creating one, and the error names path= and the OS error."""
+    try:
+        with tempfile.NamedTemporaryFile(dir="/proc"):
+            pass
+    except OSError:
+        pass
+    else:
+        pytest.skip("no /proc to stand for a folder that cannot be written")
+    with pytest.raises(ValueError, match=r"^path='/proc' is not writable \(creating a file "
+                                         r"there: \[Errno \d+\] .*\); offload='nvme' needs an "
+                                         r"existing folder this process can write to"):
+        OffloadEngine(TinyLM(), offload="nvme", path="/proc")
 
 
 def test_a_model_wrapped_twice_is_refused_by_name():
