@@ -189,8 +189,10 @@ def main() -> None:
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)
     load1 = os.getloadavg()
+    ds_text = ds or ("not importable" if any(c.startswith("ds-") for c in configs)
+                           else "no row")
     print(f"# bench_paired: {platform.node()} cpus={len(os.sched_getaffinity(0))} "
-          f"threads={args.threads} torch={torch.__version__} deepspeed={ds or 'not importable'} "
+          f"threads={args.threads} torch={torch.__version__} deepspeed={ds_text} "
           f"date={time.strftime('%Y-%m-%d %H:%M')}")
     print(f"# model: Llama layers={args.layers} hidden={args.hidden} "
           f"intermediate={args.intermediate} heads={args.heads} vocab={args.vocab} "

@@ -491,9 +491,11 @@ def main() -> None:
                    "loss": ok[0]["losses"], "params": ok[0]["params"], "n": len(ts)}
 
     nparams = next((r["params"] for r in rows.values() if "params" in r), 0)
+    ds_text = ds_version or ("not importable" if any(c.startswith("ds-") for c in configs)
+                             else "no row")
     print(f"# bench_step: {platform.node()} cpus={len(os.sched_getaffinity(0))} "
           f"threads={args.threads} device={args.device} torch={torch.__version__} "
-          f"deepspeed={ds_version or 'not importable'} "
+          f"deepspeed={ds_text} "
           f"date={time.strftime('%Y-%m-%d %H:%M')}")
     print(f"# model: Llama layers={args.layers} hidden={args.hidden} "
           f"intermediate={args.intermediate} heads={args.heads} vocab={args.vocab} "
