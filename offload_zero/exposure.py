@@ -87,6 +87,9 @@ class ModelExposure:
         for fp in engine.flat_params:
             if not fp.keep_unsharded:
                 fp.write_hook = lambda *call, fp=fp: self.write_to_shards(fp, *call)
+            elif fp.requires_grad:
+                fp.read_hook = lambda fp=fp: self._before_read(fp)
+        self._reading = False
         # (the weights are gone once the engine is: these stay after close() and raise)
         self._guards = [model.register_forward_pre_hook(self._refuse_closed, prepend=True),
                         model.register_state_dict_pre_hook(self._refuse_closed),
@@ -116,6 +119,24 @@ class ModelExposure:
         # to None, which cannot drop one parameter's part of a flat gradient: it raises)
         object.__setattr__(model, "zero_grad", self._zero_grad)
         self.record_versions()
+
+    def _before_read(self, fp) -> None:
+        """A computation outside the engine reads a model parameter that aliases ``fp``'s
+        values: an update ``update_timing="next_forward"`` left pending for it is applied first
+        (every pending one, as for ``state_dict()``), so the read sees the weights the last
+        step made. Nothing to do in a forward or backward (a unit's pending update is applied
+        before its gather) or while the engine itself applies them."""
+        eng = self._live()
+        if eng is None or self._reading or not eng._states.is_pending(fp):
+            return
+        sched = eng.scheduler
+        if sched.forward_running or sched.in_engine_backward:
+            return
+        self._reading = True
+        try:
+            eng.apply_pending_updates()
+        finally:
+            self._reading = False
 
     def _zero_grad(self, set_to_none: bool = True) -> None:
         """The wrapped model's ``zero_grad``: ``engine.zero_grad(set_to_none)`` (see

@@ -370,3 +370,42 @@ def test_state_dict_round_trip_at_world_size_2(stage, offload, tmp_path):
     for missing, unexpected, diff, logits in results:
         assert missing == [] and unexpected == [] and diff == 0.0
         assert (torch.tensor(logits) - want).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("offload", ["none", "cpu"])
+def test_a_read_between_steps_sees_the_weights_the_step_made(offload, tmp_path):
+    """Stage 3 on one rank (the parameters alias the engine's values), update_timing=
+    "next_forward": p.detach(), p * 1 and p.sum() after step() equal the updated weights (they
+    read the weights from before the step: the update waited for the next forward), and the
+    run goes on bit for bit as one that reads nothing."""
+    quiet, reader = tiny_llama(), tiny_llama()
+    kw = dict(update_timing="next_forward")
+    with wrap(quiet, 3, offload, tmp_path, **kw) as e_quiet, \
+            wrap(reader, 3, offload, tmp_path, **kw) as e_read:
+        for i in range(3):
+            ids = tokens(100 + i)
+            for eng, model in ((e_quiet, quiet), (e_read, reader)):
+                eng.backward(model(input_ids=ids, labels=ids).loss)
+                eng.step()
+            p = reader.model.norm.weight
+            seen = [p.detach().clone(), (p * 1).detach(), p.sum().detach()]
+            want = e_read.full_state_dict()["model.norm.weight"]
+            assert torch.equal(seen[0], want) and torch.equal(seen[1], want)
+            assert torch.equal(seen[2], want.sum())
+        assert max_diff(e_quiet.full_state_dict(), e_read.full_state_dict()) == 0.0
+
+
+def test_detach_of_a_sharded_parameter_is_a_placeholder_that_raises(tmp_path):
+    """Stage 3 with the shards on NVMe: p.detach() of a parameter is a placeholder whose use
+    raises as the parameter's does (it was a tensor of zeros, read as the weights), and
+    state_dict(), which detaches every parameter, still gives the values."""
+    model = tiny_llama()
+    want = copy.deepcopy(model).state_dict()
+    with wrap(model, 3, "nvme", tmp_path) as eng:
+        d = model.model.norm.weight.detach()
+        assert d.shape == model.model.norm.weight.shape and not d.requires_grad
+        for use in (lambda: d.clone(), lambda: d.sum(), lambda: d.numpy()):
+            with pytest.raises(RuntimeError, match="model.norm.weight' is sharded"):
+                use()
+        assert max_diff(model.state_dict(), want) == 0.0
+        assert eng.memory_report()["live_units"]["current"] == 0

@@ -25,13 +25,14 @@ and ``.data`` changed) of the true shape, dtype (the compute dtype) and device, 
 ``model.parameters()``, ``.device``, ``num_parameters()`` and the state-dict machinery see
 the model as it was. Where the gathered buffer is kept (stages 1 and 2, or one rank holding
 its shards on the device) it is an alias of the parameter's piece of ``full``: reads see the
-current values and an in-place write under ``torch.no_grad()`` lands in ``full`` and bumps
+current values (a read from outside the engine first has an update ``"next_forward"`` left
+pending applied: the flat parameter's ``read_hook``) and an in-place write under ``torch.no_grad()`` lands in ``full`` and bumps
 the parameter's version counter (a write through a view bumps ``full``'s; the engine's own
 writes go through ``_full_alias``, whose counter is another), which is how the engine finds
 writes from outside (:mod:`offload_zero.exposure`). Otherwise it is a placeholder of one
 element expanded to the shape: metadata reads work, an element-wise in-place write goes to
-the engine, which applies it to the shards, and any other use raises naming the parameter
-(see :class:`_ShardedParam`). While a unit runs, the gathered views sit in the module's
+the engine, which applies it to the shards, ``detach()`` and ``.data`` are such placeholders
+too, and any other use raises naming the parameter (see :class:`_ShardedParam`). While a unit runs, the gathered views sit in the module's
 instance ``__dict__``, which attribute lookup reads before ``_parameters``; they are dropped
 from there when the unit is resharded or the model's forward ends, so between steps
 ``module.weight`` is the registered model parameter again.
@@ -282,7 +283,10 @@ class _AliasParam(ModelParam):
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        if getattr(getattr(func, "__self__", None), "__name__", "") == "data":
+        owner = getattr(getattr(func, "__self__", None), "__name__", "")
+        if owner == "data" or getattr(func, "__name__", "") not in _FreedParam._ALLOWED:
+            cls._before_read(args)
+        if owner == "data":
             return cls._data(func, args)
         kwargs = kwargs or {}
         if torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1:
@@ -298,6 +302,18 @@ class _AliasParam(ModelParam):
                 args, kwargs = tree_map(live, (tuple(args), kwargs))
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
+
+    @staticmethod
+    def _before_read(args) -> None:
+        """Run the ``read_hook`` of each flat parameter an argument aliases (once each): the
+        engine applies an update it left pending (``update_timing="next_forward"``), so a read
+        between steps sees the weights :meth:`OffloadEngine.step` made, not the ones before."""
+        seen = []
+        for a in args:
+            fp = getattr(a, "_oz_flat", None) if isinstance(a, _AliasParam) else None
+            if fp is not None and fp.read_hook is not None and fp not in seen:
+                seen.append(fp)
+                fp.read_hook()
 
     @classmethod
     def _data(cls, func, args):
@@ -348,8 +364,9 @@ ELEMENTWISE_WRITES = frozenset(
 class _ShardedParam(ModelParam):
     """A model parameter whose values exist only as shards (ZeRO stage 3): the true shape,
     dtype, device and ``requires_grad`` (one element expanded to any shape, 0-d included);
-    ``detach()`` gives a tensor of that shape (for the state-dict machinery, whose values the
-    engine fills in). Two kinds of write go to the owning flat parameter's ``write_hook``
+    ``detach()`` and ``.data`` give such a placeholder without autograd (for the state-dict
+    machinery, whose values the engine fills in: a computation on it raises, as on the
+    parameter). Two kinds of write go to the owning flat parameter's ``write_hook``
     (the engine applies them to this rank's part of the fp32 master weights and shard): an
     element-wise in-place method
     (:data:`ELEMENTWISE_WRITES`, on the parameter or its ``.data``, under ``torch.no_grad()``
@@ -363,7 +380,9 @@ class _ShardedParam(ModelParam):
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         name = getattr(func, "__name__", "") or ""
         owner = getattr(getattr(func, "__self__", None), "__name__", "")
-        if owner == "data" and name == "__get__":
+        if (owner == "data" and name == "__get__") or name == "detach":
+            # (a placeholder too: a plain tensor of the expanded element would read as values;
+            # the state-dict machinery keeps it until the engine's hook fills the values in)
             return args[0]._detached()
         if owner == "data" and name == "__set__":
             return _check_same_data(args[0], args[1])
@@ -481,6 +500,9 @@ class FlatParam:
         # f(param, source, func, args, kwargs, init): applies an element-wise in-place write
         # or an init function to a sharded model parameter (set by the engine; None: raise)
         self.write_hook = None
+        # f(): called before a computation reads a model parameter that aliases this flat
+        # parameter's values from outside the engine (see _AliasParam), or None
+        self.read_hook = None
 
         self.full = torch.zeros(self.padded_numel, dtype=dtype, device=device)
         self._full_alias = torch.empty(0, dtype=dtype, device=device).set_(
