@@ -154,13 +154,24 @@ def _read_header(path: str) -> Dict[str, TensorInfo]:
 
 # -- names ------------------------------------------------------------------------------------
 
-def _renamer(model: nn.Module, wanted: set) -> Callable[[str], str]:
+def _renamer(model: nn.Module, wanted: set, keys=()) -> Callable[[str], str]:
     """``f(checkpoint key) -> model name``: the model's own renames (transformers 5's
     conversion mapping: pure renamings) and its ``base_model_prefix`` added or stripped, as
-    ``from_pretrained`` does. ``wanted``: the model's names. Raises NotImplementedError for a
-    model whose mapping merges or splits tensors (a ``WeightConverter``)."""
+    ``from_pretrained`` does. ``wanted``: the model's names; ``keys``: the checkpoint's. A
+    checkpoint whose every key is already a model name (up to the prefix: the model's own
+    layout, as ``engine.save_pretrained`` writes it) needs no conversion. Raises
+    NotImplementedError for another checkpoint of a model whose mapping merges or splits
+    tensors (a ``WeightConverter``: the experts of transformers' MoE models)."""
     renamings, prefix = [], getattr(model, "base_model_prefix", None) or None
-    if hasattr(model, "config") and hasattr(model, "_init_weights"):
+    lookup = dict.fromkeys(wanted, True)
+
+    def own(key: str) -> bool:
+        return (key in lookup or (prefix is not None and (
+            f"{prefix}.{key}" in lookup
+            or (key.startswith(prefix + ".") and key[len(prefix) + 1:] in lookup))))
+
+    as_is = bool(keys) and all(own(k) for k in keys)
+    if hasattr(model, "config") and hasattr(model, "_init_weights") and not as_is:
         try:
             from transformers.conversion_mapping import get_model_conversion_mapping
             from transformers.core_model_loading import WeightRenaming, rename_source_key
@@ -172,9 +183,11 @@ def _renamer(model: nn.Module, wanted: set) -> Callable[[str], str]:
             if converters:
                 raise NotImplementedError(
                     f"load_from: {type(model).__name__}'s checkpoint conversion merges or splits "
-                    f"tensors ({converters[:2]}); load it with from_pretrained instead")
+                    f"tensors ({converters[:2]}), which loading tensor by tensor cannot do: "
+                    "give a folder in the model's own layout (engine.save_pretrained writes "
+                    "one, as does from_pretrained(...).state_dict() saved with safetensors), or "
+                    "build the model with from_pretrained and wrap it without load_from")
             renamings = transforms
-    lookup = dict.fromkeys(wanted, True)
 
     def rename(key: str) -> str:
         if renamings and rename_source_key is not None:
@@ -326,7 +339,7 @@ def _match(model, checkpoint: SafetensorsFolder, names, params):
     buffers copied in now). Returns ``(key_of, buffers filled, unexpected, missing)``."""
     buffers = _persistent_buffers(model)
     by_name = {n: k for k, ns in names.items() for n in ns}
-    rename = _renamer(model, set(by_name) | set(buffers))
+    rename = _renamer(model, set(by_name) | set(buffers), list(checkpoint.tensors))
     key_of, filled, unexpected = {}, set(), []
     for key, info in checkpoint.tensors.items():
         name = rename(key)

@@ -346,3 +346,33 @@ def test_cli_model_dir_under_torchrun_streams_a_sharded_checkpoint(tmp_path):
     start = hf_tiny.eager_model(ckpt).state_dict()
     assert tuned.keys() == start.keys()
     assert any(not torch.equal(tuned[n], start[n]) for n in start)  # trained
+
+
+def test_an_moe_model_loads_its_own_layout_and_refuses_a_converted_one(tmp_path):
+    """A Mixtral (transformers' fused experts, whose checkpoint conversion merges per-expert
+    tensors): a folder in the model's own layout (engine.save_pretrained's) streams into an
+    empty model with the eager model's logits (every MoE folder was refused); the per-expert
+    layout from_pretrained converts is refused, saying which folder would load."""
+    transformers = pytest.importorskip("transformers")
+    accelerate = pytest.importorskip("accelerate")
+    torch.manual_seed(0)
+    cfg = transformers.MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=48,
+                                     num_hidden_layers=2, num_attention_heads=4,
+                                     num_key_value_heads=2, num_local_experts=4)
+    model = transformers.MixtralForCausalLM(cfg)
+    ids = torch.randint(0, 64, (2, 8))
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+    model.save_pretrained(str(tmp_path / "per_expert"))
+    with OffloadEngine(model, offload="cpu", stage=3) as eng:
+        eng.save_pretrained(str(tmp_path / "own"))
+    for folder in ("own", "per_expert"):
+        with accelerate.init_empty_weights():
+            empty = transformers.MixtralForCausalLM(cfg)
+        if folder == "per_expert":
+            with pytest.raises(NotImplementedError, match="the model's own layout"):
+                OffloadEngine(empty, offload="cpu", stage=3, load_from=str(tmp_path / folder))
+            continue
+        with OffloadEngine(empty, offload="nvme", path=str(tmp_path), stage=3,
+                           load_from=str(tmp_path / folder)) as eng, torch.no_grad():
+            assert torch.equal(eng(input_ids=ids).logits, want)
