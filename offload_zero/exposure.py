@@ -63,6 +63,16 @@ from torch.utils._pytree import tree_map
 from offload_zero.partition.flat_param import FlatParam, ParamEntry
 
 
+def _refuse_copy(model) -> None:
+    """Raise RuntimeError: a wrapped model cannot be pickled (``torch.save(model)``) or
+    deep-copied; say what to do instead."""
+    raise RuntimeError(
+        f"{type(model).__name__}: a model wrapped by an OffloadEngine cannot be pickled "
+        "(torch.save(model)) or deep-copied: its values live in the engine, and its hooks with "
+        "them. Save model.state_dict() (or save_pretrained()) and load it into a model built "
+        "anew, or copy the model before wrapping it")
+
+
 class ModelExposure:
     """The hooks that keep a wrapped model's own API working; one per engine.
 
@@ -118,6 +128,9 @@ class ModelExposure:
         # the model's zero_grad() drops the engine's gradients (torch's would set each .grad
         # to None, which cannot drop one parameter's part of a flat gradient: it raises)
         object.__setattr__(model, "zero_grad", self._zero_grad)
+        # pickle and copy.deepcopy look __reduce_ex__ up on the instance: the model's hooks
+        # (closures) made them fail with a bare AttributeError about a local object
+        object.__setattr__(model, "__reduce_ex__", lambda protocol: _refuse_copy(model))
         self.record_versions()
 
     def _before_read(self, fp) -> None:

@@ -315,12 +315,15 @@ def initial_values(model: nn.Module, load_from=None, init: Optional[str] = None,
     source.unexpected_keys, source.missing_keys = unexpected, missing
     try:
         where = f" in {checkpoint.folder!r}" if checkpoint is not None else ""
+        lost = [names[k][0] for k, p in params.items() if k not in key_of and p.is_meta]
         if strict and (missing or unexpected):
             files = [f"{k} ({os.path.basename(checkpoint.tensors[k].path)})"
                      for k in unexpected[:8]]
+            anyway = ("strict=False loads anyway" if not lost or init is not None else
+                      "strict=False with init='model' loads anyway, the missing ones from the "
+                      "model's initialiser: they are on the meta device")
             raise ValueError(f"load_from{where}: missing keys {missing[:8]}, unexpected keys "
-                             f"{unexpected[:8]} (in {files}) (strict=False loads anyway)")
-        lost = [names[k][0] for k, p in params.items() if k not in key_of and p.is_meta]
+                             f"{unexpected[:8]} (in {files}) ({anyway})")
         if lost and init is None:
             raise ValueError(f"parameters {lost[:5]} are on the meta device and missing"
                              f"{where}: nothing to build them from (give init='model')")

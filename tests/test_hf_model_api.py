@@ -334,13 +334,27 @@ def test_generate_at_world_size_2_stage_3():
 
 
 @pytest.mark.parametrize("stage,offload", [(1, "none"), (3, "nvme")])
-def test_deepcopy_of_wrapped_model_raises(stage, offload, tmp_path):
-    """copy.deepcopy of a wrapped model raises naming a parameter (the copy would hold values
-    the engine never sees, and a copy of the engine's hooks)."""
+def test_deepcopy_and_pickling_of_wrapped_model_raise(stage, offload, tmp_path):
+    """copy.deepcopy of a wrapped model, or of one of its parameters, raises (the copy would
+    hold values the engine never sees, and a copy of the engine's hooks); so do pickling and
+    torch.save of either (a bare AttributeError about a local hook), not of its state_dict."""
+    import io
+    import pickle
     model = tiny_llama()
     with wrap(model, stage, offload, tmp_path):
-        with pytest.raises(RuntimeError, match="parameter '.*'.*deep-copied"):
+        p = model.lm_head.weight
+        with pytest.raises(RuntimeError, match="LlamaForCausalLM: .* deep-copied"):
             copy.deepcopy(model)
+        with pytest.raises(RuntimeError, match="parameter 'lm_head.weight'.*deep-copied"):
+            copy.deepcopy(p)
+        for save in (lambda x: torch.save(x, io.BytesIO()), pickle.dumps):
+            with pytest.raises(RuntimeError, match=r"cannot be pickled \(torch.save"):
+                save(model)
+            with pytest.raises(RuntimeError, match="'lm_head.weight'.*cannot be pickled"):
+                save(p)
+        buf = io.BytesIO()
+        torch.save(model.state_dict(), buf)
+        assert max_diff(torch.load(io.BytesIO(buf.getvalue())), model.state_dict()) == 0.0
 
 
 def _load_and_read_on_rank(rank, world, stage, offload, path):

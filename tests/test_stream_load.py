@@ -307,6 +307,11 @@ def test_missing_parameter_of_a_meta_model_even_when_not_strict(checkpoints, tmp
     (folder / stream_load.INDEX_NAME).write_text(json.dumps(index))
     swap = tmp_path / "swap"
     swap.mkdir()
+    # strict: the hint names what loads (strict=False alone would hit the error below)
+    with pytest.raises(ValueError, match=r"missing keys \['model.norm.weight'\].*"
+                                         r"strict=False with init='model' loads anyway"):
+        OffloadEngine(hf_tiny.empty_model(False), offload="nvme", path=str(swap),
+                      load_from=folder)
     with pytest.raises(ValueError, match=r"\['model.norm.weight'\] are on the meta device and "
                                          r"missing in '.*/c'"):
         OffloadEngine(hf_tiny.empty_model(False), offload="nvme", path=str(swap),

@@ -211,7 +211,7 @@ class ModelParam(nn.Parameter):
     ``requires_grad`` reads as torch's; setting it to another value (``p.requires_grad =
     False``, ``requires_grad_(False)``) raises ``RuntimeError``: which parameters train is
     fixed when the engine is built. ``copy.deepcopy`` raises ``RuntimeError`` (the copy would
-    not be the engine's).
+    not be the engine's), and so does pickling it (``torch.save(param)``).
     """
 
     _oz_flat = None     # the owning FlatParam
@@ -270,6 +270,10 @@ class ModelParam(nn.Parameter):
         raise RuntimeError(f"{self._oz_label}: its values live in the OffloadEngine, so a "
                            "wrapped model cannot be deep-copied; copy the model before wrapping "
                            "it, or build one and load model.state_dict() into it")
+
+    def __reduce_ex__(self, protocol):
+        raise RuntimeError(f"{self._oz_label}: its values live in the OffloadEngine, so it "
+                           "cannot be pickled (torch.save); save model.state_dict() instead")
 
 
 class _AliasParam(ModelParam):
