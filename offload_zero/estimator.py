@@ -556,9 +556,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--update-timing", default="auto", choices=("step", "next_forward", "auto"),
                         help="count the engine's update timing in the stage-3 rows (default: "
                              "auto, as the engine: next_forward with the optimizer state on NVMe)")
-    parser.add_argument("--moment-dtype", default="fp32", choices=("fp32", "bf16"),
+    parser.add_argument("--moment-dtype", default="fp32", choices=("fp32", "bf16", "int8"),
                         help="Adam's moments: fp32 (default, 12 bytes of optimizer state per "
-                             "parameter) or bf16 (8)")
+                             "parameter), bf16 (8) or int8 (6.03: blockwise 8-bit, the absmax in "
+                             "host memory; the engine keeps it off a GPU: see the cpu and nvme rows)")
     parser.add_argument("--host-cache-bytes", type=int, default=0, metavar="B",
                         help="bytes of the NVMe rows' optimizer state kept in host memory "
                              "(the engine's host_cache_bytes; default 0)")

@@ -136,10 +136,11 @@ def test_an_interrupted_estimate_says_nothing_of_swap_files(capsys, monkeypatch)
 
 def test_moment_dtype_and_host_cache_flags(capsys):
     """--moment-dtype bf16: 8 bytes of optimizer state per parameter in the NVMe rows instead
-    of 12 (the paper's unpadded arithmetic); --host-cache-bytes moves that many bytes of it
+    of 12 (the paper's unpadded arithmetic), int8: 4 + 2 there and the absmax in host memory; --host-cache-bytes moves that many bytes of it
     (whole flat parameters, at most) from NVMe to host memory."""
     rows = {}
-    for flags in ([], ["--moment-dtype", "bf16"], ["--host-cache-bytes", str(3 * 10 ** 9)]):
+    for flags in ([], ["--moment-dtype", "bf16"], ["--moment-dtype", "int8"],
+                  ["--host-cache-bytes", str(3 * 10 ** 9)]):
         assert cli.main(["estimate", "--params", "1e9", "--json", *flags]) == 0
         data = json.loads(capsys.readouterr().out)
         rows[tuple(flags)] = next(r for r in data["table"]
@@ -148,6 +149,11 @@ def test_moment_dtype_and_host_cache_flags(capsys):
     cached = rows[("--host-cache-bytes", str(3 * 10 ** 9))]
     opt = lambda r: r["model_states"]["nvme"]["master_weights"] + r["model_states"]["nvme"]["moments"]  # noqa: E731
     assert 2 * fp32["model_states"]["nvme"]["moments"] == 4 * bf16["model_states"]["nvme"]["moments"]
+    int8 = rows[("--moment-dtype", "int8")]["model_states"]
+    assert 4 * int8["nvme"]["moments"] == fp32["model_states"]["nvme"]["moments"]
+    # (each block of 256's two fp32 absmax stay in host memory: 8 bytes a block)
+    scales = int8["host"]["moments"] - fp32["model_states"]["host"]["moments"] // 4
+    assert scales == pytest.approx(10 ** 9 * 8 / 256, rel=1e-3)
     moved = opt(fp32) - opt(cached)
     assert 0 < moved <= 3 * 10 ** 9
     assert cached["host_bytes_per_rank"] > fp32["host_bytes_per_rank"]
