@@ -558,8 +558,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "auto, as the engine: next_forward with the optimizer state on NVMe)")
     parser.add_argument("--moment-dtype", default="fp32", choices=("fp32", "bf16", "int8"),
                         help="Adam's moments: fp32 (default, 12 bytes of optimizer state per "
-                             "parameter), bf16 (8) or int8 (6.03: blockwise 8-bit, the absmax in "
-                             "host memory; the engine keeps it off a GPU: see the cpu and nvme rows)")
+                             "parameter), bf16 (8) or int8 (6.03: blockwise 8-bit, the absmax "
+                             "in host memory; the engine keeps it off a GPU: read the cpu and "
+                             "nvme rows)")
     parser.add_argument("--host-cache-bytes", type=int, default=0, metavar="B",
                         help="bytes of the NVMe rows' optimizer state kept in host memory "
                              "(the engine's host_cache_bytes; default 0)")
