@@ -65,11 +65,8 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--repeats {args.repeats} is not valid; it must be >= 1")
     if not os.path.isdir(args.path):
         raise ValueError(f"--path {args.path!r} is not an existing directory")
-    from offload_zero.config import write_error
-    error = write_error(args.path)
-    if error is not None:
-        raise ValueError(f"--path {args.path!r} is not writable (creating a file there: "
-                         f"{error}); give a folder this process can write to")
+    from offload_zero.config import require_writable
+    require_writable(args.path, f"--path {args.path!r}", "give a folder this process can write to")
 
 
 def format_result(result: dict, path: str) -> str:

@@ -608,11 +608,16 @@ def _check_swap_path(path, asked_by: str = "offload='nvme'") -> None:
     if not os.path.isdir(path):
         raise ValueError(f"path={path!r} does not exist or is not a folder; {asked_by} needs an "
                          "existing writable folder")
-    error = write_error(path)
+    require_writable(path, f"path={path!r}", f"{asked_by} needs an existing folder this "
+                     "process can write to: give another path=")
+
+
+def require_writable(folder, what: str, fix: str) -> None:
+    """Raise ValueError ``"<what> is not writable (creating a file there: <OS error>); <fix>"``
+    unless a file can be created in the existing folder ``folder`` (:func:`write_error`)."""
+    error = write_error(folder)
     if error is not None:
-        raise ValueError(f"path={path!r} is not writable (creating a file there: {error}); "
-                         f"{asked_by} needs an existing folder this process can write to: give "
-                         "another path=")
+        raise ValueError(f"{what} is not writable (creating a file there: {error}); {fix}")
 
 
 def write_error(folder) -> Optional[str]:

@@ -47,11 +47,9 @@ def check_creatable(path, what: str) -> None:
         ancestor = os.path.dirname(ancestor)
     if not os.path.isdir(ancestor):
         raise ValueError(f"{what} cannot be created: {ancestor!r} is not a folder")
-    from offload_zero.config import write_error
-    error = write_error(ancestor)
-    if error is not None:
-        raise ValueError(f"{what} cannot be created: {ancestor!r} is not writable (creating a "
-                         f"file there: {error})")
+    from offload_zero.config import require_writable
+    require_writable(ancestor, f"{what} cannot be created: {ancestor!r}",
+                     "give a folder this process can write to")
 
 
 @contextlib.contextmanager

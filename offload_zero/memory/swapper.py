@@ -257,11 +257,8 @@ def _prepare_folder(folder: str) -> tuple:
     """Returns (absolute folder, created_by_us). Raises ValueError naming the bad path."""
     folder = os.path.abspath(os.fspath(folder))
     if os.path.isdir(folder):
-        from offload_zero.config import write_error
-        error = write_error(folder)
-        if error is not None:
-            raise ValueError(f"swap folder {folder!r} exists but is not writable (creating a "
-                             f"file there: {error})")
+        from offload_zero.config import require_writable
+        require_writable(folder, f"swap folder {folder!r}", "give another path")
         return folder, False
     if os.path.lexists(folder):
         raise ValueError(f"swap folder {folder!r} exists and is not a directory")

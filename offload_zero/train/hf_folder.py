@@ -30,11 +30,8 @@ def check_save_dir(folder: str) -> None:
     if os.path.exists(folder):
         if not os.path.isdir(folder):
             raise ValueError(f"{flag} exists and is not a folder")
-        from offload_zero.config import write_error
-        error = write_error(folder)
-        if error is not None:
-            raise ValueError(f"{flag} is a folder this process cannot write to (creating a "
-                             f"file there: {error})")
+        from offload_zero.config import require_writable
+        require_writable(folder, flag, "give another --save")
         if os.path.isdir(os.path.join(folder, WEIGHTS_NAME)):
             raise ValueError(f"{flag}: {os.path.join(folder, WEIGHTS_NAME)!r} is a folder")
         return
