@@ -61,6 +61,7 @@ import torch
 from torch.utils._pytree import tree_map
 
 from offload_zero.partition.flat_param import FlatParam, ParamEntry
+from offload_zero.update.rules import NEXT_FORWARD
 
 
 def _refuse_copy(model) -> None:
@@ -97,7 +98,8 @@ class ModelExposure:
         for fp in engine.flat_params:
             if not fp.keep_unsharded:
                 fp.write_hook = lambda *call, fp=fp: self.write_to_shards(fp, *call)
-            elif fp.requires_grad:
+            elif fp.requires_grad and engine.config.update_timing == NEXT_FORWARD:
+                # (only "next_forward" leaves updates pending: no hook on others' hot path)
                 fp.read_hook = lambda fp=fp: self._before_read(fp)
         self._reading = False
         # (the weights are gone once the engine is: these stay after close() and raise)
