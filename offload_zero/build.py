@@ -280,8 +280,9 @@ class _Builder:
         main = self._host_pool(mplan.pool("param_shards"))
         pool_for = lambda fp: main  # noqa: E731
         keep = follows = None
-        # a state kept in host memory is, in fp32, the shard itself: no buffer, no file
-        in_host = p.in_host if share else set()
+        # a state kept in host memory is, in fp32, the shard itself; in other dtypes the
+        # shard stays in host memory beside it: either way no buffer, no file
+        in_host = p.in_host
         spec = mplan.pool("param_shards_root")
         if spec is not None:
             names = flat_param_names(plan[2])
@@ -305,7 +306,9 @@ class _Builder:
                                   and not (share and fp.name.startswith("root.")))
         p.param_home = NVMeParamHome(p.swapper, pool_for, self.acct, master_is_param=share,
                                      keep_after_update=keep, gather_follows=follows,
-                                     io_stages=self.states.shard_io)
+                                     io_stages=self.states.shard_io,
+                                     in_host=lambda fp: fp.name in in_host,
+                                     host_alloc=self.host_alloc)
 
     def _host_pool(self, spec, dtype=None) -> HostBufferPool:
         """The plan's host pool ``spec`` (a :class:`offload_zero.plan.PoolSpec`), built and

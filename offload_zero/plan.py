@@ -475,9 +475,11 @@ def _model_states(layout, shards, s: PlanSettings, fmt: StateFormat, in_host):
             dev["gradients"] += k * full     # full gradients held until the step
         if i in in_host:
             # its state in host memory: an fp32 shard that lived in the master's NVMe bytes
-            # is that host master now; on a CPU device the master is the shard itself
+            # is that host master now, a shard of another dtype stays in host memory beside
+            # it; on a CPU device the master is the shard itself
             on_nvme = param_tier == "nvme" and k == 4
-            out[param_tier]["parameters"] += 0 if on_nvme else k * (full if s.stage < 3 else shard)
+            tier = "host" if param_tier == "nvme" else param_tier
+            out[tier]["parameters"] += 0 if on_nvme else k * (full if s.stage < 3 else shard)
             out["host"]["gradients"] += 4 * shard
             out["host"]["master_weights"] += 0 if _host_alias(s) else 4 * shard
             out["host"]["moments"] += fmt.resident_moment_bytes(shard)
@@ -557,9 +559,10 @@ def _pools(layout, shards, s: PlanSettings, fmt: StateFormat, in_host, share, ou
         pools.append(PoolSpec("param_shards", "host",
                               _flats_per_block(layout) * (_ahead(layout, s.prefetch) + 2) + ring,
                               max(block_shard, 1), k))
-        # (a state kept in host memory is, in fp32, its own shard: no buffer for it)
-        root_count = (len(outsized - (in_host if share else frozenset())) if keep_root
-                      else 1) if outsized else 0
+        # (a shard whose state is kept in host memory is that master (fp32) or stays in host
+        # memory beside it: no buffer for it)
+        on_disk = outsized - in_host
+        root_count = len(on_disk) if keep_root else int(bool(on_disk))
         if root_count:
             pools.append(PoolSpec("param_shards_root", "host", root_count, root_shard, k))
     trainable = [sh for f, sh in zip(layout, shards) if f.trainable]

@@ -3,6 +3,7 @@ it knows the workload ([Note: step-time model] in offload_zero/step_time.py): wi
 disk rates, FLOP/s and budgets, the split, the update timing, the host cache and the moments'
 format it picks follow the numbers."""
 import copy
+import os
 import re
 import types
 
@@ -348,7 +349,7 @@ _WRITES = {  # SwapHandle.done of a parameter shard's write as the engine sees i
     (torch.bfloat16, "next_forward", True, "slow"), (torch.bfloat16, "next_forward", True, "fast"),
     (torch.float32, "step", True, "as_they_come"),
     (torch.float32, "next_forward", False, "as_they_come")])
-@pytest.mark.parametrize("shape", ["plain", "outsized_root", "frozen"])
+@pytest.mark.parametrize("shape", ["plain", "outsized_root", "frozen", "cached"])
 def test_nvme_bytes_per_step_are_the_engines(dtype, timing, exact, writes, shape, tmp_path,
                                              torch_single_thread, monkeypatch):
     """The model's NVMe bytes per step (state and parameter shards on NVMe) are what the
@@ -357,7 +358,9 @@ def test_nvme_bytes_per_step_are_the_engines(dtype, timing, exact, writes, shape
     buffers of their own from step to step, and still written), and with frozen parts (the
     embeddings, the blocks' norms: read in forward and in backward, never written). However
     fast the disk: a write seen in flight when a buffer is needed takes no new shard from the
-    gather that follows its update (it read the file again)."""
+    gather that follows its update (it read the file again). With a host cache of 40% of the
+    state: a cached flat parameter's shard never reaches the disk (in fp32 it is the host
+    master, in bf16 it stays in host memory beside it): no file, no bytes."""
     if _WRITES[writes] is not None:
         monkeypatch.setattr(SwapHandle, "done", _WRITES[writes])
     torch.manual_seed(0)
@@ -366,10 +369,20 @@ def test_nvme_bytes_per_step_are_the_engines(dtype, timing, exact, writes, shape
     if shape == "frozen":
         for p in [model.emb.weight, *(p for b in model.blocks for p in b.ln.parameters())]:
             p.requires_grad_(False)
-    traffic = nvme_traffic(placement_bytes(model, 3, "nvme", "nvme", dtype=dtype,
-                                           accelerator=False, update_timing=timing).plan)
+    cache = {} if shape != "cached" else {
+        "host_cache_bytes": int(0.4 * 12 * sum(p.numel() for p in model.parameters()))}
+    plan = placement_bytes(model, 3, "nvme", "nvme", dtype=dtype, accelerator=False,
+                           update_timing=timing, **cache).plan
+    traffic = nvme_traffic(plan)
     with OffloadEngine(copy.deepcopy(model), offload="nvme", path=str(tmp_path), dtype=dtype,
-                       update_timing=timing) as eng:
+                       update_timing=timing, **cache) as eng:
+        cached = {fp.name for fp in eng.trainable if eng.store.in_host(fp)}
+        assert cached or shape != "cached"
+        files = {os.path.basename(f) for f in eng.swapper.files}
+        assert not {f"{name}.param.swp" for name in cached} & files
+        on_nvme = [fp for fp in eng.flat_params if fp.name not in cached]
+        assert eng.memory_report()["nvme"]["by_kind"]["parameters"]["current_bytes"] == (
+            sum(fp.shard_numel * fp.itemsize for fp in on_nvme))
         marks = []
         for x, y in batches(3):
             loss = lm_loss(eng(x), y)

@@ -113,7 +113,9 @@ def test_stage_3_nvme_counts_next_forward_as_the_engine_does_by_default():
     for kind, per in (("master_weights", 4), ("moments", 8)):
         assert a.model_states["host"][kind] - p.model_states["host"][kind] == per * 250
         assert p.model_states["nvme"][kind] - a.model_states["nvme"][kind] == per * 250
-    assert a.model_states["nvme"]["parameters"] == p.model_states["nvme"]["parameters"]
+    # and its bf16 parameter shard with it, off the disk
+    assert p.model_states["nvme"]["parameters"] - a.model_states["nvme"]["parameters"] == 2 * 250
+    assert a.model_states["host"]["parameters"] - p.model_states["host"]["parameters"] == 2 * 250
     # three read-ahead buffers of a block's whole fp32 state (block shard 500)
     assert a.extras["host"]["buffers"] - p.extras["host"]["buffers"] == 3 * 12 * 500
     # other rows: as before
@@ -395,13 +397,14 @@ def test_update_in_backward_shares_one_gradient_buffer_between_near_sizes(tmp_pa
 
 @pytest.mark.parametrize("dtype,tail,tied,root_buffers", [
     (torch.float32, False, False, 2), (torch.float32, True, False, 1),
-    (torch.bfloat16, True, False, 2), (torch.float32, True, True, 0)])
+    (torch.bfloat16, True, False, 1), (torch.float32, True, True, 0)])
 def test_the_roots_small_part_goes_through_the_block_sized_buffers(dtype, tail, tied,
                                                                    root_buffers, tmp_path):
     """Parameter shards on NVMe, the root split by gradient order into the final norm, the LM
     head and the embeddings, the last two larger than a block: only those two get root-sized
-    host buffers (one less when the embeddings' fp32 state, their shard, stays in host
-    memory); the final norm's part goes through the block-sized ones. With the LM head tied to
+    host buffers (one less when the embeddings' state stays in host memory: in fp32 it is
+    their shard, in bf16 the shard stays in host memory beside it); the final norm's part
+    goes through the block-sized ones. With the LM head tied to
     the embeddings and their fp32 state in host memory, no root-sized buffer at all. The host
     buffer bytes equal the estimate's."""
     from offload_zero.estimator import placement_bytes

@@ -23,6 +23,13 @@ moments) or 8 (bf16 moments, ``moment_dtype="bf16"``), 4 less when its fp32 mast
 parameter shard itself (fp32 on a CPU device).
 Everything not chosen stays on NVMe, so the bytes read and written per step are the state
 bytes of the NVMe-resident flat parameters, each way.
+
+With the parameter shards on NVMe too (``offload_param="nvme"``), a chosen flat parameter's
+shard leaves the disk as well: in fp32 it is the host master itself; in bf16 or fp16 it stays
+in host memory beside its state (K bytes per element, counted on the host tier as parameters
+but not against ``host_cache_bytes``), written by the update and read by the gathers there,
+so the disk is spared its K bytes written per step and its reads. The pool buffers such a
+shard would have gone through are not planned either (an outsized root part's own buffer).
 """
 from __future__ import annotations
 

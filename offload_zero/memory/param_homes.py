@@ -98,6 +98,14 @@ class NVMeParamHome:
         gather_follows: ``f(fp) -> bool``: flat parameters whose gather follows the update
             being made (``update_timing="next_forward"``): the buffer the update writes the
             new shard into serves that gather, the write still in flight. None: no such.
+        in_host: ``f(fp) -> bool``: trainable flat parameters whose optimizer state stays in
+            host memory (``host_cache_bytes``, ``tail_state_in_host``; see [Note: host cache]).
+            Unless the shard is its master's bytes (``master_is_param``: it is then that host
+            master), its compute-dtype shard stays in host memory too, from ``host_alloc``:
+            the update writes it there, the gathers read it there, and it never reaches the
+            disk (2 bytes per element each way per step less in bf16/fp16). None: no such.
+        host_alloc: ``f(numel, dtype) -> tensor``, the host allocator of those shards
+            (required with ``in_host``).
         io_stages: the :class:`offload_zero.update.state.IOStages` of the parameter shards
             (:class:`ShardIO`: ``READING``, ``KEPT``, ``IN_UPDATE``, ``WRITING``, each with its
             pool buffer and handle; see [Note: update states]): the engine's
@@ -116,8 +124,13 @@ class NVMeParamHome:
 
     def __init__(self, swapper, pool, accountant: TierAccountant, master_is_param: bool = False,
                  keep_after_update=None, gather_follows=None,
-                 io_stages: Optional[IOStages] = None):
+                 io_stages: Optional[IOStages] = None, in_host=None, host_alloc=None):
+        if in_host is not None and host_alloc is None:
+            raise ValueError("in_host needs host_alloc: the shards it keeps are host memory")
         self.swapper, self._acct = swapper, accountant
+        self._in_host, self._alloc = in_host or (lambda fp: False), host_alloc
+        # the shards kept in host memory beside their state: {fp: host tensor} (fp.sharded)
+        self._resident: Dict[object, torch.Tensor] = {}
         self._pool_for = pool if callable(pool) else (lambda fp: pool)
         self.io_stages = (io_stages if io_stages is not None
                           else IOStages(None, "parameter shard", SHARD_IO_LEGAL))
@@ -150,6 +163,12 @@ class NVMeParamHome:
             self._sizes[fp] = 0 if source is not None and source.in_host(fp) else nbytes
             self._acct.add(Tier.NVME, StateKind.PARAMS, self._sizes[fp])
             return None
+        if fp.requires_grad and self._in_host(fp):
+            host = self._alloc(device_shard.numel(), device_shard.dtype)
+            host.copy_(device_shard)
+            self._resident[fp] = host
+            self._acct.add(Tier.HOST, StateKind.PARAMS, nbytes)
+            return host
         self._sizes[fp] = nbytes
         self._acct.add(Tier.NVME, StateKind.PARAMS, nbytes)
         self.swapper.allocate(self._key(fp), nbytes)
@@ -176,7 +195,7 @@ class NVMeParamHome:
         """Start reading ``fp``'s shard into a pool buffer (``AT_REST`` -> ``READING``; no-op
         if already under way or kept, or if the optimizer's store is reading it with the whole
         state)."""
-        if self._holds_read(fp) or self._from_store(fp):
+        if fp in self._resident or self._holds_read(fp) or self._from_store(fp):
             return
         if self.io_stages.stage(fp) is ShardIO.WRITING:
             if self._wants(fp):
@@ -196,6 +215,8 @@ class NVMeParamHome:
 
     def shard_for_gather(self, fp) -> torch.Tensor:
         """Wait for ``fp``'s read (starting it if needed) and return the host shard."""
+        if fp in self._resident:
+            return self._resident[fp]
         if not self._holds_read(fp) and self._from_store(fp):
             return self.master_source.master_view(fp)
         self.fetch(fp)
@@ -209,7 +230,7 @@ class NVMeParamHome:
         shard gathered from the store's read-ahead). A kept shard whose write is still in
         flight goes back to ``WRITING`` instead: its buffer returns to the pool when the write
         is retired (by a later acquire, update or drain), so the caller does not wait for it."""
-        if not self._holds_read(fp):
+        if fp in self._resident or not self._holds_read(fp):
             return
         io = self.io_stages
         buf, handles = io.buffer(fp), io.handles(fp)
@@ -224,7 +245,10 @@ class NVMeParamHome:
         """A pool buffer the optimizer writes ``fp``'s new shard into (``AT_REST`` ->
         ``IN_UPDATE``; see :meth:`commit`), or None when the shard is the master weights
         (updated in place by the optimizer). A write of ``fp``'s previous shard still in
-        flight is retired first, and not kept: the update makes it stale."""
+        flight is retired first, and not kept: the update makes it stale. A shard kept in
+        host memory (``in_host``) is its own target."""
+        if fp in self._resident:
+            return self._resident[fp]
         if fp in self._in_master and not self._wants(fp):
             return None
         if self.io_stages.stage(fp) is ShardIO.WRITING:
@@ -237,8 +261,9 @@ class NVMeParamHome:
         """Write the new shard in ``target`` back to ``fp``'s file, asynchronously
         (``IN_UPDATE`` -> ``WRITING``; nothing to do for a shard that is its master weights;
         ``KEPT`` for one whose gather follows, or a master's copy kept for it: the buffer
-        serves that gather whenever the write completes)."""
-        if fp in self._in_master and not self._wants(fp):
+        serves that gather whenever the write completes; nothing for a shard kept in host
+        memory, updated in place)."""
+        if fp in self._resident or (fp in self._in_master and not self._wants(fp)):
             return
         if fp in self._in_master:  # its bytes are written as the master; keep the copy
             self.io_stages.move(fp, ShardIO.KEPT,
@@ -295,13 +320,18 @@ class NVMeParamHome:
             self._retire(self._writes()[0])
 
     def read(self, fp) -> torch.Tensor:
-        """A CPU copy of ``fp``'s shard, read from its file."""
+        """A CPU copy of ``fp``'s shard, read from its file (or its host copy)."""
+        if fp in self._resident:
+            return self._resident[fp].clone()
         shard = self.shard_for_gather(fp).clone()
         self.done_with(fp)
         return shard
 
     def release(self, fp) -> None:
         """Forget ``fp`` (engine close); its file goes with the swapper."""
+        host = self._resident.pop(fp, None)
+        if host is not None:
+            self._acct.sub(Tier.HOST, StateKind.PARAMS, host.numel() * host.element_size())
         nbytes = self._sizes.pop(fp, 0)
         if nbytes:
             self._acct.sub(Tier.NVME, StateKind.PARAMS, nbytes)
