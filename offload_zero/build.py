@@ -47,7 +47,8 @@ class EngineParts:
     were built with: the one given, or its copy with the ``update_timing`` and ``prefetch`` a
     host budget lowered, see :meth:`EngineConfig.lowered`), ``tail`` (the
     name of the flat parameter ``tail_state_in_host`` keeps, or None), ``in_host`` (names of
-    flat parameters whose NVMe-placed state stays in host memory), ``swapper``, ``param_home``,
+    flat parameters whose NVMe-placed state stays in host memory), ``params_in_host`` (names
+    of frozen flat parameters whose shard the host cache keeps), ``swapper``, ``param_home``,
     ``pools`` (``{name: HostBufferPool | GatherPool}``), ``store``, ``blocks``, ``root``,
     ``units``, ``flat_params``, ``trainable``, ``grad_order``, ``grads``, ``staging``,
     ``reduction``, ``updates`` (:class:`UpdateTimings`), ``adam`` (:class:`ShardAdam`),
@@ -60,6 +61,7 @@ class EngineParts:
         self.blocks = self.root = self.grads = self.staging = self.reduction = None
         self.updates = self.adam = self.scheduler = self.grad_order = None
         self.in_host: set = set()
+        self.params_in_host: set = set()
         self.pools: Dict[str, object] = {}
         self.units: List[Unit] = []
         self.flat_params: List[FlatParam] = []
@@ -237,6 +239,7 @@ class _Builder:
         names = flat_param_names(plan[2])
         mplan = self.parts.memory_plan
         tail = mplan.tail
+        self.parts.params_in_host = {names[i] for i in mplan.params_in_host}
         return (None if tail is None else names[tail]), {names[i] for i in mplan.in_host}
 
     def _build_store(self):
@@ -281,8 +284,9 @@ class _Builder:
         pool_for = lambda fp: main  # noqa: E731
         keep = follows = None
         # a state kept in host memory is, in fp32, the shard itself; in other dtypes the
-        # shard stays in host memory beside it: either way no buffer, no file
-        in_host = p.in_host
+        # shard stays in host memory beside it; so does a frozen shard the host cache keeps:
+        # no buffer, no file
+        in_host = p.in_host | p.params_in_host
         spec = mplan.pool("param_shards_root")
         if spec is not None:
             names = flat_param_names(plan[2])
@@ -428,7 +432,8 @@ def pools_report(parts: EngineParts) -> dict:
 def memory_report(acct: TierAccountant, parts: EngineParts, states: UpdateStates) -> dict:
     """``engine.memory_report()``: the accountant's bytes per tier and kind (``acct``), the
     NVMe bytes the store moved, the scheduler's live units, :func:`pools_report`, the I/O
-    stages not at rest (``states``), the host cache's split (optimizer state on NVMe) and,
+    stages not at rest (``states``), the host cache's split (optimizer state on NVMe, and
+    the frozen shards it keeps: ``"host_frozen_flat_params"``, ``"host_frozen_bytes"``) and,
     with ``max_host_bytes``, the host budget against the memory plan
     (:func:`offload_zero.plan.host_budget_report`; see :meth:`OffloadEngine.memory_report`).
     Units: bytes."""
@@ -441,6 +446,9 @@ def memory_report(acct: TierAccountant, parts: EngineParts, states: UpdateStates
     rep["io_stages"] = states.io_report()  # (see [Note: update states])
     if isinstance(store, NVMeStore):
         rep["host_cache"] = store.cache_report()
+        frozen = [fp for fp in parts.flat_params if fp.name in parts.params_in_host]
+        rep["host_cache"].update(host_frozen_flat_params=len(frozen), host_frozen_bytes=sum(
+            fp.shard_numel * fp.itemsize for fp in frozen))
     if plan.settings.max_host_bytes is not None:
         rep["host_budget"] = host_budget_report(plan, rep["host"]["peak_bytes"])
     return rep

@@ -178,8 +178,11 @@ class EngineConfig:
             with bf16 moments; 4 less when its fp32 master is the parameter shard itself, fp32
             on a CPU device); the state
             ``tail_state_in_host`` keeps counts against it (see [Note: host cache] in
-            :mod:`offload_zero.memory.host_cache`). The NVMe bytes read and written per step
-            are then the state bytes of the flat parameters left on NVMe, each way;
+            :mod:`offload_zero.memory.host_cache`). A flat parameter whose state it keeps
+            keeps its parameter shard in host memory too (not counted against it). With the
+            parameter shards on NVMe, what the states leave holds frozen parameter shards
+            (PEFT/LoRA's base weights), the blocks' first. The NVMe bytes read and written per
+            step are then the state bytes of the flat parameters left on NVMe, each way;
             :meth:`OffloadEngine.memory_report` shows the split (``"host_cache"``). Unused
             (a UserWarning) when the optimizer state is not on NVMe. ``"auto"`` (with
             ``offload="auto"`` only): when the chosen placement puts the optimizer state on

@@ -356,7 +356,9 @@ class OffloadEngine:
         (cumulative bytes moved through the swapper), ``"state_read_bytes"`` and
         ``"state_written_bytes"`` (the optimizer state's part of them, counted as each transfer
         starts); with the optimizer state on NVMe, ``"host_cache"`` gives its split between host
-        memory and files (see :meth:`offload_zero.memory.state_stores.NVMeStore.cache_report`).
+        memory and files (see :meth:`offload_zero.memory.state_stores.NVMeStore.cache_report`)
+        and the frozen parameter shards it keeps in host memory (``"host_frozen_flat_params"``,
+        ``"host_frozen_bytes"``).
         ``"pools"`` lists the fixed buffers sized at start-up, each with its ``"tier"`` (the
         device gather pool for unsharded units, parameter-shard read-ahead, the NVMe optimizer
         pipeline, the host staging buffer, the reduce-scatter scratch): exactly

@@ -243,8 +243,12 @@ class MemoryPlan:
         outsized_root: indices of the root's flat parameters larger than a block shard whose
             parameter shards on NVMe go through ``param_shards_root``.
         keep_root: the root's updated shards stay in their buffers for the next forward.
-        host_cache: the optimizer state's split, as ``NVMeStore.cache_report()``, or None when
-            the state is not on NVMe.
+        host_cache: the optimizer state's split, as ``NVMeStore.cache_report()``, plus the
+            frozen shards kept (``"host_frozen_flat_params"``, ``"host_frozen_bytes"``), or
+            None when the state is not on NVMe.
+        params_in_host: indices of frozen flat parameters whose shard (on NVMe otherwise)
+            stays in host memory with what ``host_cache_bytes`` leaves after the states (rule
+            3 of [Note: host cache]).
         shrunk: what :func:`fit_host_budget` lowered to fit ``max_host_bytes``, in the order
             it did, each ``"<setting> <given>-><in force>"`` (empty: nothing).
     """
@@ -265,6 +269,7 @@ class MemoryPlan:
     keep_root: bool
     host_cache: Optional[Dict[str, int]]
     shrunk: Tuple[str, ...] = ()
+    params_in_host: FrozenSet[int] = frozenset()
 
     def pool(self, name: str) -> Optional[PoolSpec]:
         """The pool called ``name``, or None when the plan has none of that name."""
@@ -340,9 +345,10 @@ def memory_plan(layout: Sequence[FlatSpec], settings: PlanSettings) -> MemoryPla
     fmt = StateFormat(s.moment_dtype)
     share = (s.param_tier == "nvme" and s.optimizer_tier == "nvme" and k == 4)
     tail, in_host = _in_host(layout, shards, s, fmt)
-    states = _model_states(layout, shards, s, fmt, in_host)
+    frozen = _frozen_in_host(layout, shards, s, fmt, in_host)
+    states = _model_states(layout, shards, s, fmt, in_host, frozen)
     outsized, keep_root = _outsized_root(layout, shards)
-    pools = _pools(layout, shards, s, fmt, in_host, share, outsized, keep_root)
+    pools = _pools(layout, shards, s, fmt, in_host | frozen, share, outsized, keep_root)
     host_cache = None
     if s.optimizer_tier == "nvme":
         per = _host_state_bytes_per_element(s, fmt)
@@ -353,13 +359,16 @@ def memory_plan(layout: Sequence[FlatSpec], settings: PlanSettings) -> MemoryPla
                       "host_state_bytes": int(sum(per * shards[i] for i in held)),
                       "nvme_state_bytes": int(sum(_state_bytes(fmt, shards[i], s.padded)
                                                   for i, f in enumerate(layout)
-                                                  if f.trainable and i not in in_host))}
+                                                  if f.trainable and i not in in_host)),
+                      "host_frozen_flat_params": len(frozen),
+                      "host_frozen_bytes": int(sum(k * shards[i] for i in frozen))}
     return MemoryPlan(
         settings=s, layout=layout, shard_numel=shards, model_states=states, pools=pools,
         in_flight=_in_flight(layout, shards, s), master_aliased=_aliased(s),
         host_master_aliased=_host_alias(s),
         master_is_param_on_nvme=share, keeps_full_params=_keeps_full(s), tail=tail,
-        in_host=in_host, outsized_root=outsized, keep_root=keep_root, host_cache=host_cache)
+        in_host=in_host, outsized_root=outsized, keep_root=keep_root, host_cache=host_cache,
+        params_in_host=frozen)
 
 
 # -- decisions -----------------------------------------------------------------------------------
@@ -400,6 +409,17 @@ def _in_host(layout, shards, s: PlanSettings, fmt: StateFormat):
     chosen = plan_host_cache(flat, s.host_cache_bytes, _host_state_bytes_per_element(s, fmt),
                              tail=tail, blocks_reversed=s.in_backward)
     return tail, frozenset(chosen)
+
+
+def _frozen_in_host(layout, shards, s: PlanSettings, fmt: StateFormat, in_host):
+    """:attr:`MemoryPlan.params_in_host`."""
+    if s.optimizer_tier != "nvme" or s.param_tier != "nvme" or not s.host_cache_bytes:
+        return frozenset()
+    from offload_zero.memory.host_cache import plan_frozen_cache
+    per = _host_state_bytes_per_element(s, fmt)
+    left = s.host_cache_bytes - sum(per * shards[i] for i in in_host)
+    flat = [(None if f.unit == -1 else f.unit, f.trainable, sh) for f, sh in zip(layout, shards)]
+    return frozenset(plan_frozen_cache(flat, left, s.itemsize))
 
 
 def _outsized_root(layout, shards):
@@ -463,7 +483,8 @@ def _to_bytes(d) -> Dict[str, Dict[str, int]]:
 
 
 # -- model states --------------------------------------------------------------------------------
-def _model_states(layout, shards, s: PlanSettings, fmt: StateFormat, in_host):
+def _model_states(layout, shards, s: PlanSettings, fmt: StateFormat, in_host,
+                  frozen=frozenset()):
     """Per-rank model-state bytes by tier and kind (see [Note: model states in the engine])."""
     out = _zeros()
     dev, n, k = out["device"], s.world_size, s.itemsize
@@ -484,7 +505,9 @@ def _model_states(layout, shards, s: PlanSettings, fmt: StateFormat, in_host):
             out["host"]["master_weights"] += 0 if _host_alias(s) else 4 * shard
             out["host"]["moments"] += fmt.resident_moment_bytes(shard)
             continue
-        out[param_tier]["parameters"] += k * (full if s.stage < 3 else shard)
+        # (a frozen shard the host cache keeps: in host memory instead of its file)
+        out["host" if i in frozen else param_tier]["parameters"] += k * (
+            full if s.stage < 3 else shard)
         if not spec.trainable:
             continue
         opt = full if s.stage == 0 else shard  # optimizer state is partitioned from stage 1

@@ -20,8 +20,8 @@ For one rank and one optimizer step (``gradient_accumulation_steps`` micro-batch
   ``"next_forward"`` its trainable parts not at all, gathered from their updates' buffers
   too, but in fp32 with the state on NVMe) and, where all the root trains, its outsized parts
   not at all (their buffers keep them from step to step), none whose state is kept in host
-  memory (the shard is that master in fp32, else it stays in host memory beside it); the
-  trainable ones are written once, except in fp32 with the state on NVMe (the
+  memory (the shard is that master in fp32, else it stays in host memory beside it) and no
+  frozen one the host cache keeps; the trainable ones are written once, except in fp32 with the state on NVMe (the
   shard is the master's bytes, written with the state). Exact in bf16 in
   every timing and for the fp32 plain step (tests/test_auto_by_time.py); in fp32 with updates in
   backward or in the next forward some gathers take the shard from the state read, and the
@@ -154,8 +154,8 @@ def nvme_traffic(plan) -> NVMeTraffic:
     forward = plan.settings.in_forward  # (a block's updated shard stays in its read buffer)
     read = written = 0
     for i, (spec, shard) in enumerate(zip(plan.layout, plan.shard_numel)):
-        if i in plan.in_host:
-            continue  # (its shard is the host master, or stays in host memory beside it)
+        if i in plan.in_host or i in plan.params_in_host:
+            continue  # (its shard is the host master, or stays in host memory)
         # "next_forward": a trainable shard's gather in forward takes it from the buffer its
         # update wrote (the root's, in fp32 with the state on NVMe too, is read from the master)
         follows = forward and spec.trainable and not (shared and spec.unit == -1)

@@ -67,7 +67,7 @@ def _run(model, tmp_path, name, budget, measure_each_step, **kw):
             "host_flat_params": len(in_host), "nvme_flat_params": len(on_nvme),
             "host_state_bytes": rep["host"]["by_kind"]["master_weights"]["current_bytes"]
             + rep["host"]["by_kind"]["moments"]["current_bytes"],
-            "nvme_state_bytes": per_step}
+            "nvme_state_bytes": per_step, "host_frozen_flat_params": 0, "host_frozen_bytes": 0}
         params_on_nvme = eng.config.offload_param == "nvme"
         start = _moved(rep, params_on_nvme)
         for i, (x, y) in enumerate(batches(STEPS)):
@@ -249,3 +249,68 @@ def test_auto_sizes_the_cache_from_the_host_memory_left(tmp_path):
     with pytest.raises(ValueError, match="host_cache_bytes='auto' needs offload='auto'"):
         OffloadEngine(TinyLM(n_blocks=2), offload="nvme", path=str(tmp_path),
                       host_cache_bytes="auto")
+
+
+@pytest.mark.parametrize("timing", ["step", "backward", "next_forward"])
+def test_host_cache_keeps_frozen_shards_with_what_the_states_leave(timing, tmp_path):
+    """PEFT-like: the blocks' Linear layers and the embeddings frozen, their norms and the LM
+    head trained, bf16 parameter shards on NVMe. A budget of the trainable state keeps every
+    state and its shard in host memory, and no frozen shard; 1.5 of the blocks' frozen
+    shards and the embeddings' more keep the first block's frozen shard (the next one does
+    not fit; the embeddings' fit after it): no file of those, two reads a step of the block's
+    and one of the embeddings' fewer, nothing else changed. The NVMe bytes per step are the
+    estimate's plan's, and the weights bit for bit those of the uncached run."""
+    from offload_zero.step_time import nvme_traffic
+    torch.manual_seed(0)
+    model = CacheLM()
+    for p in [model.emb.weight, *(p for b in model.blocks for p in (*b.up.parameters(),
+                                                                     *b.down.parameters()))]:
+        p.requires_grad_(False)
+    kw = dict(stage=3, offload="nvme", dtype=torch.bfloat16, update_timing=timing, lr=1e-2,
+              weight_decay=0.1, tail_state_in_host=False)
+    runs, budgets = [], [0]
+    while len(runs) < 3:
+        budget = budgets[-1]
+        traffic = nvme_traffic(placement_bytes(model, 3, "nvme", "nvme", dtype=torch.bfloat16,
+                                               accelerator=False, update_timing=timing,
+                                               tail_state_in_host=False,
+                                               host_cache_bytes=budget).plan)
+        folder = tmp_path / str(len(runs))
+        folder.mkdir()
+        with OffloadEngine(copy.deepcopy(model), path=str(folder), host_cache_bytes=budget,
+                           **kw) as eng:
+            shard = {fp.name: fp.shard_numel for fp in eng.flat_params}
+            state = 12 * sum(fp.shard_numel for fp in eng.trainable)
+            rep = eng.memory_report()["host_cache"]
+            marks = []
+            for x, y in batches(4):
+                loss = lm_loss(eng(x), y)
+                eng.swapper.wait_all()
+                eng.backward(loss)
+                eng.step()
+                eng.swapper.wait_all()
+                nvme = eng.memory_report()["nvme"]
+                marks.append((nvme["read_bytes"], nvme["written_bytes"]))
+            moved = [b - a for a, b in zip(marks[-2], marks[-1])]
+            assert moved == [traffic.state_bytes + traffic.param_read_bytes,
+                             traffic.state_bytes + traffic.param_written_bytes], budget
+            files = {f.name for f in folder.rglob("*.swp")}
+            eng.apply_pending_updates()
+            runs.append((eng.full_state_dict(), rep, files, moved))
+        budgets.append(state if len(runs) == 1 else state + 2 * (
+            shard["unit0.frozen"] + shard["unit1.frozen"] // 2 + shard["root.frozen"]))
+    (ref, rep0, files0, _), (s1, rep1, files1, moved1), (s2, rep2, files2, moved2) = runs
+    kept = {"unit0.frozen.param.swp", "root.frozen.param.swp"}
+    assert rep0["host_frozen_flat_params"] == rep0["host_frozen_bytes"] == 0 and kept < files0
+    # the states (and their shards) first: nothing of them on the disk, no frozen shard kept
+    assert rep1["nvme_flat_params"] == rep1["host_frozen_flat_params"] == 0
+    assert not any("trainable" in f for f in files1) and kept < files1
+    assert moved1[1] == 0
+    # then the frozen shards, the blocks' in forward order, each that fits
+    assert rep2["host_frozen_flat_params"] == 2
+    assert rep2["host_frozen_bytes"] == 2 * (shard["unit0.frozen"] + shard["root.frozen"])
+    assert not kept & files2 and "unit1.frozen.param.swp" in files2
+    assert moved1[0] - moved2[0] == 2 * (2 * shard["unit0.frozen"] + shard["root.frozen"])
+    assert moved2[1] == 0
+    for got in (s1, s2):
+        assert got.keys() == ref.keys() and all(torch.equal(got[k], ref[k]) for k in ref)

@@ -24,6 +24,14 @@ parameter shard itself (fp32 on a CPU device).
 Everything not chosen stays on NVMe, so the bytes read and written per step are the state
 bytes of the NVMe-resident flat parameters, each way.
 
+3. then, with the parameter shards on NVMe too (``offload_param="nvme"``) and budget left,
+   the frozen flat parameters' shards (K bytes per element, the compute dtype's), each that
+   fits (:func:`plan_frozen_cache`): the blocks' in forward order, read twice a step (forward
+   and backward), then the root's, read once (gathered from forward to backward). A frozen
+   shard kept in host memory saves K bytes read twice a step per K bytes of RAM, as a state
+   saves its bytes read and written: with PEFT/LoRA, whose few trainable parameters leave most
+   of the budget, the frozen base weights are most of what crosses the disk.
+
 With the parameter shards on NVMe too (``offload_param="nvme"``), a chosen flat parameter's
 shard leaves the disk as well: in fp32 it is the host master itself; in bf16 or fp16 it stays
 in host memory beside its state (K bytes per element, counted on the host tier as parameters
@@ -90,6 +98,33 @@ def plan_host_cache(flat: Sequence[FlatInfo], budget_bytes: int, bytes_per_eleme
     for i in cache_order(flat, blocks_reversed):
         cost = bytes_per_element * flat[i][2]
         if i not in chosen and cost <= left:
+            chosen.add(i)
+            left -= cost
+    return chosen
+
+
+def plan_frozen_cache(flat: Sequence[FlatInfo], budget_bytes: float, itemsize: int) -> Set[int]:
+    """The indices into ``flat`` of frozen flat parameters whose parameter shard stays in host
+    memory (rule 3 of [Note: host cache]): the blocks' in forward order, then the root's, each
+    whose ``itemsize * shard_numel`` bytes fit in what is left of ``budget_bytes``.
+
+    Args:
+        flat: ``(block, trainable, shard_numel)`` per flat parameter, as for
+            :func:`plan_host_cache`.
+        budget_bytes: bytes of ``host_cache_bytes`` the states left (<= 0: none).
+        itemsize: bytes per element of a parameter shard (the compute dtype's, K).
+
+    Returns:
+        The chosen indices (trainable ones never).
+    """
+    frozen = [i for i, (b, t, _) in enumerate(flat) if not t]
+    order = (sorted((i for i in frozen if flat[i][0] is not None), key=lambda i: flat[i][0])
+             + [i for i in frozen if flat[i][0] is None])
+    chosen: Set[int] = set()
+    left = budget_bytes
+    for i in order:
+        cost = itemsize * flat[i][2]
+        if cost <= left:
             chosen.add(i)
             left -= cost
     return chosen

@@ -98,12 +98,12 @@ class NVMeParamHome:
         gather_follows: ``f(fp) -> bool``: flat parameters whose gather follows the update
             being made (``update_timing="next_forward"``): the buffer the update writes the
             new shard into serves that gather, the write still in flight. None: no such.
-        in_host: ``f(fp) -> bool``: trainable flat parameters whose optimizer state stays in
-            host memory (``host_cache_bytes``, ``tail_state_in_host``; see [Note: host cache]).
-            Unless the shard is its master's bytes (``master_is_param``: it is then that host
-            master), its compute-dtype shard stays in host memory too, from ``host_alloc``:
-            the update writes it there, the gathers read it there, and it never reaches the
-            disk (2 bytes per element each way per step less in bf16/fp16). None: no such.
+        in_host: ``f(fp) -> bool``: flat parameters whose shard stays in host memory (see
+            [Note: host cache]): trainable ones whose optimizer state does (``host_cache_bytes``,
+            ``tail_state_in_host``), unless the shard is its master's bytes
+            (``master_is_param``: it is then that host master), and frozen ones the host cache
+            keeps. Such a shard is allocated by ``host_alloc``: the update writes it there,
+            the gathers read it there, and it never reaches the disk. None: no such.
         host_alloc: ``f(numel, dtype) -> tensor``, the host allocator of those shards
             (required with ``in_host``).
         io_stages: the :class:`offload_zero.update.state.IOStages` of the parameter shards
@@ -163,7 +163,7 @@ class NVMeParamHome:
             self._sizes[fp] = 0 if source is not None and source.in_host(fp) else nbytes
             self._acct.add(Tier.NVME, StateKind.PARAMS, self._sizes[fp])
             return None
-        if fp.requires_grad and self._in_host(fp):
+        if self._in_host(fp):
             host = self._alloc(device_shard.numel(), device_shard.dtype)
             host.copy_(device_shard)
             self._resident[fp] = host
