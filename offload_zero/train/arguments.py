@@ -182,7 +182,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "in backward or next_forward (--update-timing auto's usual "
                              "choice at stages 2-3) unless it is over a quarter of the "
                              "model's: its I/O could hide behind no compute (DESIGN.md: "
-                             "tail_state_in_host); it counts against this size")
+                             "tail_state_in_host); it counts against this size. What the "
+                             "states leave keeps frozen parameter shards (LoRA's base "
+                             "weights) in RAM")
     engine.add_argument("--max-host-bytes", type=_size, default=None, metavar="SIZE",
                         help="bound the run's host memory (model states, buffers): the NVMe "
                              "pipeline streams in smaller chunks to fit, or the run stops at "
