@@ -37,6 +37,8 @@ AdamW lr 1e-4, wd 0.01; N = 1 by default):
 - ``ours-nvme+int8m``: ``ours-nvme`` with ``moment_dtype="int8"`` (6.03 bytes of state per
   parameter); suffixes combine in any order: ``ours-nvme+cache+bf16m`` is both,
   ``ours-nvme+cache+sib`` the cache with ``update_timing="backward"``.
+- ``ours-nvme+ra6``: ``ours-nvme`` with ``optimizer_prefetch=6`` (six whole states read
+  ahead for the updates instead of three; any ``raN``, combined with the other suffixes).
 - ``ours-nvme+bf16m``: ``ours-nvme`` with ``moment_dtype="bf16"`` (8 bytes of state per
   parameter instead of 12; close to, not equal to, fp32 moments' losses).
 - ``--moment-dtype bf16`` gives every other ``ours-*`` row bf16 moments too.
@@ -88,6 +90,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import platform
 import resource
 import shutil
@@ -105,19 +108,22 @@ CONFIGS = ["torch", "torch+io", "ours-cpu", "ours-nvme", "ours-nvme-opt", "ours-
            "ours-nvme+bf16m", "ours-nvme+int8m", "ours-nvme+cache+bf16m",
            "ours-nvme+cache+int8m", "ds-cpu", "ds-nvme-opt", "ds-nvme-opt+param"]
 SUFFIXES = ("sib", "plain", "cache", "bf16m", "int8m")  # (an ours-* row's, combined in any order)
+RING_SUFFIX = re.compile(r"ra([0-9]+)")  # ``raN``: optimizer_prefetch=N
 LR, BETAS, EPS, WD = 1e-4, (0.9, 0.999), 1e-8, 0.01
 GB = 1e9
 
 
 def known_config(name: str) -> bool:
     """Whether ``name`` is a row: one of :data:`CONFIGS`, or an ``ours-*`` base with ``+``
-    suffixes of :data:`SUFFIXES` (at most one of ``sib``/``plain`` and of ``bf16m``/``int8m``),
-    e.g. ``ours-nvme+cache+sib``."""
+    suffixes of :data:`SUFFIXES` (at most one of ``sib``/``plain`` and of ``bf16m``/``int8m``)
+    or one ``raN`` (:data:`RING_SUFFIX`), e.g. ``ours-nvme+cache+sib`` or ``ours-nvme+ra6``."""
     if name in CONFIGS:
         return True
     base, *parts = name.split("+")
     return (base in ("ours-cpu", "ours-nvme", "ours-nvme-opt") and bool(parts)
-            and all(p in SUFFIXES for p in parts) and len(set(parts)) == len(parts)
+            and all(p in SUFFIXES or RING_SUFFIX.fullmatch(p) for p in parts)
+            and len(set(parts)) == len(parts)
+            and sum(1 for p in parts if RING_SUFFIX.fullmatch(p)) <= 1
             and not {"sib", "plain"} <= set(parts) and not {"bf16m", "int8m"} <= set(parts))
 
 
@@ -227,6 +233,9 @@ def ours_engine(args, config: str, model, dtype, dev):
         extra["update_timing"] = "backward"
     if "plain" in parts:
         extra["update_timing"] = "step"
+    for p in parts:
+        if RING_SUFFIX.fullmatch(p):
+            extra["optimizer_prefetch"] = int(RING_SUFFIX.fullmatch(p).group(1))
     extra["moment_dtype"] = ("bf16" if "bf16m" in parts else "int8" if "int8m" in parts
                              else args.moment_dtype)
     if "cache" in parts:

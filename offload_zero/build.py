@@ -359,6 +359,11 @@ class _Builder:
         ring = None
         mplan = p.memory_plan
         spec = mplan.pool("optimizer_prefetch")
+        if spec is None and cfg.optimizer_prefetch is not None:
+            warnings.warn(f"optimizer_prefetch={cfg.optimizer_prefetch} has no effect: it needs "
+                          "the optimizer state on NVMe (offload='nvme'), update_timing "
+                          f"'backward' or 'next_forward' (in force: {cfg.update_timing!r}) and "
+                          "a block state not kept in host memory", UserWarning, stacklevel=5)
         if spec is not None:
             # read-ahead of a block's whole state (master | exp_avg | exp_avg_sq) while other
             # units run (see [Note: pools]; a state kept in host memory needs no read-ahead):

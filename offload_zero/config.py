@@ -69,7 +69,7 @@ class EngineConfig:
         weight_decay: >= 0; decoupled (AdamW) when ``adamw`` else L2 added to the gradient.
         adamw: AdamW (Loshchilov & Hutter, 2019) when True, Adam (Kingma & Ba, 2015) when False.
         dtype: compute dtype of parameters and gradients on the device: float32, bfloat16 or
-            float16. Master weights and moments are always float32. Default float32.
+            float16. Master weights are float32, the moments ``moment_dtype``. Default float32.
         device: the accelerator; default ``cuda:<LOCAL_RANK>`` when CUDA is present, else CPU.
         prefetch: how many units ahead (forward) or behind (backward) are gathered before they
             run, >= 0. Live units never exceed ``prefetch + 1`` blocks plus the root. Default
@@ -188,6 +188,17 @@ class EngineConfig:
             ``offload="auto"`` only): when the chosen placement puts the optimizer state on
             NVMe, half the host memory the measured budget leaves beside it (see
             :mod:`offload_zero.placement`). Default 0.
+        optimizer_prefetch: with the optimizer state on NVMe and updates in backward or in
+            the next forward, how many whole states (a block's master weights and moments:
+            12 bytes per element of its shard with fp32 moments) are read ahead into host
+            buffers (the ``optimizer_prefetch`` pool), an int >= 2 (>= 3 with
+            ``"next_forward"``, or in fp32 with the parameter shards on NVMe and
+            ``"backward"``). A deeper ring keeps the disk reading while earlier states are
+            still being written: with ``"next_forward"`` the next forward's compute is all
+            there is to hide a step's state reads and writes behind, and three buffers leave
+            it waiting for the disk (bench_paired: see the README). Same numbers at any
+            depth. Default None: 3 with ``"next_forward"``, else 2 (3 as above). Unused (a
+            UserWarning) without that ring.
         moment_dtype: ``"fp32"`` (default: exact AdamW, as torch's), ``"bf16"`` or ``"int8"``:
             the dtype of Adam's two moments wherever the optimizer state lives (host buffers, NVMe files,
             the read-ahead ring, the pipeline, checkpoints). bf16 moments are updated in fp32
@@ -269,6 +280,7 @@ class EngineConfig:
     update_timing: str = "auto"
     tail_state_in_host: Optional[bool] = None
     host_cache_bytes: object = 0
+    optimizer_prefetch: Optional[int] = None
     moment_dtype: str = "fp32"
     workload: Optional[dict] = None
     loss_scale: Optional[object] = None
@@ -322,6 +334,9 @@ class EngineConfig:
             raise ValueError(f"host_cache_bytes={self.host_cache_bytes!r} is not valid; it must "
                              "be an int >= 0 (bytes of host memory for optimizer state that "
                              "would otherwise be on NVMe), or 'auto' with offload='auto'") from None
+        if self.optimizer_prefetch is not None:
+            object.__setattr__(self, "optimizer_prefetch",
+                               check_int("optimizer_prefetch", self.optimizer_prefetch, 2))
         if (self.host_cache_bytes and self.offload != "auto"
                 and self.offload_optimizer != "nvme"):
             warnings.warn(f"host_cache_bytes={self.host_cache_bytes} is not used: the optimizer "

@@ -36,8 +36,9 @@ flight ahead of the running one, ``prefetch`` capped at the other blocks):
   elements (1024 when nothing streams: every state is in host memory).
 - ``optimizer_prefetch`` (host): the state on NVMe with updates in backward or in the next
   forward; two buffers of the largest streamed block shard's whole state, three with the next
-  forward or when backward gathers fp32 parameter shards from them; never more than the block
-  flat parameters whose state streams (the rest kept in host memory).
+  forward or when backward gathers fp32 parameter shards from them, or ``optimizer_prefetch``
+  (at least that many); never more than the block flat parameters whose state streams (the
+  rest kept in host memory).
 - ``staging`` (host): an accelerator, the optimizer state off it and the parameter shards on
   it: one buffer of the largest trainable shard (the update's copy back to the device).
 - ``reduce_scratch`` (device): N > 1: one shard of the largest trainable shard, that every
@@ -126,7 +127,9 @@ class PlanSettings:
     ``update_timing`` (resolved: ``"step"``, ``"backward"`` or ``"next_forward"``; see
     :mod:`offload_zero.update.rules`);
     ``tail_state_in_host`` (None, True, False) and ``host_cache_bytes`` (bytes >= 0) which
-    states stay in host memory; ``moment_dtype`` (float32 or bfloat16); ``padded`` (False: the
+    states stay in host memory; ``optimizer_prefetch`` (None: the least the update timing
+    needs, else that many whole-state read-ahead buffers); ``moment_dtype`` (float32,
+    bfloat16 or uint8: int8 codes); ``padded`` (False: the
     paper's unpadded arithmetic, shards of exactly numel / N elements, for a layout assumed from
     a parameter count); ``rebinding`` (whether this torch can bind gathered units to pool
     slots; without it they are allocated per gather, bytes counted in flight);
@@ -148,6 +151,7 @@ class PlanSettings:
     update_timing: str = "step"
     tail_state_in_host: Optional[bool] = None
     host_cache_bytes: int = 0
+    optimizer_prefetch: Optional[int] = None
     moment_dtype: torch.dtype = torch.float32
     padded: bool = True
     rebinding: bool = True
@@ -191,7 +195,8 @@ def settings_of(cfg, world_size: int, device: torch.device, rebinding: bool) -> 
         world_size=world_size, dtype=cfg.dtype, prefetch=cfg.prefetch,
         accelerator=device.type != "cpu", update_timing=cfg.update_timing,
         tail_state_in_host=cfg.tail_state_in_host,
-        host_cache_bytes=cfg.host_cache_bytes, moment_dtype=cfg.moment_torch_dtype,
+        host_cache_bytes=cfg.host_cache_bytes, optimizer_prefetch=cfg.optimizer_prefetch,
+        moment_dtype=cfg.moment_torch_dtype,
         rebinding=rebinding, max_host_bytes=cfg.max_host_bytes,
         left_to_engine=frozenset(cfg.left_to_engine))
 
@@ -604,7 +609,7 @@ def _pools(layout, shards, s: PlanSettings, fmt: StateFormat, in_host, share, ou
         numel = [sh for i, (f, sh) in enumerate(zip(layout, shards))
                  if f.unit != -1 and f.trainable and i not in in_host]
         if (s.in_backward or s.in_forward) and numel:
-            count = min(3 if s.in_forward or (share and s.in_backward) else 2, len(numel))
+            count = min(_ring_count(s, share), len(numel))
             pools.append(PoolSpec("optimizer_prefetch", "host", count,
                                   _state_buffer_numel(fmt, max(numel), s.padded), 4))
         chunk = min(max(streamed, default=_IDLE_PIPELINE_NUMEL), _chunk_numel(s))
@@ -613,6 +618,20 @@ def _pools(layout, shards, s: PlanSettings, fmt: StateFormat, in_host, share, ou
     if n > 1 and trainable:
         pools.append(PoolSpec("reduce_scratch", "device", 1, max(trainable), k))
     return tuple(pools)
+
+
+def _ring_count(s: PlanSettings, share: bool) -> int:
+    """Buffers of the ``optimizer_prefetch`` pool: ``s.optimizer_prefetch``, else the least the
+    timing needs (3 with the next forward or when backward gathers fp32 shards from the
+    reads, else 2). Raises ValueError for fewer than that least."""
+    least = 3 if s.in_forward or (share and s.in_backward) else 2
+    if s.optimizer_prefetch is None:
+        return least
+    if s.optimizer_prefetch < least:
+        raise ValueError(f"optimizer_prefetch={s.optimizer_prefetch} is too few for "
+                         f"update_timing={s.update_timing!r} here: it needs at least {least} "
+                         "whole-state buffers (or leave it None)")
+    return s.optimizer_prefetch
 
 
 def fit_host_budget(layout: Sequence[FlatSpec], settings: PlanSettings) -> MemoryPlan:

@@ -185,6 +185,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "tail_state_in_host); it counts against this size. What the "
                              "states leave keeps frozen parameter shards (LoRA's base "
                              "weights) in RAM")
+    engine.add_argument("--optimizer-prefetch", type=int, default=None, metavar="N",
+                        help="with --offload nvme and updates in backward or next_forward, "
+                             "whole optimizer states read ahead into host buffers (>= 3 with "
+                             "next_forward; default: the least the timing needs). Deeper "
+                             "keeps the disk reading while earlier states are written; each "
+                             "buffer holds one block's state (12 bytes per parameter)")
     engine.add_argument("--max-host-bytes", type=_size, default=None, metavar="SIZE",
                         help="bound the run's host memory (model states, buffers): the NVMe "
                              "pipeline streams in smaller chunks to fit, or the run stops at "

@@ -156,7 +156,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
             update_timing=update_timing,
             gradient_accumulation_steps=args.grad_accum, moment_dtype=args.moment_dtype,
             host_cache_bytes=args.host_cache_bytes, max_host_bytes=args.max_host_bytes,
-            workload=auto_workload(args),
+            optimizer_prefetch=args.optimizer_prefetch, workload=auto_workload(args),
             **getattr(args, "ds_kwargs", {}), **model_source(args)) as engine:
         rank, world_size = engine.rank, engine.world_size
         offload_shown = args.offload
