@@ -124,7 +124,7 @@ def _auto_placement(model: nn.Module, cfg: EngineConfig, comm: Comm):
         update_timing=cfg.update_timing, tail_state_in_host=cfg.tail_state_in_host,
         leaf_modules=cfg.leaf_modules, workload=cfg.auto_workload, comm=comm,
         host_cache_bytes=cfg.host_cache_bytes, moment_dtype=cfg.moment_dtype,
-        aio_backend=cfg.aio_backend)
+        aio_backend=cfg.aio_backend, optimizer_prefetch=cfg.optimizer_prefetch)
     return choice, dataclasses.replace(
         cfg, offload_optimizer=choice.offload_optimizer, offload_param=choice.offload_param,
         update_timing=choice.update_timing, moment_dtype=choice.moment_dtype,

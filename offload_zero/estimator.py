@@ -453,7 +453,8 @@ def placement_bytes(model: nn.Module, stage: int, offload_optimizer: str, offloa
                     layout=None, update_timing: str = "auto",
                     tail_state_in_host: Optional[bool] = None,
                     host_cache_bytes: int = 0, moment_dtype="fp32",
-                    max_host_bytes: Optional[int] = None) -> "Placement":
+                    max_host_bytes: Optional[int] = None,
+                    optimizer_prefetch: Optional[int] = None) -> "Placement":
     """Bytes per rank for one placement with the optimizer and parameter tiers set apart.
 
     ``offload_optimizer`` / ``offload_param``: "none", "cpu" or "nvme" (parameters off the
@@ -466,7 +467,8 @@ def placement_bytes(model: nn.Module, stage: int, offload_optimizer: str, offloa
     ``"int8"``, the engine's option; ``max_host_bytes``: the engine's option (bytes), whose
     budget streams the optimizer state in smaller chunks as the engine's build does
     (:func:`offload_zero.plan.fit_host_budget`; a plan that cannot fit is counted as it is,
-    over the budget). Returns a :class:`Placement` whose
+    over the budget); ``optimizer_prefetch``: the engine's option (whole-state read-ahead
+    buffers; None: the least the timing needs). Returns a :class:`Placement` whose
     ``offload`` reads ``"<optimizer>+<param>"``. Used by ``offload="auto"``
     (:mod:`offload_zero.placement`).
     """
@@ -478,7 +480,7 @@ def placement_bytes(model: nn.Module, stage: int, offload_optimizer: str, offloa
                  resolve_dtype(dtype), prefetch, accelerator, True,
                  update_timing=update_timing, tail_state_in_host=tail_state_in_host,
                  host_cache_bytes=host_cache_bytes, moment_dtype=moment_dtype_of(moment_dtype),
-                 max_host_bytes=max_host_bytes)
+                 max_host_bytes=max_host_bytes, optimizer_prefetch=optimizer_prefetch)
     if max_host_bytes is not None:
         try:
             plan = fit_host_budget(plan.layout, plan.settings)

@@ -150,7 +150,8 @@ def choose_placement(model: nn.Module, stage: int, world_size: int, dtype: torch
                      leaf_modules=(), host_cache_bytes=0,
                      moment_dtype: str = "fp32", workload: Optional[Workload] = None,
                      aio_backend: str = "auto", comm=None, disk: Optional[DiskRates] = None,
-                     flops: Optional[float] = None) -> PlacementChoice:
+                     flops: Optional[float] = None,
+                     optimizer_prefetch: Optional[int] = None) -> PlacementChoice:
     """Pick among :data:`CANDIDATES` by fit and, with ``workload``, by estimated step time (see
     the module docstring; ``update_timing`` ``"backward"`` or ``"next_forward"``: count their
     NVMe read-ahead buffers too). ``update_timing="auto"`` (the engine's default) tries each
@@ -167,7 +168,8 @@ def choose_placement(model: nn.Module, stage: int, world_size: int, dtype: torch
     micro-batch, or None. ``aio_backend``: the backend the disk is probed with. ``comm``: the
     engine's :class:`offload_zero.comm.Comm` (ranks agree on the measured figures), or None.
     ``disk`` (:class:`offload_zero.step_time.DiskRates`) and ``flops`` (FLOP/s > 0) replace
-    the measured rates (tests, or a machine known in advance).
+    the measured rates (tests, or a machine known in advance). ``optimizer_prefetch``: the
+    engine's option, counted in the candidates that have the read-ahead ring.
 
     Raises:
         ValueError: nothing fits; the message names, for the placement that needs the least
@@ -179,7 +181,8 @@ def choose_placement(model: nn.Module, stage: int, world_size: int, dtype: torch
     search = _Search(model, stage, world_size, dtype, prefetch, unit_classes, device, path,
                      update_timing, tail_state_in_host, host_cache_bytes, moment_dtype, workload,
                      aio_backend, comm, disk, flops, budgets,
-                     model_layout(model, unit_classes, leaf_modules), max_host_bytes)
+                     model_layout(model, unit_classes, leaf_modules), max_host_bytes,
+                     optimizer_prefetch)
     choice = search.run()
     log.info("offload='auto' chose offload_optimizer=%r offload_param=%r update_timing=%r "
              "moment_dtype=%r: %s; budgets %s; %s", choice.offload_optimizer,
@@ -212,6 +215,12 @@ class _Search:
     budgets: dict
     layout: list
     max_host_bytes: Optional[int] = None  # (the engine's option: chunks shrink to fit it)
+    optimizer_prefetch: Optional[int] = None  # (the engine's option: read-ahead depth)
+
+    def _ring_for(self, timing: str) -> Optional[int]:
+        """The ``optimizer_prefetch`` a candidate with ``timing`` is counted with (the plain
+        step has no read-ahead ring)."""
+        return None if timing == "step" else self.optimizer_prefetch
 
     def run(self) -> PlacementChoice:
         """Try the options, pick one (raises ValueError when none fits)."""
@@ -283,7 +292,8 @@ class _Search:
                                 self.device.type != "cpu", layout=self.layout,
                                 update_timing=o.timing, tail_state_in_host=self.tail_state_in_host,
                                 host_cache_bytes=cache, moment_dtype=o.moments,
-                                max_host_bytes=self.max_host_bytes)
+                                max_host_bytes=self.max_host_bytes,
+                                optimizer_prefetch=self._ring_for(o.timing))
             need = placement_need(p, self.activations["device"], per_node=False)
             need["host"] += self.activations["host"]
             return p, need

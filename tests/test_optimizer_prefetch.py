@@ -67,3 +67,23 @@ def test_a_depth_without_a_ring_warns(kw, tmp_path):
         with OffloadEngine(TinyLM(n_blocks=2), optimizer_prefetch=4, dtype=torch.bfloat16,
                            **({"path": str(tmp_path)} if kw["offload"] == "nvme" else {}), **kw):
             pass
+
+
+def test_the_estimate_counts_the_ring_asked_for(tmp_path):
+    """placement_bytes (what offload='auto' fits) counts optimizer_prefetch's buffers as the
+    engine allocates them: the engine's host buffers equal the estimate's, five block states
+    instead of three."""
+    from offload_zero.estimator import placement_bytes
+    torch.manual_seed(0)
+    model = TinyLM(n_blocks=6)
+    kw = dict(dtype=torch.bfloat16, accelerator=False, update_timing="next_forward",
+              tail_state_in_host=False)
+    three = placement_bytes(model, 3, "nvme", "nvme", **kw)
+    five = placement_bytes(model, 3, "nvme", "nvme", optimizer_prefetch=5, **kw)
+    block = three.plan.pool("optimizer_prefetch").buffer_bytes
+    assert five.extras["host"]["buffers"] - three.extras["host"]["buffers"] == 2 * block
+    with OffloadEngine(copy.deepcopy(model), offload="nvme", path=str(tmp_path),
+                       dtype=torch.bfloat16, tail_state_in_host=False,
+                       optimizer_prefetch=5) as eng:
+        assert eng.memory_report()["host"]["by_kind"]["buffers"]["peak_bytes"] == (
+            five.model_states["host"].get("buffers", 0) + five.extras["host"]["buffers"])
