@@ -195,9 +195,9 @@ class EngineConfig:
             ``"next_forward"``, or in fp32 with the parameter shards on NVMe and
             ``"backward"``). A deeper ring keeps the disk reading while earlier states are
             still being written: with ``"next_forward"`` the next forward's compute is all
-            there is to hide a step's state reads and writes behind, and three buffers leave
-            it waiting for the disk (bench_paired: see the README). Same numbers at any
-            depth. Default None: 3 with ``"next_forward"``, else 2 (3 as above). Unused (a
+            there is to hide a step's state reads and writes behind, and with three buffers
+            a read may wait for the write-back that frees its buffer (measured gain: see
+            docs/update_timing.md). Same numbers at any depth. Default None: 3 with ``"next_forward"``, else 2 (3 as above). Unused (a
             UserWarning) without that ring.
         moment_dtype: ``"fp32"`` (default: exact AdamW, as torch's), ``"bf16"`` or ``"int8"``:
             the dtype of Adam's two moments wherever the optimizer state lives (host buffers, NVMe files,
