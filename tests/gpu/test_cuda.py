@@ -258,3 +258,31 @@ def test_checkpoint_resume_on_cuda_is_exact(offload, dtype, tmp_path):
         train(b, data[2:])
         got = b.full_state_dict()
     assert all(torch.equal(got[k], expected[k]) for k in expected)
+
+
+@pytest.mark.parametrize("timing", ["backward", "next_forward"])
+def test_bf16_shards_kept_in_host_memory_on_cuda(timing, tmp_path):
+    """bf16 on CUDA, state and parameter shards on NVMe, a host cache of ~40% of the state, a
+    deeper read-ahead ring: the cached flat parameters' bf16 shards stay in pinned host memory
+    (no file of theirs), gathered to the device from there; bit for bit the all-NVMe run."""
+    torch.manual_seed(3)
+    model = TinyLM(n_blocks=4)
+    state = 12 * sum(p.numel() for p in model.parameters())
+    kw = dict(lr=1e-2, weight_decay=0.1, offload="nvme", stage=3, dtype=torch.bfloat16,
+              device=DEV, update_timing=timing)
+    out = []
+    for cache, ring in ((0, None), (int(0.4 * state), 4)):
+        folder = tmp_path / str(cache)
+        folder.mkdir()
+        with OffloadEngine(copy.deepcopy(model), path=str(folder), host_cache_bytes=cache,
+                           optimizer_prefetch=ring, **kw) as eng:
+            cached = {fp.name for fp in eng.trainable if eng.store.in_host(fp)}
+            for x, y in batches(4):
+                x, y = x.to(DEV), y.to(DEV)
+                eng.backward(lm_loss(eng(x), y))
+                eng.step()
+            files = {os.path.basename(f) for f in eng.swapper.files}
+            out.append((eng.full_state_dict(), cached, files))
+    (ref, _, _), (got, cached, files) = out
+    assert cached and not {f"{name}.param.swp" for name in cached} & files
+    assert all(torch.equal(ref[k], got[k]) for k in ref)
