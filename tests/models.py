@@ -159,3 +159,20 @@ class BackwardFault(torch.autograd.Function):
             g = g.clone()
             g.view(-1)[0] = float("nan")
         return g, None
+
+
+def last_step_nvme_bytes(eng, data):
+    """Train ``eng`` on each ``(x, y)`` of ``data`` (``lm_loss``), waiting for the disk before
+    each backward and after each step, so that every transfer a step starts counts in it (a
+    read ahead in backward then never waits for a write of the step before); returns the NVMe
+    bytes ``[read, written]`` of the last step (``memory_report()["nvme"]``)."""
+    marks = []
+    for x, y in data:
+        loss = lm_loss(eng(x), y)
+        eng.swapper.wait_all()
+        eng.backward(loss)
+        eng.step()
+        eng.swapper.wait_all()
+        nvme = eng.memory_report()["nvme"]
+        marks.append((nvme["read_bytes"], nvme["written_bytes"]))
+    return [b - a for a, b in zip(marks[-2], marks[-1])]

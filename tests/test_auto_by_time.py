@@ -10,7 +10,7 @@ import types
 import pytest
 import torch
 
-from models import TinyLM, batches, big_root_lm, lm_loss
+from models import TinyLM, batches, big_root_lm, last_step_nvme_bytes, lm_loss
 from offload_zero import OffloadEngine, step_time
 from offload_zero.activations import DecoderShape, activation_bytes
 from offload_zero.estimator import model_layout, placement_bytes
@@ -383,18 +383,8 @@ def test_nvme_bytes_per_step_are_the_engines(dtype, timing, exact, writes, shape
         on_nvme = [fp for fp in eng.flat_params if fp.name not in cached]
         assert eng.memory_report()["nvme"]["by_kind"]["parameters"]["current_bytes"] == (
             sum(fp.shard_numel * fp.itemsize for fp in on_nvme))
-        marks = []
-        for x, y in batches(3):
-            loss = lm_loss(eng(x), y)
-            # (a read ahead in backward starts only into a buffer whose write is done: all are
-            # then, so no read moves to the next step; a transfer counts once it completes)
-            eng.swapper.wait_all()
-            eng.backward(loss)
-            eng.step()
-            eng.swapper.wait_all()
-            nvme = eng.memory_report()["nvme"]
-            marks.append((nvme["read_bytes"], nvme["written_bytes"]))
-    read, written = (b - a for a, b in zip(marks[-2], marks[-1]))
+        # (a transfer counts once it completes)
+        read, written = last_step_nvme_bytes(eng, batches(3))
     model_read = traffic.state_bytes + traffic.param_read_bytes
     assert written == traffic.state_bytes + traffic.param_written_bytes
     assert traffic.param_read_bytes > 0

@@ -10,7 +10,7 @@ import torch.nn as nn
 from offload_zero import OffloadEngine
 from offload_zero.estimator import KINDS, TIERS, estimate_memory, placement_bytes
 from offload_zero.memory.host_cache import cache_order, plan_host_cache
-from models import WIDTH, Block, TinyLM, batches, lm_loss
+from models import WIDTH, Block, TinyLM, batches, last_step_nvme_bytes, lm_loss
 
 STEPS = 5
 FRACTIONS = (0.0, 0.37, 1.0)
@@ -282,16 +282,7 @@ def test_host_cache_keeps_frozen_shards_with_what_the_states_leave(timing, tmp_p
             shard = {fp.name: fp.shard_numel for fp in eng.flat_params}
             state = 12 * sum(fp.shard_numel for fp in eng.trainable)
             rep = eng.memory_report()["host_cache"]
-            marks = []
-            for x, y in batches(4):
-                loss = lm_loss(eng(x), y)
-                eng.swapper.wait_all()
-                eng.backward(loss)
-                eng.step()
-                eng.swapper.wait_all()
-                nvme = eng.memory_report()["nvme"]
-                marks.append((nvme["read_bytes"], nvme["written_bytes"]))
-            moved = [b - a for a, b in zip(marks[-2], marks[-1])]
+            moved = last_step_nvme_bytes(eng, batches(4))
             assert moved == [traffic.state_bytes + traffic.param_read_bytes,
                              traffic.state_bytes + traffic.param_written_bytes], budget
             files = {f.name for f in folder.rglob("*.swp")}
