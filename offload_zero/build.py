@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import logging
 import os
-import warnings
 from typing import Dict, List
 
 import torch
 import torch.nn as nn
 
-from offload_zero.config import EngineConfig, Tier
+from offload_zero.config import EngineConfig, Tier, warn_user
 from offload_zero.lifetime import exit_on_sigterm
 from offload_zero.memory.accounting import StateKind, TierAccountant
 from offload_zero.memory.param_homes import HostParamHome, NVMeParamHome
@@ -119,10 +118,10 @@ class _Builder:
         for name in p.in_host:
             p.store.keep_in_host(name)
         if p.tail is None and cfg.tail_state_in_host:
-            warnings.warn("tail_state_in_host=True has no effect: it needs update_timing="
-                          "'backward' or 'next_forward', "
-                          f"the optimizer state on NVMe (it is on {cfg.offload_optimizer!r}) "
-                          "and trainable root parameters", UserWarning, stacklevel=5)
+            warn_user("tail_state_in_host=True has no effect: it needs update_timing="
+                      "'backward' or 'next_forward', "
+                      f"the optimizer state on NVMe (it is on {cfg.offload_optimizer!r}) "
+                      "and trainable root parameters")
         if isinstance(p.param_home, NVMeParamHome) and p.param_home.master_is_param:
             p.param_home.master_source = p.store
         p.blocks, p.root = self._build_units(*plan)
@@ -360,10 +359,10 @@ class _Builder:
         mplan = p.memory_plan
         spec = mplan.pool("optimizer_prefetch")
         if spec is None and cfg.optimizer_prefetch is not None:
-            warnings.warn(f"optimizer_prefetch={cfg.optimizer_prefetch} has no effect: it needs "
-                          "the optimizer state on NVMe (offload='nvme'), update_timing "
-                          f"'backward' or 'next_forward' (in force: {cfg.update_timing!r}) and "
-                          "a block state not kept in host memory", UserWarning, stacklevel=5)
+            warn_user(f"optimizer_prefetch={cfg.optimizer_prefetch} has no effect: it needs "
+                      "the optimizer state on NVMe (offload='nvme'), update_timing "
+                      f"'backward' or 'next_forward' (in force: {cfg.update_timing!r}) and "
+                      "a block state not kept in host memory")
         if spec is not None:
             # read-ahead of a block's whole state (master | exp_avg | exp_avg_sq) while other
             # units run (see [Note: pools]; a state kept in host memory needs no read-ahead):

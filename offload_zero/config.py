@@ -576,6 +576,17 @@ def _check_float(cfg, name: str, low: float, low_inclusive: bool = True) -> None
     object.__setattr__(cfg, name, check_number(name, getattr(cfg, name), low, low_inclusive))
 
 
+def warn_user(message: str, category=UserWarning) -> None:
+    """``warnings.warn(message, category)`` attributed to the first frame outside this package
+    (the user's call that led here, however deep the engine's build is)."""
+    import sys
+    package = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    frame, level = sys._getframe(1), 2
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, category, stacklevel=level)
+
+
 def check_int(name: str, value, low: int) -> int:
     """``value`` as a Python int, if it is an integer (Python's, numpy's, or a 0-d tensor or
     array; not a bool) >= ``low``. Raises ValueError naming ``name``, the value and the valid range."""

@@ -14,7 +14,7 @@ import torch.nn as nn
 
 from offload_zero.build import EngineParts, build_parts
 from offload_zero.comm import Comm, init_from_env
-from offload_zero.config import EngineConfig, check_number
+from offload_zero.config import EngineConfig, check_number, warn_user
 from offload_zero.lifetime import WRAPPED, not_replacing, release
 from offload_zero.memory.accounting import TierAccountant
 from offload_zero.memory.aligned import aligned_empty
@@ -125,6 +125,10 @@ def _auto_placement(model: nn.Module, cfg: EngineConfig, comm: Comm):
         leaf_modules=cfg.leaf_modules, workload=cfg.auto_workload, comm=comm,
         host_cache_bytes=cfg.host_cache_bytes, moment_dtype=cfg.moment_dtype,
         aio_backend=cfg.aio_backend, optimizer_prefetch=cfg.optimizer_prefetch)
+    if cfg.host_cache_bytes not in (0, "auto") and choice.offload_optimizer != "nvme":
+        warn_user(f"host_cache_bytes={cfg.host_cache_bytes} is not used: offload='auto' put the "
+                  f"optimizer state on {choice.offload_optimizer!r}, not NVMe (set offload='nvme' "
+                  "to keep part of it in host memory)")
     return choice, dataclasses.replace(
         cfg, offload_optimizer=choice.offload_optimizer, offload_param=choice.offload_param,
         update_timing=choice.update_timing, moment_dtype=choice.moment_dtype,

@@ -59,7 +59,8 @@ SIZE_FORMS = "bytes (e.g. 500000000) or a number with B, KB, MB, GB, TB (powers 
 
 def parse_bytes(text: str, name: Optional[str] = None) -> int:
     """Bytes in a size such as ``"24GB"`` (24e9), ``"64GiB"`` (64 * 2**30), ``"1.5TB"`` or
-    ``"0"``; units are case-insensitive, a bare number is bytes (whole bytes, rounded down).
+    ``"0"``; units are case-insensitive, a bare number is whole bytes (a fraction of a unit
+    rounds down; a bare fraction such as ``"0.5"``, likely a unit left out, is refused).
 
     Raises:
         ValueError: not one of those forms, or negative, naming ``name``, the value and the
@@ -69,4 +70,7 @@ def parse_bytes(text: str, name: Optional[str] = None) -> int:
     unit = m.group(2).upper() if m else None
     if m is None or (unit and unit not in SIZE_UNITS):
         raise ValueError(f"{name + ' ' if name else ''}{text!r} is not a size; give {SIZE_FORMS}")
+    if not unit and float(m.group(1)) != int(float(m.group(1))):
+        raise ValueError(f"{name + ' ' if name else ''}{text!r} is not a size: a bare number is "
+                         f"whole bytes (a unit left out?); give {SIZE_FORMS}")
     return int(float(m.group(1)) * SIZE_UNITS.get(unit or "B"))

@@ -27,6 +27,14 @@ def test_bad_size_names_the_value_and_the_forms(text):
         parse_bytes(text, "--x")
 
 
+@pytest.mark.parametrize("text", ["0.5", "1.5", ".5"])
+def test_a_bare_fraction_of_a_byte_is_refused_not_rounded_to_zero(text):
+    with pytest.raises(ValueError, match=f"--x {text!r} is not a size: a bare number is whole "
+                                         "bytes .a unit left out.*GiB"):
+        parse_bytes(text, "--x")
+    assert parse_bytes(text + "GB", "--x") == int(float(text) * 10 ** 9)
+
+
 def _fit(capsys, *extra):
     assert cli.main(ARGS + list(extra)) == 0
     return json.loads(capsys.readouterr().out)

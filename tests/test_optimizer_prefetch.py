@@ -62,11 +62,20 @@ def test_too_few_or_not_a_count_is_refused_before_anything_is_written(value, mat
 
 
 @pytest.mark.parametrize("kw", [dict(offload="cpu"), dict(offload="nvme", update_timing="step")])
-def test_a_depth_without_a_ring_warns(kw, tmp_path):
-    with pytest.warns(UserWarning, match="optimizer_prefetch=4 has no effect"):
+def test_a_depth_without_a_ring_warns_at_the_users_line(kw, tmp_path):
+    with pytest.warns(UserWarning, match="optimizer_prefetch=4 has no effect") as got:
         with OffloadEngine(TinyLM(n_blocks=2), optimizer_prefetch=4, dtype=torch.bfloat16,
                            **({"path": str(tmp_path)} if kw["offload"] == "nvme" else {}), **kw):
             pass
+    assert [w.filename for w in got if "optimizer_prefetch" in str(w.message)] == [__file__]
+
+
+def test_auto_without_nvme_state_says_the_host_cache_is_unused():
+    with pytest.warns(UserWarning, match="host_cache_bytes=1000000 is not used: offload='auto' "
+                                         "put the optimizer state on 'none'") as got:
+        with OffloadEngine(TinyLM(n_blocks=2), offload="auto", host_cache_bytes=10 ** 6):
+            pass
+    assert [w.filename for w in got if "host_cache_bytes" in str(w.message)] == [__file__]
 
 
 def test_the_estimate_counts_the_ring_asked_for(tmp_path):

@@ -207,7 +207,9 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
                             lr=args.lr, warmup=warmup, seed=args.seed, setup_s=setup_s,
                             update_timing=engine.config.update_timing, skipped_steps=skipped,
                             moment_dtype=engine.config.moment_dtype,
-                            host_cache_bytes=engine.config.host_cache_bytes,
+                            host_cache_bytes=(engine.config.host_cache_bytes
+                                              if engine.config.offload_optimizer == "nvme"
+                                              else 0),
                             placement=(engine.placement.reason if engine.placement else None),
                             loss_scale=loss_scale, peak_rss_bytes=peak_rss, saved=saved,
                             deepspeed=(f"{args.deepspeed}: {settings.describe()}"
