@@ -197,8 +197,11 @@ class EngineConfig:
             still being written: with ``"next_forward"`` the next forward's compute is all
             there is to hide a step's state reads and writes behind, and with three buffers
             a read may wait for the write-back that frees its buffer (measured gain: see
-            docs/update_timing.md). Same numbers at any depth. Default None: 3 with ``"next_forward"``, else 2 (3 as above). Unused (a
-            UserWarning) without that ring.
+            docs/update_timing.md). Same numbers at any depth. Default None: 3 with
+            ``"next_forward"``, else 2 (3 as above). Never more buffers than block flat
+            parameters whose state streams (a model with two such gets two, whatever N;
+            ``memory_report()["pools"]["optimizer_prefetch"]``). Unused (a UserWarning)
+            without that ring.
         moment_dtype: ``"fp32"`` (default: exact AdamW, as torch's), ``"bf16"`` or ``"int8"``:
             the dtype of Adam's two moments wherever the optimizer state lives (host buffers, NVMe files,
             the read-ahead ring, the pipeline, checkpoints). bf16 moments are updated in fp32
