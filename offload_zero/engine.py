@@ -433,9 +433,18 @@ class OffloadEngine:
         export leaves an earlier folder intact. Collective. Returns ``{"dir", "weights" (the
         index or single file), "weights_bytes", "tensors", "shards", "dropped_tied", "files"}``
         (other ranks list the weight files only). Raises ValueError for a bad ``dtype`` or size,
-        or a ``folder`` holding files an export does not write; the write's own error (OSError)
-        on rank 0, a RuntimeError naming rank 0 on the others."""
+        a ``folder`` holding files an export does not write, or a PEFT model (its parameter
+        names, ``base_model.model...lora_A...``, are not transformers' layout, which would
+        load as missing weights: the message says what saves it); the write's own error
+        (OSError) on rank 0, a RuntimeError naming rank 0 on the others."""
         self._check_open()
+        if hasattr(self.module, "peft_config"):
+            raise ValueError(
+                "save_pretrained: the wrapped model is a PEFT model, whose names transformers' "
+                "from_pretrained cannot load (it would start from random weights). Save the "
+                "adapter with model.save_pretrained(folder) (peft, while wrapped), or load "
+                "engine.full_state_dict() into an unwrapped copy of the PEFT model and save its "
+                "merge_and_unload() for full weights")
         from offload_zero.hf_export import save_pretrained
         with self.comm.together(Phase.EXPORT):
             return save_pretrained(self, folder, dtype=dtype, max_shard_size=max_shard_size,

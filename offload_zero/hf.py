@@ -264,7 +264,8 @@ class OffloadTrainer(Trainer):
     def save_model(self, output_dir: Optional[str] = None, _internal_call: bool = False) -> None:
         """Write the model to ``output_dir`` (default ``args.output_dir``) as a Hugging Face
         folder: the engine's streamed ``save_pretrained`` (one flat parameter gathered at a
-        time; in the dtype the model's parameters had), then, on the main process, the
+        time; in the dtype the model's parameters had; a PEFT model: its adapter, peft's
+        folder), then, on the main process, the
         processing class and ``training_args.bin``. Collective: every rank calls it, as the
         Trainer does. Weight files of an earlier export there are replaced, others kept."""
         output_dir = self.args.output_dir if output_dir is None else output_dir
@@ -280,8 +281,14 @@ class OffloadTrainer(Trainer):
     def _export(self, output_dir: str) -> None:
         """``engine.save_pretrained`` into a staging folder inside ``output_dir``, whose files
         rank 0 then moves up (``output_dir`` may hold checkpoints and other files, which an
-        export folder of its own could not)."""
+        export folder of its own could not). A PEFT model's adapter instead, as transformers'
+        Trainer saves one: peft's ``save_pretrained`` on every rank (it reads the wrapped
+        model's state_dict), written by rank 0 (``engine.save_pretrained`` refuses PEFT
+        models: their names are not transformers' layout)."""
         os.makedirs(output_dir, exist_ok=True)
+        if hasattr(self.engine.module, "peft_config"):
+            self.engine.module.save_pretrained(output_dir, is_main_process=self.engine.rank == 0)
+            return
         staging = os.path.join(output_dir, _STAGING)
         self.engine.save_pretrained(staging, dtype=self._export_dtype)
         if self.engine.rank != 0:

@@ -145,3 +145,16 @@ def test_frozen_base_on_nvme_is_read_never_written(dtype, tmp_path):
             read.clear()
         # (with update_timing="next_forward" the update of a step is written in the next forward)
         assert adapters_written > 0
+
+
+def test_engine_save_pretrained_of_a_peft_model_says_what_saves_it(tmp_path):
+    """engine.save_pretrained would write peft's names (base_model.model...), which
+    transformers' from_pretrained loads as missing weights, silently random: it raises before
+    writing anything, naming the adapter's save and the merge."""
+    model = lora_llama()
+    (tmp_path / "swap").mkdir()
+    with wrap(model, 3, "nvme", tmp_path / "swap") as eng:
+        with pytest.raises(ValueError, match=r"PEFT model.*model.save_pretrained\(folder\).*"
+                                             r"merge_and_unload\(\)"):
+            eng.save_pretrained(tmp_path / "out")
+    assert not (tmp_path / "out").exists()

@@ -240,3 +240,28 @@ def test_deepspeed_config_values_must_agree_with_training_arguments(tmp_path):
         bad["zero_optimization"]["offload_optimizer"]["thread_count"] = 4
         OffloadTrainer(tiny_llama(), training_args(tmp_path), train_dataset=TokenData(),
                        deepspeed=bad)
+
+
+def test_save_model_of_a_peft_model_writes_its_adapter(tmp_path):
+    """A LoRA model under OffloadTrainer: save_model writes peft's adapter folder, as
+    transformers' Trainer does (engine.save_pretrained refuses PEFT names), and the adapter
+    loaded onto a fresh base gives the trained model's logits."""
+    peft = pytest.importorskip("peft")
+    from offload_zero.hf import OffloadTrainer
+    model = peft.get_peft_model(tiny_llama(), peft.LoraConfig(
+        r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    trainer = OffloadTrainer(model, training_args(tmp_path / "out", max_steps=2),
+                             train_dataset=TokenData(), offload="cpu")
+    trainer.train()
+    trainer.save_model()
+    files = set(os.listdir(tmp_path / "out"))
+    assert {"adapter_model.safetensors", "adapter_config.json"} <= files
+    assert "model.safetensors" not in files
+    x = torch.arange(12).reshape(2, 6)
+    model.eval()
+    with torch.no_grad():
+        want = trainer.engine(input_ids=x).logits
+    loaded = peft.PeftModel.from_pretrained(tiny_llama(), str(tmp_path / "out")).eval()
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=x).logits, want)
+    trainer.engine.close()
