@@ -391,7 +391,10 @@ def test_nvme_bytes_per_step_are_the_engines(dtype, timing, exact, writes, shape
     if exact:
         assert read == model_read
     else:
-        assert traffic.state_bytes < read <= model_read
+        # (fp32 "next_forward": a gather that follows its update takes the shard from the
+        # state read; with few units on NVMe, as cached, every one may, whatever the timing)
+        assert traffic.state_bytes <= read <= model_read
+        assert shape == "cached" or traffic.state_bytes < read
 
 
 # -- the engine and the command line -----------------------------------------------------------
