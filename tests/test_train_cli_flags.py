@@ -272,3 +272,13 @@ def test_a_bad_size_flag_is_one_line(capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("offload-zero train: error: argument --host-cache-bytes: '2XB' "
                               "is not a size; give bytes"), err
+
+
+def test_the_summary_shows_no_host_cache_where_it_is_unused(tmp_path):
+    """--host-cache-bytes with the optimizer state off NVMe: the engine warns it is unused,
+    and the summary does not claim a cache."""
+    with pytest.warns(UserWarning, match="host_cache_bytes=65536 is not used"):
+        summary = train.run(_parse("--preset", "tiny", "--steps", 1, "--no-progress",
+                                   "--offload", "cpu", "--host-cache-bytes", "64KiB", *FAST))
+    assert summary["host_cache_bytes"] == 0
+    assert "host cache" not in train.format_summary(summary)
