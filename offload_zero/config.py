@@ -581,7 +581,9 @@ def _check_float(cfg, name: str, low: float, low_inclusive: bool = True) -> None
 
 def warn_user(message: str, category=UserWarning) -> None:
     """``warnings.warn(message, category)`` attributed to the first frame outside this package
-    (the user's call that led here, however deep the engine's build is)."""
+    (the user's call that led here, however deep the engine's build is). ``message``: the
+    text; ``category``: a Warning subclass (default UserWarning). Returns None; raises only
+    what ``warnings.warn`` raises (the category itself under an "error" filter)."""
     import sys
     package = os.path.dirname(os.path.abspath(__file__)) + os.sep
     frame, level = sys._getframe(1), 2

@@ -128,9 +128,11 @@ class NVMeParamHome:
         if in_host is not None and host_alloc is None:
             raise ValueError("in_host needs host_alloc: the shards it keeps are host memory")
         self.swapper, self._acct = swapper, accountant
-        self._in_host, self._alloc = in_host or (lambda fp: False), host_alloc
-        # the shards kept in host memory beside their state: {fp: host tensor} (fp.sharded)
-        self._resident: Dict[object, torch.Tensor] = {}
+        self._in_host = in_host or (lambda fp: False)
+        # the shards kept in host memory (their fp.sharded), homed as offload_param="cpu" homes
+        # its shards; those flat parameters are in _resident
+        self._host = HostParamHome(accountant, host_alloc) if in_host is not None else None
+        self._resident: set = set()
         self._pool_for = pool if callable(pool) else (lambda fp: pool)
         self.io_stages = (io_stages if io_stages is not None
                           else IOStages(None, "parameter shard", SHARD_IO_LEGAL))
@@ -164,11 +166,8 @@ class NVMeParamHome:
             self._acct.add(Tier.NVME, StateKind.PARAMS, self._sizes[fp])
             return None
         if self._in_host(fp):
-            host = self._alloc(device_shard.numel(), device_shard.dtype)
-            host.copy_(device_shard)
-            self._resident[fp] = host
-            self._acct.add(Tier.HOST, StateKind.PARAMS, nbytes)
-            return host
+            self._resident.add(fp)
+            return self._host.adopt(fp, device_shard)
         self._sizes[fp] = nbytes
         self._acct.add(Tier.NVME, StateKind.PARAMS, nbytes)
         self.swapper.allocate(self._key(fp), nbytes)
@@ -216,7 +215,7 @@ class NVMeParamHome:
     def shard_for_gather(self, fp) -> torch.Tensor:
         """Wait for ``fp``'s read (starting it if needed) and return the host shard."""
         if fp in self._resident:
-            return self._resident[fp]
+            return self._host.shard_for_gather(fp)
         if not self._holds_read(fp) and self._from_store(fp):
             return self.master_source.master_view(fp)
         self.fetch(fp)
@@ -248,7 +247,7 @@ class NVMeParamHome:
         flight is retired first, and not kept: the update makes it stale. A shard kept in
         host memory (``in_host``) is its own target."""
         if fp in self._resident:
-            return self._resident[fp]
+            return self._host.update_target(fp)
         if fp in self._in_master and not self._wants(fp):
             return None
         if self.io_stages.stage(fp) is ShardIO.WRITING:
@@ -322,16 +321,17 @@ class NVMeParamHome:
     def read(self, fp) -> torch.Tensor:
         """A CPU copy of ``fp``'s shard, read from its file (or its host copy)."""
         if fp in self._resident:
-            return self._resident[fp].clone()
+            return self._host.read(fp)
         shard = self.shard_for_gather(fp).clone()
         self.done_with(fp)
         return shard
 
     def release(self, fp) -> None:
         """Forget ``fp`` (engine close); its file goes with the swapper."""
-        host = self._resident.pop(fp, None)
-        if host is not None:
-            self._acct.sub(Tier.HOST, StateKind.PARAMS, host.numel() * host.element_size())
+        if fp in self._resident:
+            self._resident.discard(fp)
+            self._host.release(fp)
+            return
         nbytes = self._sizes.pop(fp, 0)
         if nbytes:
             self._acct.sub(Tier.NVME, StateKind.PARAMS, nbytes)
