@@ -450,9 +450,8 @@ def memory_report(acct: TierAccountant, parts: EngineParts, states: UpdateStates
     rep["io_stages"] = states.io_report()  # (see [Note: update states])
     if isinstance(store, NVMeStore):
         rep["host_cache"] = store.cache_report()
-        frozen = [fp for fp in parts.flat_params if fp.name in parts.params_in_host]
-        rep["host_cache"].update(host_frozen_flat_params=len(frozen), host_frozen_bytes=sum(
-            fp.shard_numel * fp.itemsize for fp in frozen))
+        rep["host_cache"].update({k: plan.host_cache[k] for k in (
+            "host_frozen_flat_params", "host_frozen_bytes")})  # (the plan's: shards never move)
     if plan.settings.max_host_bytes is not None:
         rep["host_budget"] = host_budget_report(plan, rep["host"]["peak_bytes"])
     return rep

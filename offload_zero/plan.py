@@ -407,13 +407,19 @@ def _in_host(layout, shards, s: PlanSettings, fmt: StateFormat):
         return None, frozenset()
     from offload_zero.memory.host_cache import plan_host_cache
     from offload_zero.partition.units import host_tail_index
-    flat = [(None if f.unit == -1 else f.unit, f.trainable, sh) for f, sh in zip(layout, shards)]
+    flat = _flat_info(layout, shards)
     tail = None
     if s.in_backward or s.in_forward:
         tail = host_tail_index([(b is None, t, sh) for b, t, sh in flat], s.tail_state_in_host)
     chosen = plan_host_cache(flat, s.host_cache_bytes, _host_state_bytes_per_element(s, fmt),
                              tail=tail, blocks_reversed=s.in_backward)
     return tail, frozenset(chosen)
+
+
+def _flat_info(layout, shards):
+    """``(block, trainable, shard_numel)`` per flat parameter, as
+    :mod:`offload_zero.memory.host_cache` takes them (block None: the root)."""
+    return [(None if f.unit == -1 else f.unit, f.trainable, sh) for f, sh in zip(layout, shards)]
 
 
 def _frozen_in_host(layout, shards, s: PlanSettings, fmt: StateFormat, in_host):
@@ -423,7 +429,7 @@ def _frozen_in_host(layout, shards, s: PlanSettings, fmt: StateFormat, in_host):
     from offload_zero.memory.host_cache import plan_frozen_cache
     per = _host_state_bytes_per_element(s, fmt)
     left = s.host_cache_bytes - sum(per * shards[i] for i in in_host)
-    flat = [(None if f.unit == -1 else f.unit, f.trainable, sh) for f, sh in zip(layout, shards)]
+    flat = _flat_info(layout, shards)
     return frozenset(plan_frozen_cache(flat, left, s.itemsize))
 
 
