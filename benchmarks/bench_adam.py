@@ -19,11 +19,14 @@ Rows:
   without the fused copy; compared with the same torch rows (they keep fp32 moments).
 - ``CPUAdam int8 moments + fused bf16 copy``: blockwise 8-bit moments (decoded, updated and
   encoded again in the one pass).
+- ``CPUAdam bf16 master``: bf16 weights (stochastic rounding) with fp32 moments, then with
+  bf16 moments, then with both and the fused bf16 copy (the weights' own bits).
 
 Bytes per parameter counted as useful traffic: 28 (read param, grad, exp_avg, exp_avg_sq;
 write param, exp_avg, exp_avg_sq), 30 with a bf16 weight copy, 28 for bf16 grads + bf16 copy,
 20 / 22 with bf16 moments, 18 with int8 moments and the copy (one byte a moment, read and
-written; the absmax per 256 not counted). CPUAdam also reads the gradients once more before
+written; the absmax per 256 not counted), 24 with bf16 weights, 16 / 18 with bf16 weights and
+moments. CPUAdam also reads the gradients once more before
 the update (the overflow check, csrc/dispatch.cpp) unless check_overflow=False: +4 B/param
 (+2 for bf16 grads), not counted.
 "GB/s" is that over the median time; "of stream" divides by the addcmul bandwidth; "vs best
@@ -112,6 +115,15 @@ def _ours(numel: int, shared: _Shared) -> List[_Case]:
                        exp_avg_absmax=absmax[0], exp_avg_sq_absmax=absmax[1])
         return step
 
+    param_bf16 = param.to(torch.bfloat16)
+
+    def run_bf16_master(m, v, out):
+        def step(threads: int) -> None:
+            counter[0] += 1
+            adam_step_(param_bf16, grad, m, v, step=counter[0], lr=LR, betas=BETAS, eps=EPS,
+                       weight_decay=WD, adamw=True, out=out, num_threads=threads)
+        return step
+
     return [_Case("CPUAdam fp32", 28, run(grad, None)),
             _Case("CPUAdam + fused bf16 copy", 30, run(grad, out_bf16)),
             _Case("CPUAdam bf16 grad + fused bf16 copy", 28, run(grad_bf16, out_bf16)),
@@ -119,7 +131,12 @@ def _ours(numel: int, shared: _Shared) -> List[_Case]:
             _Case("CPUAdam + fused bf16 copy, no overflow pass", 30, run(grad, out_bf16, False)),
             _Case("CPUAdam bf16 moments", 20, run_bf16_moments(None)),
             _Case("CPUAdam bf16 moments + fused bf16 copy", 22, run_bf16_moments(out_bf16)),
-            _Case("CPUAdam int8 moments + fused bf16 copy", 18, run_int8_moments(out_bf16))]
+            _Case("CPUAdam int8 moments + fused bf16 copy", 18, run_int8_moments(out_bf16)),
+            _Case("CPUAdam bf16 master", 24, run_bf16_master(exp_avg, exp_avg_sq, None)),
+            _Case("CPUAdam bf16 master + bf16 moments", 16,
+                  run_bf16_master(m_bf16, v_bf16, None)),
+            _Case("CPUAdam bf16 master, moments + fused copy", 18,
+                  run_bf16_master(m_bf16, v_bf16, out_bf16))]
 
 
 def _torch(numel: int, shared: _Shared, with_adam: bool) -> List[_Case]:

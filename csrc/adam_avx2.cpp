@@ -12,14 +12,18 @@ namespace {
 
 constexpr int64_t kLanes = 8;
 
+// 8 bf16 values widened to fp32 (exact).
+inline __m256 bf16_to_f32_8(__m128i h) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
 template <DType G>
 inline __m256 load_grad8(const void* grad, int64_t i) {
   if constexpr (G == DType::kF32) {
     return _mm256_loadu_ps(static_cast<const float*>(grad) + i);
   } else if constexpr (G == DType::kBF16) {
-    const __m128i h = _mm_loadu_si128(
-        reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(grad) + i));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    return bf16_to_f32_8(_mm_loadu_si128(
+        reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(grad) + i)));
   } else {
     const __m128i h = _mm_loadu_si128(
         reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(grad) + i));
@@ -57,22 +61,28 @@ inline __m256i fmix32_8(__m256i x) {
   return _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
 }
 
+// sr_bits of adam_scalar.h for the 8 elements i..i+7 of the call under `key` (i % 8 == 0 and
+// sr_offset % 64 == 0, so the upper index bits are one value for the whole vector).
+inline __m256i sr_bits8(uint32_t key, const AdamHyper& h, int64_t i) {
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const int64_t gi = i + h.sr_offset;
+  const uint32_t base = static_cast<uint32_t>(gi) + sr_key_hi(key, gi);
+  return fmix32_8(_mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(base)), lane));
+}
+
 template <DType S>
 inline __m256 load_state8(const void* state, int64_t i) {
   if constexpr (S == DType::kBF16) return load_grad8<DType::kBF16>(state, i);
   else return _mm256_loadu_ps(static_cast<const float*>(state) + i);
 }
 
-// Stores m and v; for bf16 moments with the random bits of elements i..i+7 (i % 8 == 0, so
-// the upper index bits are one value for the whole vector).
+// Stores m and v; bf16 moments with the random bits of elements i..i+7 (sr_bits8). (Always
+// inlined, as store_param8: GCC otherwise calls it once per vector from the update loops.)
 template <DType S>
-inline void store_moments8(const AdamBuffers& b, const AdamHyper& h, int64_t i, __m256 m,
-                           __m256 v) {
+[[gnu::always_inline]] inline void store_moments8(const AdamBuffers& b, const AdamHyper& h,
+                                                  int64_t i, __m256 m, __m256 v) {
   if constexpr (S == DType::kBF16) {
-    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    const int64_t gi = i + h.sr_offset;  // (sr_offset % 64 == 0: gi % 8 == 0 too)
-    const uint32_t base = static_cast<uint32_t>(gi) + sr_key_hi(h.sr_key, gi);
-    const __m256i r = fmix32_8(_mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(base)), lane));
+    const __m256i r = sr_bits8(h.sr_key, h, i);
     const __m128i m16 = f32_to_bf16_sr_8(m, _mm256_and_si256(r, _mm256_set1_epi32(0xffff)));
     const __m128i v16 = f32_to_bf16_sr_8(v, _mm256_srli_epi32(r, 16));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(b.exp_avg) + i), m16);
@@ -98,6 +108,34 @@ inline void store_out8(void* out, int64_t i, __m256 p) {
     else h = _mm256_cvtps_ph(p, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     auto* dst = reinterpret_cast<__m128i*>(static_cast<uint16_t*>(out) + i);
     if constexpr (kStream) _mm_stream_si128(dst, h); else _mm_storeu_si128(dst, h);
+  }
+}
+
+template <DType P>
+inline __m256 load_param8(const void* param, int64_t i) {
+  if constexpr (P == DType::kBF16) return load_grad8<DType::kBF16>(param, i);
+  else return _mm256_loadu_ps(static_cast<const float*>(param) + i);
+}
+
+// Stores the new weights of elements i..i+7 in param and out: bf16 weights rounded
+// stochastically ([Note: bf16 master weights]), out then the stored value (a bf16 out the
+// same 16 bits).
+template <DType P, DType O, bool kStream>
+[[gnu::always_inline]] inline void store_param8(const AdamBuffers& b, const AdamHyper& h,
+                                                int64_t i, __m256 p) {
+  if constexpr (P == DType::kBF16) {
+    const __m256i r = sr_bits8(h.sr_key_param, h, i);
+    const __m128i p16 = f32_to_bf16_sr_8(p, _mm256_and_si256(r, _mm256_set1_epi32(0xffff)));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(b.param) + i), p16);
+    if constexpr (O == DType::kBF16) {
+      auto* dst = reinterpret_cast<__m128i*>(static_cast<uint16_t*>(b.out) + i);
+      if constexpr (kStream) _mm_stream_si128(dst, p16); else _mm_storeu_si128(dst, p16);
+    } else {
+      store_out8<O, kStream>(b.out, i, bf16_to_f32_8(p16));
+    }
+  } else {
+    _mm256_storeu_ps(static_cast<float*>(b.param) + i, p);
+    store_out8<O, kStream>(b.out, i, p);
   }
 }
 
@@ -133,7 +171,7 @@ bool nonfinite_impl(const AdamBuffers& b, const AdamHyper& h, int64_t begin, int
   return any;
 }
 
-template <DType G, DType S, DType O, bool kStream>
+template <DType G, DType S, DType P, DType O, bool kStream>
 bool update_impl(const AdamBuffers& b, const AdamHyper& h, int64_t begin, int64_t end) {
   const __m256 scale = _mm256_set1_ps(h.grad_scale);
   const __m256 l2_decay = _mm256_set1_ps(h.l2_decay);
@@ -148,7 +186,7 @@ bool update_impl(const AdamBuffers& b, const AdamHyper& h, int64_t begin, int64_
   int64_t i = begin;
   for (; i + kLanes <= end; i += kLanes) {
     __m256 g = load_grad8<G>(b.grad, i);
-    __m256 p = _mm256_loadu_ps(b.param + i);
+    __m256 p = load_param8<P>(b.param, i);
     __m256 m = load_state8<S>(b.exp_avg, i);
     __m256 v = load_state8<S>(b.exp_avg_sq, i);
     if (h.scale_grad) g = _mm256_mul_ps(g, scale);
@@ -160,9 +198,8 @@ bool update_impl(const AdamBuffers& b, const AdamHyper& h, int64_t begin, int64_
     v = _mm256_fmadd_ps(_mm256_mul_ps(one_minus_beta2, g), g, v);
     const __m256 denom = _mm256_add_ps(_mm256_sqrt_ps(v), eps);
     p = _mm256_add_ps(p, _mm256_div_ps(_mm256_mul_ps(neg_step_size, m), denom));
-    _mm256_storeu_ps(b.param + i, p);
+    store_param8<P, O, kStream>(b, h, i, p);
     store_moments8<S>(b, h, i, m, v);
-    store_out8<O, kStream>(b.out, i, p);
   }
   bool bad = _mm256_movemask_epi8(_mm256_cmpgt_epi32(seen, _mm256_set1_epi32(0x7f7fffff))) != 0;
   for (; i < end; ++i) {
@@ -244,21 +281,13 @@ inline float hmax8(__m256 x) {
   return _mm_cvtss_f32(m);
 }
 
-// The 32 random bits of elements i..i+7 (i % 8 == 0): see store_moments8.
-inline __m256i sr_bits8(const AdamHyper& h, int64_t i) {
-  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  const int64_t gi = i + h.sr_offset;
-  const uint32_t base = static_cast<uint32_t>(gi) + sr_key_hi(h.sr_key, gi);
-  return fmix32_8(_mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(base)), lane));
-}
-
 inline __m256 dither8(__m256i bits16) {
   return _mm256_mul_ps(_mm256_cvtepi32_ps(bits16), _mm256_set1_ps(1.0f / 65536.0f));
 }
 
 // One block [begin, end) (begin % kQ8Block == 0): q8_block of adam_q8.h, 8 lanes at a time.
 // Returns the max |g| bits seen of the vector part (see update_impl).
-template <DType G, DType O, bool kStream>
+template <DType G, DType P, DType O, bool kStream>
 inline __m256i q8_block8(const AdamBuffers& b, const AdamHyper& h, const Q8Vec& qm,
                          const Q8Vec& qv, int64_t begin, int64_t end, __m256i seen) {
   const Q8Tables& t = q8_tables();
@@ -274,7 +303,7 @@ inline __m256i q8_block8(const AdamBuffers& b, const AdamHyper& h, const Q8Vec& 
   int64_t i = begin;
   for (; i + kLanes <= end; i += kLanes) {
     __m256 g = load_grad8<G>(b.grad, i);
-    __m256 p = _mm256_loadu_ps(b.param + i);
+    __m256 p = load_param8<P>(b.param, i);
     __m256 m = _mm256_mul_ps(vam, _mm256_i32gather_ps(t.m.value, load_codes8(mc + i), 4));
     __m256 v = _mm256_mul_ps(vav, _mm256_i32gather_ps(t.v.value, load_codes8(vc + i), 4));
     if (h.scale_grad) g = _mm256_mul_ps(g, _mm256_set1_ps(h.grad_scale));
@@ -286,8 +315,7 @@ inline __m256i q8_block8(const AdamBuffers& b, const AdamHyper& h, const Q8Vec& 
     v = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(h.one_minus_beta2), g), g, v);
     const __m256 denom = _mm256_add_ps(_mm256_sqrt_ps(v), _mm256_set1_ps(h.eps));
     p = _mm256_add_ps(p, _mm256_div_ps(_mm256_mul_ps(_mm256_set1_ps(h.neg_step_size), m), denom));
-    _mm256_storeu_ps(b.param + i, p);
-    store_out8<O, kStream>(b.out, i, p);
+    store_param8<P, O, kStream>(b, h, i, p);
     _mm256_store_ps(mnew + (i - begin), m);
     _mm256_store_ps(vnew + (i - begin), v);
     maxm = _mm256_max_ps(maxm, abs8(m));
@@ -296,12 +324,11 @@ inline __m256i q8_block8(const AdamBuffers& b, const AdamHyper& h, const Q8Vec& 
   float mx_m = hmax8(maxm), mx_v = hmax8(maxv);
   for (int64_t j = i; j < end; ++j) {  // (the last block of a call only)
     float g = load_grad_scalar(b.grad, b.grad_dtype, j);
-    float p = b.param[j];
+    float p = load_param_scalar(b, j);
     float m = q8_decode(t.m, mc[j], am);
     float v = q8_decode(t.v, vc[j], av);
     adam_math(h, g, p, m, v);
-    b.param[j] = p;
-    store_out_scalar(b.out, b.out_dtype, j, p);
+    store_param_scalar(b, h, j, p);
     mnew[j - begin] = m;
     vnew[j - begin] = v;
     mx_m = std::fmax(mx_m, std::fabs(m));
@@ -311,7 +338,7 @@ inline __m256i q8_block8(const AdamBuffers& b, const AdamHyper& h, const Q8Vec& 
   b.exp_avg_sq_absmax[blk] = mx_v;
   const float im = q8_inverse(mx_m), iv = q8_inverse(mx_v);
   for (i = begin; i + kLanes <= end; i += kLanes) {
-    const __m256i r = sr_bits8(h, i);
+    const __m256i r = sr_bits8(h.sr_key, h, i);
     store_bytes8(mc + i, q8_encode8<7>(qm, t.m.top, _mm256_load_ps(mnew + (i - begin)), mx_m, im,
                                        dither8(_mm256_and_si256(r, _mm256_set1_epi32(0xffff)))));
     store_bytes8(vc + i, q8_encode8<8>(qv, t.v.top, _mm256_load_ps(vnew + (i - begin)), mx_v, iv,
@@ -325,14 +352,14 @@ inline __m256i q8_block8(const AdamBuffers& b, const AdamHyper& h, const Q8Vec& 
   return seen;
 }
 
-template <DType G, DType O, bool kStream>
+template <DType G, DType P, DType O, bool kStream>
 bool q8_update_impl(const AdamBuffers& b, const AdamHyper& h, int64_t begin, int64_t end) {
   const Q8Tables& t = q8_tables();
   const Q8Vec qm(t.m), qv(t.v);
   __m256i seen = _mm256_setzero_si256();
   for (int64_t i = begin; i < end; i += kQ8Block) {
     const int64_t e = i + kQ8Block < end ? i + kQ8Block : end;
-    seen = q8_block8<G, O, kStream>(b, h, qm, qv, i, e, seen);
+    seen = q8_block8<G, P, O, kStream>(b, h, qm, qv, i, e, seen);
   }
   bool bad = _mm256_movemask_epi8(_mm256_cmpgt_epi32(seen, _mm256_set1_epi32(0x7f7fffff))) != 0;
   for (int64_t i = begin + (end - begin) / kLanes * kLanes; i < end; ++i) {
@@ -342,58 +369,67 @@ bool q8_update_impl(const AdamBuffers& b, const AdamHyper& h, int64_t begin, int
   return bad;
 }
 
-template <DType G>
+template <DType G, DType P>
 bool q8_update_out(const AdamBuffers& b, const AdamHyper& h, int64_t begin, int64_t end,
                    bool streaming) {
   const bool s = streaming;
   switch (b.out_dtype) {
     case DType::kF32:
-      return s ? q8_update_impl<G, DType::kF32, true>(b, h, begin, end)
-               : q8_update_impl<G, DType::kF32, false>(b, h, begin, end);
+      return s ? q8_update_impl<G, P, DType::kF32, true>(b, h, begin, end)
+               : q8_update_impl<G, P, DType::kF32, false>(b, h, begin, end);
     case DType::kBF16:
-      return s ? q8_update_impl<G, DType::kBF16, true>(b, h, begin, end)
-               : q8_update_impl<G, DType::kBF16, false>(b, h, begin, end);
+      return s ? q8_update_impl<G, P, DType::kBF16, true>(b, h, begin, end)
+               : q8_update_impl<G, P, DType::kBF16, false>(b, h, begin, end);
     case DType::kF16:
-      return s ? q8_update_impl<G, DType::kF16, true>(b, h, begin, end)
-               : q8_update_impl<G, DType::kF16, false>(b, h, begin, end);
-    default: return q8_update_impl<G, DType::kNone, false>(b, h, begin, end);
+      return s ? q8_update_impl<G, P, DType::kF16, true>(b, h, begin, end)
+               : q8_update_impl<G, P, DType::kF16, false>(b, h, begin, end);
+    default: return q8_update_impl<G, P, DType::kNone, false>(b, h, begin, end);
   }
 }
 
-template <DType G, DType S, DType O>
+template <DType G, DType S, DType P, DType O>
 bool update_stream(const AdamBuffers& b, const AdamHyper& h, int64_t begin, int64_t end,
                    bool streaming) {
-  if (streaming) return update_impl<G, S, O, true>(b, h, begin, end);
-  return update_impl<G, S, O, false>(b, h, begin, end);
+  if (streaming) return update_impl<G, S, P, O, true>(b, h, begin, end);
+  return update_impl<G, S, P, O, false>(b, h, begin, end);
 }
 
-template <DType G, DType S>
+template <DType G, DType S, DType P>
 bool update_out(const AdamBuffers& b, const AdamHyper& h, int64_t begin, int64_t end,
                 bool streaming) {
   switch (b.out_dtype) {
-    case DType::kF32: return update_stream<G, S, DType::kF32>(b, h, begin, end, streaming);
-    case DType::kBF16: return update_stream<G, S, DType::kBF16>(b, h, begin, end, streaming);
-    case DType::kF16: return update_stream<G, S, DType::kF16>(b, h, begin, end, streaming);
-    default: return update_stream<G, S, DType::kNone>(b, h, begin, end, streaming);
+    case DType::kF32: return update_stream<G, S, P, DType::kF32>(b, h, begin, end, streaming);
+    case DType::kBF16: return update_stream<G, S, P, DType::kBF16>(b, h, begin, end, streaming);
+    case DType::kF16: return update_stream<G, S, P, DType::kF16>(b, h, begin, end, streaming);
+    default: return update_stream<G, S, P, DType::kNone>(b, h, begin, end, streaming);
   }
 }
 
-template <DType G>
+template <DType G, DType P>
 bool update_state(const AdamBuffers& b, const AdamHyper& h, int64_t begin, int64_t end,
                   bool streaming) {
   if (b.state_dtype == DType::kBF16) {
-    return update_out<G, DType::kBF16>(b, h, begin, end, streaming);
+    return update_out<G, DType::kBF16, P>(b, h, begin, end, streaming);
   }
-  if (b.state_dtype == DType::kQ8) return q8_update_out<G>(b, h, begin, end, streaming);
-  return update_out<G, DType::kF32>(b, h, begin, end, streaming);
+  if (b.state_dtype == DType::kQ8) return q8_update_out<G, P>(b, h, begin, end, streaming);
+  return update_out<G, DType::kF32, P>(b, h, begin, end, streaming);
+}
+
+template <DType G>
+bool update_param(const AdamBuffers& b, const AdamHyper& h, int64_t begin, int64_t end,
+                  bool streaming) {
+  if (b.param_dtype == DType::kBF16) {
+    return update_state<G, DType::kBF16>(b, h, begin, end, streaming);
+  }
+  return update_state<G, DType::kF32>(b, h, begin, end, streaming);
 }
 
 bool avx2_update(const AdamBuffers& b, const AdamHyper& h, int64_t begin, int64_t end,
                  bool streaming) {
   switch (b.grad_dtype) {
-    case DType::kBF16: return update_state<DType::kBF16>(b, h, begin, end, streaming);
-    case DType::kF16: return update_state<DType::kF16>(b, h, begin, end, streaming);
-    default: return update_state<DType::kF32>(b, h, begin, end, streaming);
+    case DType::kBF16: return update_param<DType::kBF16>(b, h, begin, end, streaming);
+    case DType::kF16: return update_param<DType::kF16>(b, h, begin, end, streaming);
+    default: return update_param<DType::kF32>(b, h, begin, end, streaming);
   }
 }
 

@@ -17,6 +17,11 @@ namespace {
 
 constexpr int64_t kLanes = 16;
 
+// 16 bf16 values widened to fp32 (exact).
+inline __m512 bf16_to_f32_16(__m256i h) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
 template <DType G>
 inline __m512 load_grad16(const void* grad, int64_t i) {
   if constexpr (G == DType::kF32) {
@@ -25,7 +30,7 @@ inline __m512 load_grad16(const void* grad, int64_t i) {
     const __m256i h = _mm256_loadu_si256(
         reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(grad) + i));
     if constexpr (G == DType::kBF16) {
-      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+      return bf16_to_f32_16(h);
     } else {
       return _mm512_cvtph_ps(h);
     }
@@ -72,22 +77,28 @@ inline __m512i fmix32_16(__m512i x) {
   return _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
 }
 
+// sr_bits of adam_scalar.h for the 16 elements i..i+15 of the call under `key` (i % 16 == 0
+// and sr_offset % 64 == 0, so the upper index bits are one value for the whole vector).
+inline __m512i sr_bits16(uint32_t key, const AdamHyper& h, int64_t i) {
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const int64_t gi = i + h.sr_offset;
+  const uint32_t base = static_cast<uint32_t>(gi) + sr_key_hi(key, gi);
+  return fmix32_16(_mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(base)), lane));
+}
+
 template <DType S>
 inline __m512 load_state16(const void* state, int64_t i) {
   if constexpr (S == DType::kBF16) return load_grad16<DType::kBF16>(state, i);
   else return _mm512_loadu_ps(static_cast<const float*>(state) + i);
 }
 
-// Stores m and v; for bf16 moments with the random bits of elements i..i+15 (i % 16 == 0, so
-// the upper index bits are one value for the whole vector).
+// Stores m and v; bf16 moments with the random bits of elements i..i+15 (sr_bits16). (Always
+// inlined, as store_param16: GCC otherwise calls it once per vector from the update loops.)
 template <DType S>
-inline void store_moments16(const AdamBuffers& b, const AdamHyper& h, int64_t i, __m512 m,
-                            __m512 v) {
+[[gnu::always_inline]] inline void store_moments16(const AdamBuffers& b, const AdamHyper& h,
+                                                   int64_t i, __m512 m, __m512 v) {
   if constexpr (S == DType::kBF16) {
-    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    const int64_t gi = i + h.sr_offset;  // (sr_offset % 64 == 0: gi % 16 == 0 too)
-    const uint32_t base = static_cast<uint32_t>(gi) + sr_key_hi(h.sr_key, gi);
-    const __m512i r = fmix32_16(_mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(base)), lane));
+    const __m512i r = sr_bits16(h.sr_key, h, i);
     const __m256i m16 = f32_to_bf16_sr_16(m, _mm512_and_si512(r, _mm512_set1_epi32(0xffff)));
     const __m256i v16 = f32_to_bf16_sr_16(v, _mm512_srli_epi32(r, 16));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(b.exp_avg) + i), m16);
@@ -109,6 +120,34 @@ inline void store_out16(void* out, int64_t i, __m512 p) {
     else h = _mm512_cvtps_ph(p, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     auto* dst = reinterpret_cast<__m256i*>(static_cast<uint16_t*>(out) + i);
     if constexpr (kStream) _mm256_stream_si256(dst, h); else _mm256_storeu_si256(dst, h);
+  }
+}
+
+template <DType P>
+inline __m512 load_param16(const void* param, int64_t i) {
+  if constexpr (P == DType::kBF16) return load_grad16<DType::kBF16>(param, i);
+  else return _mm512_loadu_ps(static_cast<const float*>(param) + i);
+}
+
+// Stores the new weights of elements i..i+15 in param and out: bf16 weights rounded
+// stochastically ([Note: bf16 master weights]), out then the stored value (a bf16 out the
+// same 16 bits).
+template <DType P, DType O, bool kStream, bool kBf16Insn>
+[[gnu::always_inline]] inline void store_param16(const AdamBuffers& b, const AdamHyper& h,
+                                                 int64_t i, __m512 p) {
+  if constexpr (P == DType::kBF16) {
+    const __m512i r = sr_bits16(h.sr_key_param, h, i);
+    const __m256i p16 = f32_to_bf16_sr_16(p, _mm512_and_si512(r, _mm512_set1_epi32(0xffff)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(b.param) + i), p16);
+    if constexpr (O == DType::kBF16) {
+      auto* dst = reinterpret_cast<__m256i*>(static_cast<uint16_t*>(b.out) + i);
+      if constexpr (kStream) _mm256_stream_si256(dst, p16); else _mm256_storeu_si256(dst, p16);
+    } else {
+      store_out16<O, kStream, kBf16Insn>(b.out, i, bf16_to_f32_16(p16));
+    }
+  } else {
+    _mm512_storeu_ps(static_cast<float*>(b.param) + i, p);
+    store_out16<O, kStream, kBf16Insn>(b.out, i, p);
   }
 }
 
@@ -143,7 +182,7 @@ bool nonfinite_impl(const AdamBuffers& b, const AdamHyper& h, int64_t begin, int
   return any;
 }
 
-template <DType G, DType S, DType O, bool kStream, bool kBf16Insn>
+template <DType G, DType S, DType P, DType O, bool kStream, bool kBf16Insn>
 bool update_impl(const AdamBuffers& b, const AdamHyper& h, int64_t begin, int64_t end) {
   const __m512 scale = _mm512_set1_ps(h.grad_scale);
   const __m512 l2_decay = _mm512_set1_ps(h.l2_decay);
@@ -158,7 +197,7 @@ bool update_impl(const AdamBuffers& b, const AdamHyper& h, int64_t begin, int64_
   int64_t i = begin;
   for (; i + kLanes <= end; i += kLanes) {
     __m512 g = load_grad16<G>(b.grad, i);
-    __m512 p = _mm512_loadu_ps(b.param + i);
+    __m512 p = load_param16<P>(b.param, i);
     __m512 m = load_state16<S>(b.exp_avg, i);
     __m512 v = load_state16<S>(b.exp_avg_sq, i);
     if (h.scale_grad) g = _mm512_mul_ps(g, scale);
@@ -170,9 +209,8 @@ bool update_impl(const AdamBuffers& b, const AdamHyper& h, int64_t begin, int64_
     v = _mm512_fmadd_ps(_mm512_mul_ps(one_minus_beta2, g), g, v);
     const __m512 denom = _mm512_add_ps(_mm512_sqrt_ps(v), eps);
     p = _mm512_add_ps(p, _mm512_div_ps(_mm512_mul_ps(neg_step_size, m), denom));
-    _mm512_storeu_ps(b.param + i, p);
+    store_param16<P, O, kStream, kBf16Insn>(b, h, i, p);
     store_moments16<S>(b, h, i, m, v);
-    store_out16<O, kStream, kBf16Insn>(b.out, i, p);
   }
   bool bad = _mm512_cmpgt_epu32_mask(seen, _mm512_set1_epi32(0x7f7fffff)) != 0;
   for (; i < end; ++i) {
@@ -297,21 +335,13 @@ inline __m512i q8_encode16(const Q8Vec& c, int32_t top, __m512 x, float absmax, 
   }
 }
 
-// The 32 random bits of elements i..i+15 (i % 16 == 0): see store_moments16.
-inline __m512i sr_bits16(const AdamHyper& h, int64_t i) {
-  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  const int64_t gi = i + h.sr_offset;
-  const uint32_t base = static_cast<uint32_t>(gi) + sr_key_hi(h.sr_key, gi);
-  return fmix32_16(_mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(base)), lane));
-}
-
 inline __m512 dither16(__m512i bits16) {
   return _mm512_mul_ps(_mm512_cvtepi32_ps(bits16), _mm512_set1_ps(1.0f / 65536.0f));
 }
 
 // One block [begin, end) (begin % kQ8Block == 0): q8_block of adam_q8.h, 16 lanes at a time.
 // Returns the max |g| bits seen (> 0x7f7fffff iff some g is inf or nan) of the vector part.
-template <DType G, DType O, bool kStream, bool kBf16Insn>
+template <DType G, DType P, DType O, bool kStream, bool kBf16Insn>
 inline __m512i q8_block16(const AdamBuffers& b, const AdamHyper& h, const Q8Vec& qm,
                           const Q8Vec& qv, const Q8Values& lm, const Q8Values& lv,
                           int64_t begin, int64_t end, __m512i seen) {
@@ -328,7 +358,7 @@ inline __m512i q8_block16(const AdamBuffers& b, const AdamHyper& h, const Q8Vec&
   int64_t i = begin;
   for (; i + kLanes <= end; i += kLanes) {
     __m512 g = load_grad16<G>(b.grad, i);
-    __m512 p = _mm512_loadu_ps(b.param + i);
+    __m512 p = load_param16<P>(b.param, i);
     const __m128i cm = _mm_loadu_si128(reinterpret_cast<const __m128i*>(mc + i));
     const __m128i cv = _mm_loadu_si128(reinterpret_cast<const __m128i*>(vc + i));
     __m512 m = _mm512_mul_ps(vam, lm.signed_lookup(_mm512_cvtepu8_epi32(cm)));
@@ -342,8 +372,7 @@ inline __m512i q8_block16(const AdamBuffers& b, const AdamHyper& h, const Q8Vec&
     v = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(h.one_minus_beta2), g), g, v);
     const __m512 denom = _mm512_add_ps(_mm512_sqrt_ps(v), _mm512_set1_ps(h.eps));
     p = _mm512_add_ps(p, _mm512_div_ps(_mm512_mul_ps(_mm512_set1_ps(h.neg_step_size), m), denom));
-    _mm512_storeu_ps(b.param + i, p);
-    store_out16<O, kStream, kBf16Insn>(b.out, i, p);
+    store_param16<P, O, kStream, kBf16Insn>(b, h, i, p);
     _mm512_store_ps(mnew + (i - begin), m);
     _mm512_store_ps(vnew + (i - begin), v);
     maxm = _mm512_max_ps(maxm, _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(m), abs_mask)));
@@ -352,12 +381,11 @@ inline __m512i q8_block16(const AdamBuffers& b, const AdamHyper& h, const Q8Vec&
   float mx_m = _mm512_reduce_max_ps(maxm), mx_v = _mm512_reduce_max_ps(maxv);
   for (int64_t j = i; j < end; ++j) {  // (the last block of a call only)
     float g = load_grad_scalar(b.grad, b.grad_dtype, j);
-    float p = b.param[j];
+    float p = load_param_scalar(b, j);
     float m = q8_decode(t.m, mc[j], am);
     float v = q8_decode(t.v, vc[j], av);
     adam_math(h, g, p, m, v);
-    b.param[j] = p;
-    store_out_scalar(b.out, b.out_dtype, j, p);
+    store_param_scalar(b, h, j, p);
     mnew[j - begin] = m;
     vnew[j - begin] = v;
     mx_m = std::fmax(mx_m, std::fabs(m));
@@ -367,7 +395,7 @@ inline __m512i q8_block16(const AdamBuffers& b, const AdamHyper& h, const Q8Vec&
   b.exp_avg_sq_absmax[blk] = mx_v;
   const float im = q8_inverse(mx_m), iv = q8_inverse(mx_v);
   for (i = begin; i + kLanes <= end; i += kLanes) {
-    const __m512i r = sr_bits16(h, i);
+    const __m512i r = sr_bits16(h.sr_key, h, i);
     const __m512i m8 = q8_encode16<7>(qm, t.m.top, _mm512_load_ps(mnew + (i - begin)), mx_m, im,
                                       dither16(_mm512_and_si512(r, _mm512_set1_epi32(0xffff))));
     const __m512i v8 = q8_encode16<8>(qv, t.v.top, _mm512_load_ps(vnew + (i - begin)), mx_v, iv,
@@ -383,7 +411,7 @@ inline __m512i q8_block16(const AdamBuffers& b, const AdamHyper& h, const Q8Vec&
   return seen;
 }
 
-template <DType G, DType O, bool kStream, bool kBf16Insn>
+template <DType G, DType P, DType O, bool kStream, bool kBf16Insn>
 bool q8_update_impl(const AdamBuffers& b, const AdamHyper& h, int64_t begin, int64_t end) {
   const Q8Tables& t = q8_tables();
   const Q8Vec qm(t.m), qv(t.v);
@@ -391,7 +419,7 @@ bool q8_update_impl(const AdamBuffers& b, const AdamHyper& h, int64_t begin, int
   __m512i seen = _mm512_setzero_si512();
   for (int64_t i = begin; i < end; i += kQ8Block) {
     const int64_t e = i + kQ8Block < end ? i + kQ8Block : end;
-    seen = q8_block16<G, O, kStream, kBf16Insn>(b, h, qm, qv, lm, lv, i, e, seen);
+    seen = q8_block16<G, P, O, kStream, kBf16Insn>(b, h, qm, qv, lm, lv, i, e, seen);
   }
   bool bad = _mm512_cmpgt_epu32_mask(seen, _mm512_set1_epi32(0x7f7fffff)) != 0;
   for (int64_t i = begin + (end - begin) / kLanes * kLanes; i < end; ++i) {
@@ -401,59 +429,68 @@ bool q8_update_impl(const AdamBuffers& b, const AdamHyper& h, int64_t begin, int
   return bad;
 }
 
-template <DType G, bool kBf16Insn>
+template <DType G, DType P, bool kI>
 bool q8_update_out(const AdamBuffers& b, const AdamHyper& h, int64_t begin, int64_t end,
                    bool streaming) {
   const bool s = streaming;
   switch (b.out_dtype) {
     case DType::kF32:
-      return s ? q8_update_impl<G, DType::kF32, true, kBf16Insn>(b, h, begin, end)
-               : q8_update_impl<G, DType::kF32, false, kBf16Insn>(b, h, begin, end);
+      return s ? q8_update_impl<G, P, DType::kF32, true, kI>(b, h, begin, end)
+               : q8_update_impl<G, P, DType::kF32, false, kI>(b, h, begin, end);
     case DType::kBF16:
-      return s ? q8_update_impl<G, DType::kBF16, true, kBf16Insn>(b, h, begin, end)
-               : q8_update_impl<G, DType::kBF16, false, kBf16Insn>(b, h, begin, end);
+      return s ? q8_update_impl<G, P, DType::kBF16, true, kI>(b, h, begin, end)
+               : q8_update_impl<G, P, DType::kBF16, false, kI>(b, h, begin, end);
     case DType::kF16:
-      return s ? q8_update_impl<G, DType::kF16, true, kBf16Insn>(b, h, begin, end)
-               : q8_update_impl<G, DType::kF16, false, kBf16Insn>(b, h, begin, end);
-    default: return q8_update_impl<G, DType::kNone, false, kBf16Insn>(b, h, begin, end);
+      return s ? q8_update_impl<G, P, DType::kF16, true, kI>(b, h, begin, end)
+               : q8_update_impl<G, P, DType::kF16, false, kI>(b, h, begin, end);
+    default: return q8_update_impl<G, P, DType::kNone, false, kI>(b, h, begin, end);
   }
 }
 
-template <DType G, DType S, DType O, bool kBf16Insn>
+template <DType G, DType S, DType P, DType O, bool kI>
 bool update_stream(const AdamBuffers& b, const AdamHyper& h, int64_t begin, int64_t end,
                    bool streaming) {
-  if (streaming) return update_impl<G, S, O, true, kBf16Insn>(b, h, begin, end);
-  return update_impl<G, S, O, false, kBf16Insn>(b, h, begin, end);
+  if (streaming) return update_impl<G, S, P, O, true, kI>(b, h, begin, end);
+  return update_impl<G, S, P, O, false, kI>(b, h, begin, end);
 }
 
-template <DType G, DType S, bool kI>
+template <DType G, DType S, DType P, bool kI>
 bool update_out(const AdamBuffers& b, const AdamHyper& h, int64_t begin, int64_t end,
                 bool streaming) {
   switch (b.out_dtype) {
-    case DType::kF32: return update_stream<G, S, DType::kF32, kI>(b, h, begin, end, streaming);
-    case DType::kBF16: return update_stream<G, S, DType::kBF16, kI>(b, h, begin, end, streaming);
-    case DType::kF16: return update_stream<G, S, DType::kF16, kI>(b, h, begin, end, streaming);
-    default: return update_stream<G, S, DType::kNone, kI>(b, h, begin, end, streaming);
+    case DType::kF32: return update_stream<G, S, P, DType::kF32, kI>(b, h, begin, end, streaming);
+    case DType::kBF16: return update_stream<G, S, P, DType::kBF16, kI>(b, h, begin, end, streaming);
+    case DType::kF16: return update_stream<G, S, P, DType::kF16, kI>(b, h, begin, end, streaming);
+    default: return update_stream<G, S, P, DType::kNone, kI>(b, h, begin, end, streaming);
   }
 }
 
-template <DType G, bool kI>
+template <DType G, DType P, bool kI>
 bool update_state(const AdamBuffers& b, const AdamHyper& h, int64_t begin, int64_t end,
                   bool streaming) {
   if (b.state_dtype == DType::kBF16) {
-    return update_out<G, DType::kBF16, kI>(b, h, begin, end, streaming);
+    return update_out<G, DType::kBF16, P, kI>(b, h, begin, end, streaming);
   }
-  if (b.state_dtype == DType::kQ8) return q8_update_out<G, kI>(b, h, begin, end, streaming);
-  return update_out<G, DType::kF32, kI>(b, h, begin, end, streaming);
+  if (b.state_dtype == DType::kQ8) return q8_update_out<G, P, kI>(b, h, begin, end, streaming);
+  return update_out<G, DType::kF32, P, kI>(b, h, begin, end, streaming);
+}
+
+template <DType G, bool kI>
+bool update_param(const AdamBuffers& b, const AdamHyper& h, int64_t begin, int64_t end,
+                  bool streaming) {
+  if (b.param_dtype == DType::kBF16) {
+    return update_state<G, DType::kBF16, kI>(b, h, begin, end, streaming);
+  }
+  return update_state<G, DType::kF32, kI>(b, h, begin, end, streaming);
 }
 
 template <bool kBf16Insn>
 bool avx512_update(const AdamBuffers& b, const AdamHyper& h, int64_t begin, int64_t end,
                    bool streaming) {
   switch (b.grad_dtype) {
-    case DType::kBF16: return update_state<DType::kBF16, kBf16Insn>(b, h, begin, end, streaming);
-    case DType::kF16: return update_state<DType::kF16, kBf16Insn>(b, h, begin, end, streaming);
-    default: return update_state<DType::kF32, kBf16Insn>(b, h, begin, end, streaming);
+    case DType::kBF16: return update_param<DType::kBF16, kBf16Insn>(b, h, begin, end, streaming);
+    case DType::kF16: return update_param<DType::kF16, kBf16Insn>(b, h, begin, end, streaming);
+    default: return update_param<DType::kF32, kBf16Insn>(b, h, begin, end, streaming);
   }
 }
 

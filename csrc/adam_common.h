@@ -10,7 +10,8 @@
 
 namespace oz {
 
-// Element type of a gradient input, of the moments, or of the optional weight output.
+// Element type of the weights, of a gradient input, of the moments, or of the optional weight
+// output.
 enum class DType : int {
   kNone = 0,  // no tensor (only legal for the output)
   kF32 = 1,
@@ -37,15 +38,20 @@ struct AdamHyper {
                          // correction)
   float neg_step_size;   // (float)(-(lr / bc1) * sqrt(bc2)), bc1 = 1 - beta1**step (1 without)
   uint32_t sr_key;       // stochastic-rounding key of this (seed, step); see [Note: bf16 moments]
+  uint32_t sr_key_param; // the key of bf16 weights, fmix32(sr_key ^ 0x2545f491): bits
+                         // independent of the moments'; [Note: bf16 master weights]
   int64_t sr_offset;     // counter index of element 0 (a multiple of 64); [Note: bf16 moments]
 };
 
-// The buffers of one call; all hold `numel` elements. param is fp32; exp_avg/exp_avg_sq are
-// both state_dtype (kF32, kBF16 with stochastic rounding: [Note: bf16 moments], or kQ8: one
-// uint8 code per element and one fp32 absmax per block of kQ8Block elements, counted from
-// element 0 of the call: [Note: int8 moments]).
+// The buffers of one call; all hold `numel` elements. param is param_dtype (kF32, or kBF16:
+// read widened to fp32, updated in fp32, stored with stochastic rounding: [Note: bf16 master
+// weights]); exp_avg/exp_avg_sq are both state_dtype (kF32, kBF16 with stochastic rounding:
+// [Note: bf16 moments], or kQ8: one uint8 code per element and one fp32 absmax per block of
+// kQ8Block elements, counted from element 0 of the call: [Note: int8 moments]). out receives
+// the weight as stored in param (for kBF16 the rounded value), converted to out_dtype.
 struct AdamBuffers {
-  float* param;
+  void* param;
+  DType param_dtype;  // kF32 or kBF16
   const void* grad;
   DType grad_dtype;
   void* exp_avg;

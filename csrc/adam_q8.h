@@ -88,8 +88,9 @@ inline float q8_dither(uint32_t bits16, bool stochastic) {
 }
 
 // The reference update of one block: elements [begin, end), begin a multiple of kQ8Block,
-// end - begin <= kQ8Block. Decode, the Adam maths per element ([Note: Adam math]), then
-// encode with the block's new absmax and stochastic rounding ([Note: int8 moments]).
+// end - begin <= kQ8Block. Decode, the Adam maths per element ([Note: Adam math]; a bf16
+// weight stored as in [Note: bf16 master weights]), then encode with the block's new absmax
+// and stochastic rounding ([Note: int8 moments]).
 inline void q8_block(const AdamBuffers& b, const AdamHyper& h, int64_t begin, int64_t end) {
   const Q8Tables& t = q8_tables();
   const int64_t blk = begin / kQ8Block;
@@ -100,12 +101,11 @@ inline void q8_block(const AdamBuffers& b, const AdamHyper& h, int64_t begin, in
   float maxm = 0.0f, maxv = 0.0f;
   for (int64_t i = begin; i < end; ++i) {
     float g = load_grad_scalar(b.grad, b.grad_dtype, i);
-    float p = b.param[i];
+    float p = load_param_scalar(b, i);
     float m = q8_decode(t.m, mc[i], am);
     float v = q8_decode(t.v, vc[i], av);
     adam_math(h, g, p, m, v);
-    b.param[i] = p;
-    store_out_scalar(b.out, b.out_dtype, i, p);
+    store_param_scalar(b, h, i, p);
     mnew[i - begin] = m;
     vnew[i - begin] = v;
     maxm = std::fmax(maxm, std::fabs(m));

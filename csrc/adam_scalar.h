@@ -45,6 +45,24 @@
 // with fmix32 the 32-bit finalizer of MurmurHash3 (a xor-shift / multiply bijection); m uses
 // the low 16 bits of r, v the high 16. NaN stores 0xFFFF (as the RNE conversion below);
 // +-inf stays inf; a value within a bf16 ulp of FLT_MAX may round up to inf.
+//
+// [Note: bf16 master weights]
+// With param_dtype bf16 the weights themselves are bf16 (2 B per weight instead of 4, read and
+// written: 4 B per parameter less traffic on every step): each is widened to fp32 exactly,
+// updated by the fp32 maths above, and stored back with stochastic rounding as the bf16
+// moments are (Gupta et al. 2015, "Deep Learning with Limited Numerical Precision"; Zamirai
+// et al. 2020, "Revisiting BFloat16 Training"). Round-to-nearest would freeze them: an update
+// under half a bf16 ulp of the weight is lost on every step (Adam moves a weight by about lr;
+// with lr = 1e-4 a weight of 0.1, whose half ulp is 2.4e-4, never moves), while stochastic
+// rounding moves it by one ulp with the probability that makes the expected stored weight
+// the fp32 one. The bits are those of [Note: bf16 moments] under a key of their own,
+//   key_param = fmix32(key ^ 0x2545f491)                       (per call, in make_hyper)
+//   r_param   = fmix32((uint32)i + (key_param ^ (uint32)(i >> 32) * 0x9E3779B9)),
+// the weight taking the low 16 bits of r_param: independent of m's and v's bits (with one
+// shared r, an element's m and weight would round up together), and the same whatever the
+// moments' dtype (fp32, bf16 or q8), so the weight rounds alike for every thread split,
+// instruction set and call split with sr_offset. out receives the weight as stored: a bf16
+// out holds param's bits, fp32 the widened value, fp16 that value rounded to nearest even.
 #pragma once
 
 #include <cmath>
@@ -142,6 +160,11 @@ inline uint16_t f32_to_bf16_sr(float x, uint32_t r16) {
   return static_cast<uint16_t>((u + r16) >> 16);
 }
 
+inline float load_param_scalar(const AdamBuffers& b, int64_t i) {
+  if (b.param_dtype == DType::kBF16) return bf16_to_f32(static_cast<const uint16_t*>(b.param)[i]);
+  return static_cast<const float*>(b.param)[i];
+}
+
 inline float load_state_scalar(const void* state, DType dt, int64_t i) {
   if (dt == DType::kBF16) return bf16_to_f32(static_cast<const uint16_t*>(state)[i]);
   return static_cast<const float*>(state)[i];
@@ -164,6 +187,19 @@ inline void store_out_scalar(void* out, DType dt, int64_t i, float x) {
   }
 }
 
+// Stores the new weight p of element i in param (bf16: rounded stochastically, [Note: bf16
+// master weights]) and the weight as stored in out.
+inline void store_param_scalar(const AdamBuffers& b, const AdamHyper& h, int64_t i, float p) {
+  if (b.param_dtype == DType::kBF16) {
+    const uint16_t w = f32_to_bf16_sr(p, sr_bits(h.sr_key_param, i + h.sr_offset) & 0xffffu);
+    static_cast<uint16_t*>(b.param)[i] = w;
+    p = bf16_to_f32(w);
+  } else {
+    static_cast<float*>(b.param)[i] = p;
+  }
+  store_out_scalar(b.out, b.out_dtype, i, p);
+}
+
 // The maths of one element in fp32 (see [Note: Adam math]): gradient g, weight p and moments
 // m, v in, the new p, m, v out.
 inline void adam_math(const AdamHyper& h, float g, float& p, float& m, float& v) {
@@ -177,15 +213,15 @@ inline void adam_math(const AdamHyper& h, float g, float& p, float& m, float& v)
   p = p + (h.neg_step_size * m) / denom;
 }
 
-// The reference: one element of one step with fp32 or bf16 moments (see [Note: Adam math]);
-// kQ8 moments are updated a block at a time (q8_block in adam_q8.h).
+// The reference: one element of one step with fp32 or bf16 moments and fp32 or bf16 weights
+// (see [Note: Adam math]); kQ8 moments are updated a block at a time (q8_block in adam_q8.h).
 inline void adam_element(const AdamBuffers& b, const AdamHyper& h, int64_t i) {
   float g = load_grad_scalar(b.grad, b.grad_dtype, i);
-  float p = b.param[i];
+  float p = load_param_scalar(b, i);
   float m = load_state_scalar(b.exp_avg, b.state_dtype, i);
   float v = load_state_scalar(b.exp_avg_sq, b.state_dtype, i);
   adam_math(h, g, p, m, v);
-  b.param[i] = p;
+  store_param_scalar(b, h, i, p);
   if (b.state_dtype == DType::kBF16) {
     const uint32_t r = sr_bits(h.sr_key, i + h.sr_offset);
     static_cast<uint16_t*>(b.exp_avg)[i] = f32_to_bf16_sr(m, r & 0xffffu);
@@ -194,7 +230,6 @@ inline void adam_element(const AdamBuffers& b, const AdamHyper& h, int64_t i) {
     static_cast<float*>(b.exp_avg)[i] = m;
     static_cast<float*>(b.exp_avg_sq)[i] = v;
   }
-  store_out_scalar(b.out, b.out_dtype, i, p);
 }
 
 // True when grad[i] (scaled as the update will scale it) is inf or nan.

@@ -54,7 +54,8 @@ bool adam_step(uintptr_t param_ptr, uintptr_t grad_ptr, uintptr_t exp_avg_ptr,
                double beta1, double beta2, double eps, double weight_decay, bool adamw,
                bool bias_correction, double grad_scale, int num_threads,
                const std::string& state_dtype, int64_t sr_seed, bool check_overflow,
-               int64_t sr_offset, uintptr_t exp_avg_absmax_ptr, uintptr_t exp_avg_sq_absmax_ptr) {
+               int64_t sr_offset, uintptr_t exp_avg_absmax_ptr, uintptr_t exp_avg_sq_absmax_ptr,
+               const std::string& param_dtype) {
   if (numel < 0) throw py::value_error("numel=" + std::to_string(numel) + " is negative");
   if (step < 1) throw py::value_error("step=" + std::to_string(step) + " must be >= 1");
   if (num_threads < 0) {
@@ -82,7 +83,11 @@ bool adam_step(uintptr_t param_ptr, uintptr_t grad_ptr, uintptr_t exp_avg_ptr,
   b.grad_dtype = parse_dtype(grad_dtype, "grad");
   b.out_dtype = out_dtype.is_none() ? DType::kNone
                                     : parse_dtype(py::cast<std::string>(out_dtype), "out");
-  b.param = static_cast<float*>(checked_ptr(param_ptr, numel, DType::kF32, "param"));
+  if (param_dtype != "float32" && param_dtype != "bfloat16") {
+    throw py::value_error("param dtype '" + param_dtype + "' is not one of float32, bfloat16");
+  }
+  b.param_dtype = parse_dtype(param_dtype, "param");
+  b.param = checked_ptr(param_ptr, numel, b.param_dtype, "param");
   b.grad = checked_ptr(grad_ptr, numel, b.grad_dtype, "grad");
   b.state_dtype = state_dtype == "q8" ? DType::kQ8 : parse_dtype(state_dtype, "state");
   if (b.state_dtype == DType::kF16) {
@@ -178,7 +183,7 @@ void set_threads(int n) {
 }  // namespace oz
 
 PYBIND11_MODULE(_C, m) {
-  m.doc() = "offload-zero host kernels: Adam/AdamW over flat fp32 buffers (raw pointers).";
+  m.doc() = "offload-zero host kernels: Adam/AdamW over flat fp32 or bf16 buffers (raw pointers).";
   m.def("adam_step", &oz::adam_step, py::arg("param_ptr"), py::arg("grad_ptr"),
         py::arg("exp_avg_ptr"), py::arg("exp_avg_sq_ptr"), py::arg("numel"),
         py::arg("grad_dtype"), py::arg("out_ptr"), py::arg("out_dtype"), py::arg("step"),
@@ -187,13 +192,17 @@ PYBIND11_MODULE(_C, m) {
         py::arg("grad_scale"), py::arg("num_threads"), py::arg("state_dtype") = "float32",
         py::arg("sr_seed") = 0, py::arg("check_overflow") = true, py::arg("sr_offset") = 0,
         py::arg("exp_avg_absmax_ptr") = 0, py::arg("exp_avg_sq_absmax_ptr") = 0,
+        py::arg("param_dtype") = "float32",
         "One Adam/AdamW step in place over raw buffers of `numel` elements.\n\n"
-        "param: fp32; exp_avg/exp_avg_sq: state_dtype ('float32'|'bfloat16'|'q8', the\n"
+        "param: param_dtype ('float32'|'bfloat16', the latter updated in fp32 and stored with\n"
+        "stochastic rounding, its random bits independent of the moments');\n"
+        "exp_avg/exp_avg_sq: state_dtype ('float32'|'bfloat16'|'q8', the\n"
         "latter two stored with stochastic rounding keyed by (sr_seed, step) and the element\n"
         "index counted from sr_offset, a multiple of 64 >= 0; q8: uint8 codes plus one fp32\n"
         "absmax per block of 256 elements from element 0, at exp_avg[_sq]_absmax_ptr);\n"
         "grad: grad_dtype ('float32'|'bfloat16'|'float16');\n"
-        "out: optional copy of the new weight in out_dtype (None: no copy, out_ptr must be 0).\n"
+        "out: optional copy of the new weight as stored in param, in out_dtype (None: no\n"
+        "copy, out_ptr must be 0).\n"
         "num_threads=0 uses set_num_threads(), OFFLOAD_ZERO_ADAM_THREADS or all CPUs.\n"
         "Returns True (nothing written) when any gradient times grad_scale is inf or nan.\n"
         "check_overflow=False skips that read-only pass: the caller vouches that the\n"

@@ -152,6 +152,7 @@ AdamHyper make_hyper(const AdamOptions& o) {
   h.eps = static_cast<float>(o.eps * std::sqrt(bc2));
   h.neg_step_size = static_cast<float>(-(o.lr / bc1) * std::sqrt(bc2));
   h.sr_key = fmix32(fmix32(o.sr_seed) + static_cast<uint32_t>(o.step));
+  h.sr_key_param = fmix32(h.sr_key ^ 0x2545f491u);  // [Note: bf16 master weights]
   h.sr_offset = o.sr_offset;
   return h;
 }

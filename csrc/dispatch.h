@@ -38,7 +38,8 @@ struct AdamOptions {
   bool adamw;          // decoupled weight decay (AdamW) instead of L2 (Adam)
   bool bias_correction;
   double grad_scale;
-  uint32_t sr_seed;    // stochastic-rounding seed of bf16 moments ([Note: bf16 moments])
+  uint32_t sr_seed;    // stochastic-rounding seed of bf16/q8 moments and bf16 weights
+                       // ([Note: bf16 moments], [Note: bf16 master weights])
   int64_t sr_offset;   // counter index of element 0 of this call, >= 0, a multiple of 64
 };
 

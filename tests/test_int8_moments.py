@@ -321,6 +321,82 @@ def test_int8_adam_stays_close_to_fp32_adam():
     assert float((p8 - p32).abs().mean()) < 0.02 * float(target.std())
 
 
+# ---------------------------------------------------------------------------- bf16 master weights
+
+
+def _with_bf16_master(state):
+    return [state[0].to(torch.bfloat16)] + state[1:]
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("n", SIZES)
+def test_bf16_master_with_int8_moments(isa, n, monkeypatch):
+    """bf16 weights with 8-bit moments, three steps: each step is the fp32-weight kernel's
+    step from the widened weights (codes and absmax bit for bit) with the weight rounded by
+    the reference's stochastic rounding under the weights' key ([Note: bf16 master weights]),
+    a bf16 out holding the weights' bits; and every instruction set gives the scalar kernel's
+    bits."""
+    from test_adam_kernel import _sr_bits, _to_bf16_sr
+    gen = torch.Generator().manual_seed(n + 1)
+    grads = [torch.randn(n, generator=gen) * 10.0 ** (s - 2) for s in range(3)]
+    state = _with_bf16_master(_q8_state(n, n))
+    kw = dict(lr=1e-2, weight_decay=0.1, sr_seed=11, sr_offset=512)
+    monkeypatch.setenv("OFFLOAD_ZERO_ADAM_ISA", isa)
+    p, mc, ma, vc, va = (t.clone() for t in state)
+    out = torch.empty(n, dtype=torch.bfloat16)
+    for step, g in enumerate(grads, start=1):
+        p32 = p.float()
+        moments32 = [t.clone() for t in (mc, ma, vc, va)]  # (beside fp32 weights)
+        assert adam_step_(p32, g, moments32[0], moments32[2], step=step,
+                          exp_avg_absmax=moments32[1], exp_avg_sq_absmax=moments32[3],
+                          **kw) is False
+        assert adam_step_(p, g, mc, vc, step=step, out=out, exp_avg_absmax=ma,
+                          exp_avg_sq_absmax=va, **kw) is False
+        rounded = _to_bf16_sr(p32, _sr_bits(11, step, n, 512, weights=True) & 0xFFFF)
+        assert torch.equal(p.view(torch.int16), rounded.view(torch.int16)), f"{isa} step {step}"
+        assert torch.equal(out.view(torch.int16), p.view(torch.int16))
+        for name, a, b in zip(("m", "m_absmax", "v", "v_absmax"), (mc, ma, vc, va), moments32):
+            assert torch.equal(a, b), f"{isa} n={n} step={step}: {name}"
+    ref = _run_q8("scalar", monkeypatch, state, grads, torch.bfloat16)
+    got = _run_q8(isa, monkeypatch, state, grads, torch.bfloat16)
+    for name, a, b in zip(("param", "m", "m_absmax", "v", "v_absmax", "out"), got, ref):
+        assert torch.equal(a, b), f"{isa} n={n}: {name} differs at {int((a != b).nonzero()[0])}"
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_overflow_leaves_bf16_master_and_int8_moments_unchanged(isa, monkeypatch):
+    monkeypatch.setenv("OFFLOAD_ZERO_ADAM_ISA", isa)
+    n = 100_003
+    p, mc, ma, vc, va = state = _with_bf16_master(_q8_state(n, 3))
+    out = torch.full((n,), 7.0)
+    before = [t.clone() for t in state + [out]]
+    for where in (0, 70_000, n - 1):
+        g = torch.randn(n)
+        g[where] = float("inf")
+        assert adam_step_(p, g, mc, vc, step=2, lr=1e-2, out=out, sr_seed=1,
+                          exp_avg_absmax=ma, exp_avg_sq_absmax=va) is True
+        assert all(torch.equal(a, b) for a, b in zip(state + [out], before)), where
+
+
+def test_runs_of_bf16_master_at_block_edges_equal_one_fused_call():
+    """bf16 weights: runs cut at block edges are the fused call's bits; a cut inside a block
+    (its weights would be rounded outside the fused pass) is refused."""
+    n = 1500
+    state = _with_bf16_master(_q8_state(n, 5))
+    g = torch.randn(n, generator=torch.Generator().manual_seed(6))
+    p, mc, ma, vc, va = whole = [t.clone() for t in state]
+    adam_step_(p, g, mc, vc, step=3, lr=1e-2, weight_decay=0.1, sr_seed=2, sr_offset=1024,
+               exp_avg_absmax=ma, exp_avg_sq_absmax=va)
+    runs = [(0, 256, _hp(1e-2, 0.1)), (256, 1024, _hp(1e-2, 0.1)), (1024, n, _hp(1e-2, 0.1))]
+    p, mc, ma, vc, va = cut = [t.clone() for t in state]
+    assert adam_step_runs_(p, g, mc, vc, ma, va, runs, step=3, sr_seed=2, sr_offset=1024) is False
+    assert all(torch.equal(a, b) for a, b in zip(cut, whole))
+    runs = [(0, 300, _hp(1e-2, 0.1)), (300, n, _hp(1e-3, 0.0))]
+    with pytest.raises(NotImplementedError, match=r"inside a block of 256 \(at \[300\]\)"):
+        adam_step_runs_(p, g, mc, vc, ma, va, runs, step=4)
+    assert all(torch.equal(a, b) for a, b in zip(cut, whole))
+
+
 def test_bad_absmax_raises_value_error():
     n = 300
     p, g = torch.zeros(n), torch.zeros(n)

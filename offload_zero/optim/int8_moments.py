@@ -108,22 +108,31 @@ def adam_step_runs_(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Ten
     the same stochastic rounding: the codes are those one fused pass with per-element
     hyperparameters would give, wherever the runs are cut. ``sr_offset``: the place of element
     0 in the whole flat parameter (a multiple of 256, so the blocks are the same however a
-    state is chunked). Other arguments and errors as :func:`offload_zero.optim.adam_step_`.
+    state is chunked). ``master`` may be bfloat16 ([Note: bf16 master weights] in
+    csrc/adam_scalar.h) when every run starts and ends on a block edge (or at N): a block
+    shared by runs would round its weights outside the fused pass. Other arguments and errors
+    as :func:`offload_zero.optim.adam_step_`.
+
+    Raises:
+        NotImplementedError: a bfloat16 ``master`` with a run edge inside a block.
     """
     n = master.numel()
     if sr_offset % BLOCK_NUMEL:
         raise ValueError(f"sr_offset={sr_offset} must be a multiple of {BLOCK_NUMEL} (a block)")
+    inside = sorted({edge for a, b, _ in runs for edge in (a, b)
+                     if 0 < edge < n and edge % BLOCK_NUMEL})
+    if master.dtype == torch.bfloat16 and inside:
+        raise NotImplementedError(
+            f"bfloat16 master weights with runs cut inside a block of {BLOCK_NUMEL} (at "
+            f"{inside}) are not supported: cut the runs at multiples of {BLOCK_NUMEL}")
     if len(runs) > 1 and check_overflow:
         if not _all_finite(grad, grad_scale):
             return True
         check_overflow = False
     common = dict(step=step, adamw=adamw, grad_scale=grad_scale, check_overflow=check_overflow)
-    mixed = set()
+    mixed = {edge // BLOCK_NUMEL for edge in inside}
     overflow = False
     for a, b, hp in runs:
-        for edge in (a, b):
-            if 0 < edge < n and edge % BLOCK_NUMEL:
-                mixed.add(edge // BLOCK_NUMEL)
         lo = -(-a // BLOCK_NUMEL) * BLOCK_NUMEL
         hi = b if b == n else b // BLOCK_NUMEL * BLOCK_NUMEL
         if lo >= hi:

@@ -26,6 +26,10 @@ counter-based hash of (``sr_seed``, ``step``, element index), so a step is deter
 the same on every instruction set and thread count (csrc/adam_scalar.h,
 [Note: bf16 moments]).
 
+The master weights may be bfloat16 too (2 B each instead of 4: 4 B per parameter less memory
+and traffic again), updated in fp32 and stored with stochastic rounding under random bits of
+their own, independent of the moments' (csrc/adam_scalar.h, [Note: bf16 master weights]).
+
 Threads: the per-call ``num_threads`` wins; otherwise :func:`set_num_threads`, then the
 environment variable ``OFFLOAD_ZERO_ADAM_THREADS``, then every CPU this process may run on.
 """
@@ -44,6 +48,7 @@ __all__ = ["adam_step_", "selected_isa", "available_isas", "set_num_threads",
 _GRAD_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _OUT_DTYPES = _GRAD_DTYPES
 _STATE_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.uint8: "q8"}
+_PARAM_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
 Q8_BLOCK_NUMEL = int(_C.q8_block_numel())  # elements per absmax block of int8 moments (256)
 
 
@@ -141,7 +146,17 @@ def adam_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
     """One Adam/AdamW step over flat CPU buffers, in place; returns True on overflow.
 
     Args:
-        param: fp32 master weights, contiguous, CPU, any shape with N elements. Updated in place.
+        param: master weights, contiguous, CPU, any shape with N elements, float32 or
+            bfloat16. Updated in place. bfloat16 weights (2 B per weight instead of 4) are
+            widened to fp32, updated by the fp32 maths above and stored with stochastic
+            rounding (Gupta et al. 2015, "Deep Learning with Limited Numerical Precision";
+            Zamirai et al. 2020, "Revisiting BFloat16 Training"): round-to-nearest would drop
+            every update under half a bf16 ulp of the weight (2^-9 to 2^-8 of it: with
+            lr=1e-4 a weight of 0.1 would never move); stochastic rounding keeps it on
+            average. The random bits are a hash of (``sr_seed``, ``step``, element index
+            counted from ``sr_offset``) under a key of their own, independent of the
+            moments' bits, and the same whatever the moments' dtype, thread count or
+            instruction set.
         grad: gradient, contiguous CPU tensor of N elements, float32, bfloat16 or float16.
             Read only.
         exp_avg: first moment, contiguous CPU, N elements, float32, bfloat16 or uint8 (the
@@ -158,8 +173,9 @@ def adam_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
         grad_scale: the gradient is multiplied by this first (1/loss_scale times a clip
             coefficient); finite.
         out: None, or a contiguous CPU tensor of N elements, float32, bfloat16 or float16, that
-            receives the new weight rounded to nearest even (bit-identical to
-            ``param.to(out.dtype)``), written in the same pass.
+            receives the new weight as stored in ``param`` rounded to nearest even
+            (bit-identical to ``param.to(out.dtype)``: for bfloat16 weights, a bfloat16 out
+            holds their bits, a float32 out their exact value), written in the same pass.
         num_threads: threads to use; None means :func:`set_num_threads`'s value, else
             ``OFFLOAD_ZERO_ADAM_THREADS``, else every CPU this process may run on. Buffers
             under ~64K elements per thread use fewer threads. The GIL is released meanwhile.
@@ -172,13 +188,15 @@ def adam_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
             the fp32 ones on average. The random bits are a hash of (``sr_seed``, ``step``,
             element index): deterministic given the step, the same for every thread count
             and instruction set.
-        sr_seed: int in [0, 2**32), the stochastic-rounding seed (use a different one per
-            tensor for independent rounding); ignored for float32 moments.
+        sr_seed: int in [0, 2**32), the stochastic-rounding seed of the moments and of
+            bfloat16 weights (use a different one per tensor for independent rounding);
+            ignored for float32 moments with float32 weights.
         sr_offset: the element index the random bits count element 0 of these buffers as, an
             int >= 0 and a multiple of 64 (default 0): a call on elements [lo, hi) of a larger
             buffer with ``sr_offset=lo`` (its step, seed, all else equal) rounds them exactly
             as one call on the whole buffer would, so an update streamed in chunks gives the
-            same bf16 moments as one made whole. Ignored for float32 moments.
+            same bf16 moments and weights as one made whole. Ignored for float32 moments with
+            float32 weights.
         exp_avg_absmax, exp_avg_sq_absmax: with uint8 moments only (required then): the
             fp32 absmax of each block of ``Q8_BLOCK_NUMEL`` = 256 elements of ``exp_avg`` /
             ``exp_avg_sq``, counted from element 0 (contiguous CPU tensors of ceil(N / 256)
@@ -213,7 +231,7 @@ def adam_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
     if not isinstance(param, torch.Tensor):
         raise ValueError(f"param must be a torch.Tensor, got {type(param).__name__}")
     numel = param.numel()
-    _check_tensor("param", param, numel, (torch.float32,))
+    _check_tensor("param", param, numel, tuple(_PARAM_DTYPES))
     _check_tensor("grad", grad, numel, tuple(_GRAD_DTYPES))
     _check_tensor("exp_avg", exp_avg, numel, tuple(_STATE_DTYPES))
     _check_tensor("exp_avg_sq", exp_avg_sq, numel, (exp_avg.dtype,))
@@ -248,4 +266,4 @@ def adam_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
         float(weight_decay), bool(adamw), bool(bias_correction), float(grad_scale),
         0 if num_threads is None else int(num_threads), _STATE_DTYPES[exp_avg.dtype],
         int(sr_seed), bool(check_overflow), int(sr_offset),
-        *(0 if t is None else t.data_ptr() for t in absmax))
+        *(0 if t is None else t.data_ptr() for t in absmax), _PARAM_DTYPES[param.dtype])
