@@ -257,3 +257,67 @@ def test_check_overflow_off_matches_and_raises_on_nonfinite():
     pb.grad = torch.full((1000,), float("inf"))
     with pytest.raises(RuntimeError):
         ob.step()
+
+
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16, torch.uint8])
+def test_bf16_params_match_the_kernel_and_round_trip_their_state(state_dtype):
+    """bf16 parameters in two groups: every step is adam_step_ on the parameter (its position
+    over the groups as sr_seed, the moments in state_dtype), bit for bit, and stays near
+    torch.optim.AdamW on fp32 copies; a state dict loads back with the moments' own dtype and
+    bits (torch alone would round fp32 moments and 8-bit scales to the parameters' bf16) and
+    the two optimizers continue bit for bit."""
+    from offload_zero.optim import adam_step_
+    from offload_zero.optim.int8_moments import blocks
+    sizes = ([17, 1023], [300])
+    params = [[p.to(torch.bfloat16).requires_grad_(True) for p in _params(i, s)]
+              for i, s in enumerate(sizes)]
+    hyper = ({"lr": 1e-2, "weight_decay": 0.1}, {"lr": 3e-3, "weight_decay": 0.0})
+    opt = CPUAdam([{"params": ps, **h} for ps, h in zip(params, hyper)],
+                  state_dtype=state_dtype)
+    flat = [p for ps in params for p in ps]
+    group_of = [h for ps, h in zip(params, hyper) for _ in ps]
+    ref = [[p.detach().clone().view(-1), torch.zeros(p.numel(), dtype=state_dtype),
+            torch.zeros(p.numel(), dtype=state_dtype)] for p in flat]
+    scales = [[torch.zeros(blocks(p.numel())) for _ in range(2)] for p in flat]
+    fp32 = [p.detach().float().requires_grad_(True) for p in flat]
+    torch_opt = torch.optim.AdamW([{"params": [q], **h} for q, h in zip(fp32, group_of)],
+                                  foreach=False)
+    def set_bf16_grads(step):
+        gen = torch.Generator().manual_seed(step)
+        for p in flat:
+            p.grad = (torch.randn(p.shape, generator=gen) * 10.0 ** (step % 4 - 2)).bfloat16()
+
+    for step in range(1, 11):
+        set_bf16_grads(step)
+        for q, p in zip(fp32, flat):
+            q.grad = p.grad.float()
+        opt.step()
+        torch_opt.step()
+        for seed, (p, (w, m, v), h, s) in enumerate(zip(flat, ref, group_of, scales), start=1):
+            q8 = dict(exp_avg_absmax=s[0], exp_avg_sq_absmax=s[1]) \
+                if state_dtype == torch.uint8 else {}
+            adam_step_(w, p.grad.view(-1), m, v, step=step, sr_seed=seed, **h, **q8)
+    for p, (w, m, v), q in zip(flat, ref, fp32):
+        assert p.dtype == torch.bfloat16
+        assert torch.equal(p.detach().view(-1).view(torch.int16), w.view(torch.int16))
+        assert torch.equal(opt.state[p]["exp_avg"].view(-1), m)
+        # Ten stochastic roundings, each off by under a bf16 ulp (2**-8 to 2**-7 relative):
+        # a random walk of ~sqrt(10) / 2 ulps.
+        err = float((p.detach().float() - q.detach()).abs().mean())
+        assert err < 2 ** -6 * float(q.detach().abs().mean())
+    sd = copy.deepcopy(opt.state_dict())
+    again_params = [[p.detach().clone().requires_grad_(True) for p in ps] for ps in params]
+    again = CPUAdam([{"params": ps} for ps in again_params])
+    again.load_state_dict(copy.deepcopy(sd))
+    again_flat = [p for ps in again_params for p in ps]
+    for p, a in zip(flat, again_flat):
+        for key, value in opt.state[p].items():
+            assert again.state[a][key].dtype == value.dtype, key
+            assert torch.equal(again.state[a][key], value), key
+    set_bf16_grads(11)
+    for a, p in zip(again_flat, flat):
+        a.grad = p.grad.clone()
+    opt.step()
+    again.step()
+    for p, a in zip(flat, again_flat):
+        assert torch.equal(p.detach().view(torch.int16), a.detach().view(torch.int16))

@@ -1,16 +1,20 @@
 """``CPUAdam``: the C++ host Adam/AdamW as a ``torch.optim.Optimizer``.
 
 A drop-in for ``torch.optim.AdamW`` (``adamw_mode=True``) or ``torch.optim.Adam``
-(``adamw_mode=False``) on CPU fp32 parameters: param groups, LR schedulers (``group['lr']`` is
-read on every step) and ``state_dict``/``load_state_dict`` with torch's state keys (``step``,
-``exp_avg``, ``exp_avg_sq``) all work, so states move between this class and torch's.
+(``adamw_mode=False``) on CPU fp32 (or bf16) parameters: param groups, LR schedulers
+(``group['lr']`` is read on every step) and ``state_dict``/``load_state_dict`` with torch's
+state keys (``step``, ``exp_avg``, ``exp_avg_sq``) all work, so states move between this class
+and torch's.
 With ``state_dtype=torch.bfloat16`` the moments are kept in bf16 (stochastic rounding, see
 :func:`offload_zero.optim.adam_step_`): 4 bytes per parameter less; with ``torch.uint8``, as
 blockwise 8-bit codes (:mod:`offload_zero.optim.int8_moments`): 5.97 bytes per parameter less.
+bf16 parameters are master weights of their own (2 bytes each instead of 4), updated in fp32
+and stored with stochastic rounding.
 """
 from __future__ import annotations
 
 import math
+from itertools import chain
 from typing import Callable, Iterable, Optional, Tuple
 
 import torch
@@ -27,7 +31,7 @@ def _describe(group_index: int, param_index: int, p: torch.Tensor) -> str:
 
 
 class CPUAdam(torch.optim.Optimizer):
-    """Adam/AdamW on CPU fp32 parameters, one fused SIMD pass per parameter.
+    """Adam/AdamW on CPU fp32 or bf16 parameters, one fused SIMD pass per parameter.
 
     Per element, with t the parameter's step count (Kingma & Ba 2015; Loshchilov & Hutter
     2019)::
@@ -43,8 +47,11 @@ class CPUAdam(torch.optim.Optimizer):
 
     Args:
         params: iterable of tensors or of param-group dicts, as for any torch optimizer. Each
-            parameter must be a contiguous CPU float32 tensor; its ``.grad`` may be float32,
-            bfloat16 or float16 (any shape matching the parameter).
+            parameter must be a contiguous CPU float32 or bfloat16 tensor; its ``.grad`` may
+            be float32, bfloat16 or float16 (any shape matching the parameter). A bfloat16
+            parameter is its own master weight: updated in fp32 and stored with stochastic
+            rounding, seeded as the moments (:func:`offload_zero.optim.adam_step_`; its
+            random bits are independent of theirs); its moments keep ``state_dtype``.
         lr: learning rate, >= 0.
         betas: (beta1, beta2) in [0, 1).
         eps: denominator term, >= 0.
@@ -72,7 +79,8 @@ class CPUAdam(torch.optim.Optimizer):
 
     Raises:
         ValueError: a hyperparameter is out of range, or a parameter is not a contiguous CPU
-            float32 tensor (the message names the group, index, shape, dtype and device).
+            float32 or bfloat16 tensor (the message names the group, index, shape, dtype and
+            device).
     """
 
     def __init__(self, params: Iterable, lr: float = 1e-3,
@@ -92,6 +100,20 @@ class CPUAdam(torch.optim.Optimizer):
             _check_state_dtype(group["state_dtype"])
             for pi, p in enumerate(group["params"]):
                 _check_param(gi, pi, p)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch's ``load_state_dict``, except that a bfloat16 parameter's moments (and 8-bit
+        scales) keep their saved dtype and bits: torch casts every floating state tensor to
+        its parameter's dtype, which would round fp32 moments and absmax to bfloat16."""
+        super().load_state_dict(state_dict)
+        saved_ids = chain.from_iterable(g["params"] for g in state_dict["param_groups"])
+        params = chain.from_iterable(g["params"] for g in self.param_groups)
+        for saved_id, p in zip(saved_ids, params):
+            if p.dtype != torch.bfloat16 or saved_id not in state_dict["state"]:
+                continue
+            for key, value in state_dict["state"][saved_id].items():
+                if key != "step" and isinstance(value, torch.Tensor):
+                    self.state[p][key] = value.to(device=p.device, copy=True)
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
@@ -221,7 +243,7 @@ def _check_param(group_index: int, param_index: int, p: torch.Tensor) -> None:
     where = _describe(group_index, param_index, p)
     if p.device.type != "cpu":
         raise ValueError(f"{where}: CPUAdam needs CPU parameters")
-    if p.dtype != torch.float32:
-        raise ValueError(f"{where}: CPUAdam needs float32 parameters")
+    if p.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"{where}: CPUAdam needs float32 or bfloat16 parameters")
     if p.layout != torch.strided or not p.is_contiguous():
         raise ValueError(f"{where}: CPUAdam needs contiguous dense parameters")
