@@ -1,5 +1,10 @@
-"""Adam's moments in fp32 (exact AdamW), bf16 and int8: loss curves side by side, the final
-loss difference, and the optimizer-state bytes per parameter per step.
+"""Adam's moments in fp32 (exact AdamW), bf16 and int8, with fp32 or bf16 master weights: loss
+curves side by side, the final loss difference, and the optimizer-state bytes per parameter per
+step.
+
+A format is a moment dtype (``fp32``, ``bf16``, ``int8``: fp32 master weights) or a moment
+dtype with ``+bf16-master`` (``master_dtype="bf16"``, with ``--dtype bf16`` only), e.g.
+``bf16+bf16-master``.
 
 Each format trains the same model from the same initial weights on the same batches of the
 train CLI's default corpus (the Python standard library's sources, byte tokenizer; see
@@ -13,12 +18,13 @@ heads, vocab 32000: the byte tokenizer's 259 ids are its first rows).
 
 Prints, per format: first and last loss, the mean loss of the last 10% of the steps and its
 difference from fp32's, the NVMe state bytes read + written per step over the parameter count
-(the formula: 2 x 12 = 24 for fp32, 16 for bf16, 12 for int8, plus 4096-byte padding), and
+(the formula: 2 x 12 = 24 for fp32, 16 for bf16, 12 for int8, 4 less with a bf16 master, plus
+4096-byte padding; with a bf16 master the parameter shards are the masters' bytes), and
 the host bytes of state per parameter; plots the curves to ``--png``.
 
 Usage: PYTHONPATH=. python benchmarks/bench_moments.py [--steps 300] [--hidden 1024]
     [--intermediate 2048] [--layers 8] [--heads 16] [--vocab 32000] [--seq 256] [--batch 4]
-    [--offload nvme] [--dtype fp32|bf16] [--path DIR] [--formats fp32 bf16 int8] [--png FILE]
+    [--offload nvme] [--dtype fp32|bf16] [--path DIR] [--formats fp32 bf16 int8 ...] [--png FILE]
 """
 from __future__ import annotations
 
@@ -51,7 +57,8 @@ def _batches(args):
 
 
 def _run(model, fmt: str, args) -> Dict[str, object]:
-    """``args.steps`` steps with ``moment_dtype=fmt``: losses, bytes, seconds."""
+    """``args.steps`` steps with format ``fmt`` (``"<moments>"`` or
+    ``"<moments>+bf16-master"``): losses, bytes, seconds."""
     from offload_zero import OffloadEngine
     from offload_zero.train import lr_at
     warmup = min(100, args.steps // 10)
@@ -60,7 +67,9 @@ def _run(model, fmt: str, args) -> Dict[str, object]:
         kw = {"path": folder} if args.offload == "nvme" else {}
         dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
         with OffloadEngine(model, offload=args.offload, stage=3, lr=args.lr, dtype=dtype,
-                           weight_decay=args.weight_decay, moment_dtype=fmt, **kw) as eng:
+                           weight_decay=args.weight_decay, moment_dtype=fmt.split("+")[0],
+                           master_dtype="bf16" if fmt.endswith("+bf16-master") else "fp32",
+                           **kw) as eng:
             batches = _batches(args)
             rep0 = eng.memory_report()
             start = time.perf_counter()
@@ -95,7 +104,7 @@ def _plot(results, args, png: str) -> None:
     ref = results.get("fp32")
     for fmt, r in results.items():
         steps = range(1, len(r["losses"]) + 1)
-        ax.plot(steps, r["losses"], label=f"moments {fmt}", lw=1)
+        ax.plot(steps, r["losses"], label=fmt if "+" in fmt else f"moments {fmt}", lw=1)
         if ref is not None and fmt != "fp32":
             dx.plot(steps, [a - b for a, b in zip(r["losses"], ref["losses"])],
                     label=f"{fmt} - fp32", lw=1)
@@ -127,13 +136,17 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--offload", choices=["cpu", "nvme"], default="nvme")
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
-                   help="compute dtype (the master weights are fp32 either way)")
+                   help="compute dtype (the master weights are fp32 unless a format says "
+                        "+bf16-master, which needs bf16)")
     p.add_argument("--path", default=None, help="folder for the NVMe state (default: tmp)")
     p.add_argument("--formats", nargs="+", default=["fp32", "bf16", "int8"],
-                   choices=["fp32", "bf16", "int8"])
+                   choices=["fp32", "bf16", "int8", "fp32+bf16-master", "bf16+bf16-master",
+                            "int8+bf16-master"])
     p.add_argument("--png", default="benchmarks/results/bench_moments.png")
     p.add_argument("--log-every", type=int, default=10, help="progress to stderr (0: none)")
     args = p.parse_args()
+    if args.dtype != "bf16" and any("+bf16-master" in f for f in args.formats):
+        p.error("a +bf16-master format needs --dtype bf16")
     if args.vocab < 259:
         p.error(f"--vocab {args.vocab}: the byte tokenizer needs at least 259 ids")
     torch.set_num_threads(max(1, torch.get_num_threads()))
@@ -148,13 +161,13 @@ def main() -> None:
     tail = max(1, args.steps // 10)
     ref = results.get("fp32")
     ref_tail = sum(ref["losses"][-tail:]) / tail if ref else None
-    print(f"{'moments':8} {'first':>8} {'last':>8} {'tail mean':>10} {'vs fp32':>9} "
+    print(f"{'format':16} {'first':>8} {'last':>8} {'tail mean':>10} {'vs fp32':>9} "
           f"{'state B/param/step':>19} {'host state B/param':>19} {'s/step':>7}")
     for fmt, r in results.items():
         mean = sum(r["losses"][-tail:]) / tail
         diff = f"{mean - ref_tail:+.4f}" if ref else "-"
         per_step = r["moved"] / params / args.steps if args.offload == "nvme" else float("nan")
-        print(f"{fmt:8} {r['losses'][0]:8.4f} {r['losses'][-1]:8.4f} {mean:10.4f} {diff:>9} "
+        print(f"{fmt:16} {r['losses'][0]:8.4f} {r['losses'][-1]:8.4f} {mean:10.4f} {diff:>9} "
               f"{per_step:19.2f} {r['host_state'] / params:19.2f} "
               f"{r['seconds'] / args.steps:7.2f}")
     if ref:

@@ -41,6 +41,9 @@ AdamW lr 1e-4, wd 0.01; N = 1 by default):
   ahead for the updates instead of three; any ``raN``, combined with the other suffixes).
 - ``ours-nvme+bf16m``: ``ours-nvme`` with ``moment_dtype="bf16"`` (8 bytes of state per
   parameter instead of 12; close to, not equal to, fp32 moments' losses).
+- ``ours-nvme+bf16w``: ``ours-nvme`` with ``master_dtype="bf16"`` (bf16 master weights, 2 bytes
+  of state per parameter less; ``--dtype bf16`` only): with the parameter shards on NVMe they
+  are the masters' bytes, so ``ours-nvme+bf16m+bf16w`` moves 6 bytes per parameter each way.
 - ``--moment-dtype bf16`` gives every other ``ours-*`` row bf16 moments too.
 - ``ds-cpu``, ``ds-nvme-opt``, ``ds-nvme-opt+param``: DeepSpeed ZeRO-3 (only when
   ``import deepspeed`` works), with optimizer and parameters offloaded to the CPU; optimizer to
@@ -107,7 +110,7 @@ CONFIGS = ["torch", "torch+io", "ours-cpu", "ours-nvme", "ours-nvme-opt", "ours-
            "ours-nvme-opt+sib", "ours-nvme+plain", "ours-nvme-opt+plain", "ours-nvme+cache",
            "ours-nvme+bf16m", "ours-nvme+int8m", "ours-nvme+cache+bf16m",
            "ours-nvme+cache+int8m", "ds-cpu", "ds-nvme-opt", "ds-nvme-opt+param"]
-SUFFIXES = ("sib", "plain", "cache", "bf16m", "int8m")  # (an ours-* row's, combined in any order)
+SUFFIXES = ("sib", "plain", "cache", "bf16m", "int8m", "bf16w")  # (an ours-* row's, any order)
 RING_SUFFIX = re.compile(r"ra([0-9]+)")  # ``raN``: optimizer_prefetch=N
 LR, BETAS, EPS, WD = 1e-4, (0.9, 0.999), 1e-8, 0.01
 GB = 1e9
@@ -224,6 +227,7 @@ def ours_engine(args, config: str, model, dtype, dev):
     """The ``OffloadEngine`` of row ``config`` (an ``ours-*`` name, see the module docstring)
     around ``model``, with the benchmark's AdamW settings and ``args``' path, cache fraction,
     moment format and accumulation."""
+    import torch
     from offload_zero import OffloadEngine
     base = config.split("+")[0]
     offload = base.split("-")[1]
@@ -238,9 +242,12 @@ def ours_engine(args, config: str, model, dtype, dev):
             extra["optimizer_prefetch"] = int(RING_SUFFIX.fullmatch(p).group(1))
     extra["moment_dtype"] = ("bf16" if "bf16m" in parts else "int8" if "int8m" in parts
                              else args.moment_dtype)
+    extra["master_dtype"] = "bf16" if "bf16w" in parts else "fp32"
     if "cache" in parts:
         from offload_zero.memory.state_format import StateFormat, moment_dtype_of
-        per_param = StateFormat(moment_dtype_of(extra["moment_dtype"])).resident_bytes_per_element
+        per_param = StateFormat(moment_dtype_of(extra["moment_dtype"]),
+                                torch.bfloat16 if "bf16w" in parts else torch.float32
+                                ).resident_bytes_per_element
         state = per_param * sum(p.numel() for p in model.parameters())
         extra["host_cache_bytes"] = int(args.host_cache_frac * state)
     return OffloadEngine(model, stage=3, offload=offload,

@@ -166,9 +166,9 @@ class _Builder:
     def _build_units(self, blocks, root, planned, users):
         cfg, p = self.cfg, self.parts
         units = blocks + [root]
-        # fp32 master weights in the same memory as the fp32 shard: the shard is the master (the
-        # device, or host "offload" where the CPU itself plays the device); the same for a
-        # state kept in host memory when the CPU is the device
+        # master weights in the same memory as the shard of their dtype: the shard is the
+        # master (the device, or host "offload" where the CPU itself plays the device); the
+        # same for a state kept in host memory when the CPU is the device
         alias_ok = p.memory_plan.master_aliased
         tail_alias_ok = p.memory_plan.host_master_aliased
         owner_of, originals = {}, {}
@@ -243,21 +243,21 @@ class _Builder:
 
     def _build_store(self):
         cfg, p = self.cfg, self.parts
-        moments = cfg.moment_torch_dtype
+        moments, master = cfg.moment_torch_dtype, cfg.master_torch_dtype
         if cfg.optimizer_tier is Tier.DEVICE:
-            return DeviceStore(self.acct, self.device, moments)
+            return DeviceStore(self.acct, self.device, moments, master)
         if cfg.optimizer_tier is Tier.HOST:
-            return HostStore(self.acct, self.host_alloc, moments)
+            return HostStore(self.acct, self.host_alloc, moments, master)
         # (a state kept in host memory never streams through the pipeline)
         return NVMeStore(p.swapper, self.acct, self.host_alloc,
                          pipeline_shard_numel(p.memory_plan),
                          chunk_numel=pipeline_chunk_numel(p.memory_plan),
                          master_is_param=self._master_is_param_on_nvme(), moment_dtype=moments,
-                         io_stages=self.states.state_io)
+                         io_stages=self.states.state_io, master_dtype=master)
 
     def _master_is_param_on_nvme(self) -> bool:
-        """fp32 parameter shards and optimizer state both on NVMe: a trainable shard is read
-        from its master's bytes (see ``NVMeParamHome(master_is_param=...)``)."""
+        """Parameter shards of the master's dtype and optimizer state both on NVMe: a trainable
+        shard is read from its master's bytes (see ``NVMeParamHome(master_is_param=...)``)."""
         return self.parts.memory_plan.master_is_param_on_nvme
 
     # -- parameter shards off the device ------------------------------------------------------
@@ -269,8 +269,8 @@ class _Builder:
         if cfg.param_tier is not Tier.NVME:
             return
         mplan = p.memory_plan
-        # fp32 shards are their own master weights: read from the optimizer's files and
-        # never written back separately, so no write-back ring either
+        # shards of the master's dtype are their own master weights: read from the optimizer's
+        # files and never written back separately, so no write-back ring either
         share = mplan.master_is_param_on_nvme
         # in flight at once: (prefetch + 1) units of at most 2 flat parameters, plus the
         # write-back ring of the step. An outsized root unit (embeddings) gets buffers of
@@ -282,7 +282,7 @@ class _Builder:
         main = self._host_pool(mplan.pool("param_shards"))
         pool_for = lambda fp: main  # noqa: E731
         keep = follows = None
-        # a state kept in host memory is, in fp32, the shard itself; in other dtypes the
+        # a state kept in host memory is, in the master's dtype, the shard itself; in others the
         # shard stays in host memory beside it; so does a frozen shard the host cache keeps:
         # no buffer, no file
         in_host = p.in_host | p.params_in_host
@@ -300,9 +300,9 @@ class _Builder:
         if cfg.update_timing == NEXT_FORWARD:
             # a unit's update runs just before its gather: the new shard stays in its buffer
             # for that gather instead of being written and read back (the gather reads it
-            # while the write is in flight, and returns the buffer). The root's parts, in fp32
-            # with the state on NVMe too, take no buffer (the gather reads the master the
-            # update wrote) but the outsized ones kept as above
+            # while the write is in flight, and returns the buffer). The root's parts, in the
+            # master's dtype with the state on NVMe too, take no buffer (the gather reads the
+            # master the update wrote) but the outsized ones kept as above
             states = self.states
             follows = lambda fp: (states.gather_follows(fp)  # noqa: E731
                                   and fp.name not in in_host
@@ -311,7 +311,8 @@ class _Builder:
                                      keep_after_update=keep, gather_follows=follows,
                                      io_stages=self.states.shard_io,
                                      in_host=lambda fp: fp.name in in_host,
-                                     host_alloc=self.host_alloc)
+                                     host_alloc=self.host_alloc,
+                                     master_dtype=cfg.master_torch_dtype)
 
     def _host_pool(self, spec, dtype=None) -> HostBufferPool:
         """The plan's host pool ``spec`` (a :class:`offload_zero.plan.PoolSpec`), built and

@@ -69,7 +69,8 @@ class EngineConfig:
         weight_decay: >= 0; decoupled (AdamW) when ``adamw`` else L2 added to the gradient.
         adamw: AdamW (Loshchilov & Hutter, 2019) when True, Adam (Kingma & Ba, 2015) when False.
         dtype: compute dtype of parameters and gradients on the device: float32, bfloat16 or
-            float16. Master weights are float32, the moments ``moment_dtype``. Default float32.
+            float16. Master weights are ``master_dtype`` (float32 by default), the moments
+            ``moment_dtype``. Default float32.
         device: the accelerator; default ``cuda:<LOCAL_RANK>`` when CUDA is present, else CPU.
         prefetch: how many units ahead (forward) or behind (backward) are gathered before they
             run, >= 0. Live units never exceed ``prefetch + 1`` blocks plus the root. Default
@@ -223,6 +224,20 @@ class EngineConfig:
             the split, fp32 unless a smaller one makes the estimated step faster by more than 5%
             of the compute (see :mod:`offload_zero.placement`); after construction the field
             holds the format in force.
+        master_dtype: ``"fp32"`` (default: exact AdamW) or ``"bf16"``: the master weights'
+            dtype. ``"bf16"`` needs ``dtype=torch.bfloat16`` (ValueError otherwise) and the
+            optimizer state off an accelerator (NotImplementedError otherwise, as for
+            ``moment_dtype``): the master is then the bf16 parameter shard itself, updated in
+            fp32 by the C++ kernel and stored with stochastic rounding (random bits independent
+            of the moments'; see [Note: bf16 master weights] in
+            :mod:`offload_zero.memory.state_format`). 2 bytes per parameter less of state in
+            memory and on NVMe; with the state and the parameters both on NVMe the parameter
+            shards are read from the masters' bytes, so a step moves 6 bytes per parameter
+            each way with bf16 moments (10 + 2 written, 8 + 2 read with an fp32 master), 4 with
+            int8 moments. Not bit-identical to fp32 masters (losses in docs/moments.md);
+            deterministic, independent of the chunking and the world size. Checkpoints hold
+            the master as fp32 values (exact) and load across master dtypes (fp32 -> bf16
+            rounds to nearest).
         workload: with ``offload="auto"``, what each rank computes: ``{"batch_size": B,
             "seq_len": T}`` (sequences per micro-batch on each rank, tokens per sequence; ints
             >= 1). The placement then counts one micro-batch's activations on the device (for
@@ -285,6 +300,7 @@ class EngineConfig:
     host_cache_bytes: object = 0
     optimizer_prefetch: Optional[int] = None
     moment_dtype: str = "fp32"
+    master_dtype: str = "fp32"
     workload: Optional[dict] = None
     loss_scale: Optional[object] = None
     initial_loss_scale: float = 2.0 ** 16
@@ -424,6 +440,13 @@ class EngineConfig:
                 "(offload_optimizer='none'): its update runs in torch ops, which have no "
                 "stochastically rounded bf16 or 8-bit moments; use offload='cpu' or 'nvme', or "
                 "moment_dtype='fp32'")
+        if (self.master_dtype == "bf16" and self.offload_optimizer == "none"
+                and self.device.type != "cpu"):
+            raise NotImplementedError(
+                f"master_dtype='bf16' with the optimizer state on {self.device} "
+                "(offload_optimizer='none'): its update runs in torch ops, which have no "
+                "stochastically rounded bf16 master weights; use offload='cpu' or 'nvme', or "
+                "master_dtype='fp32'")
         # name the setting that asked for NVMe: offload="nvme" alone, or the finer keywords
         nvme = [f"{k}='nvme'" for k, v in (("offload_optimizer", self.offload_optimizer),
                                            ("offload_param", self.offload_param)) if v == "nvme"]
@@ -460,8 +483,16 @@ class EngineConfig:
         return out
 
     def _check_moments_and_workload(self) -> None:
-        """Validate (and normalise) ``moment_dtype`` and ``workload``."""
-        from offload_zero.memory.state_format import MOMENT_DTYPES, moment_dtype_of
+        """Validate (and normalise) ``moment_dtype``, ``master_dtype`` and ``workload``."""
+        from offload_zero.memory.state_format import (MASTER_DTYPES, MOMENT_DTYPES,
+                                                      master_dtype_of, moment_dtype_of)
+        master = master_dtype_of(self.master_dtype)
+        object.__setattr__(self, "master_dtype",
+                           next(k for k, v in MASTER_DTYPES.items() if v == master))
+        if self.master_dtype == "bf16" and self.dtype != torch.bfloat16:
+            raise ValueError(f"master_dtype='bf16' needs dtype=torch.bfloat16 (the master is "
+                             f"the bf16 parameter shard itself); got dtype={self.dtype}: set "
+                             "dtype=torch.bfloat16, or master_dtype='fp32'")
         if self.moment_dtype == "auto":
             if self.offload != "auto":
                 raise ValueError(f"moment_dtype='auto' needs offload='auto' (the placement "
@@ -520,6 +551,12 @@ class EngineConfig:
             msg = str(exc).replace("init_scale", "initial_loss_scale").replace(
                 "growth_interval", "loss_scale_window").replace("min_scale", "min_loss_scale")
             raise ValueError(msg) from None
+
+    @property
+    def master_torch_dtype(self) -> torch.dtype:
+        """``master_dtype`` as a torch dtype (float32 or bfloat16)."""
+        from offload_zero.memory.state_format import MASTER_DTYPES
+        return MASTER_DTYPES[self.master_dtype]
 
     @property
     def moment_torch_dtype(self) -> torch.dtype:

@@ -124,7 +124,8 @@ def _auto_placement(model: nn.Module, cfg: EngineConfig, comm: Comm):
         update_timing=cfg.update_timing, tail_state_in_host=cfg.tail_state_in_host,
         leaf_modules=cfg.leaf_modules, workload=cfg.auto_workload, comm=comm,
         host_cache_bytes=cfg.host_cache_bytes, moment_dtype=cfg.moment_dtype,
-        aio_backend=cfg.aio_backend, optimizer_prefetch=cfg.optimizer_prefetch)
+        aio_backend=cfg.aio_backend, optimizer_prefetch=cfg.optimizer_prefetch,
+        master_dtype=cfg.master_dtype)
     if cfg.host_cache_bytes not in (0, "auto") and choice.offload_optimizer != "nvme":
         warn_user(f"host_cache_bytes={cfg.host_cache_bytes} is not used: offload='auto' put the "
                   f"optimizer state on {choice.offload_optimizer!r}, not NVMe (set offload='nvme' "

@@ -119,6 +119,8 @@ KEYS: Dict[str, Key] = {
     "train_batch_size": Key(MAPPED, "train_batch_size"),
     "bf16.enabled": Key(MAPPED, "dtype"),
     "bf16.immediate_grad_update": _auto("gradients are reduced into their shards at once"),
+    "bf16.bf16_master_weights_and_grads": Key(MAPPED, "master_dtype"),
+    "bf16.bf16_optimizer_states": Key(MAPPED, "moment_dtype"),
     "fp16.enabled": Key(MAPPED, "dtype"),
     "fp16.loss_scale": Key(MAPPED, "loss_scale"),
     "fp16.initial_scale_power": Key(MAPPED, "initial_loss_scale"),
@@ -593,6 +595,18 @@ def _precision_kwargs(res: _Resolver) -> dict:
     if on and "dtype" in res.overrides and res.overrides["dtype"] != on[0]:
         raise ValueError(f"dtype={res.overrides['dtype']} conflicts with the DeepSpeed config, "
                          f"which enables {on[0]}; give one of them")
+    # bf16 master weights and gradient shards; bf16 moments (DeepSpeed's low-precision options)
+    master = res.get("bf16.bf16_master_weights_and_grads", _bf16_or_fp32)
+    if master is not None:
+        kw["master_dtype"] = master
+        if master == "bf16":
+            grads = res.get("bf16.bf16_master_weights_and_grads",
+                            lambda v: torch.bfloat16 if v else torch.float32,
+                            names=("grad_dtype",))
+            kw["grad_dtype"] = grads
+    moments = res.get("bf16.bf16_optimizer_states", _bf16_or_fp32)
+    if moments is not None:
+        kw["moment_dtype"] = moments
     if dtype == torch.float16:
         scale = res.get("fp16.loss_scale", lambda v: "dynamic" if v == 0 else float(v))
         if scale is not None:
@@ -605,6 +619,14 @@ def _precision_kwargs(res: _Resolver) -> dict:
                 if value is not None:
                     kw[KEYS[path].note] = value
     return kw
+
+
+def _bf16_or_fp32(value) -> str:
+    """A DeepSpeed bf16 option's true/false as the engine's ``"bf16"``/``"fp32"`` (ValueError
+    for anything else)."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{value!r} is not true or false")
+    return "bf16" if value else "fp32"
 
 
 def _optimizer_kwargs(res: _Resolver, leaves: dict) -> dict:

@@ -48,7 +48,7 @@ import torch.nn as nn
 
 from offload_zero.config import check_int
 from offload_zero.memory.pool import storage_rebinding_supported
-from offload_zero.memory.state_format import StateFormat, moment_dtype_of
+from offload_zero.memory.state_format import StateFormat, master_dtype_of, moment_dtype_of
 from offload_zero.plan import (KINDS, FlatSpec, MemoryPlan, PlanSettings, fit_host_budget,
                                layout_of, memory_plan)
 from offload_zero.plan import shard_numel as _shard_numel  # noqa: F401 (the name callers import)
@@ -353,7 +353,8 @@ def estimate_memory(model_or_num_params, world_size: int = 1, gpus_per_node: int
                     largest_unit_numel: Optional[int] = None, root_numel: Optional[int] = None,
                     accelerator: bool = True,
                     update_timing: str = "auto",
-                    host_cache_bytes: int = 0, moment_dtype="fp32") -> MemoryEstimate:
+                    host_cache_bytes: int = 0, moment_dtype="fp32",
+                    master_dtype="fp32") -> MemoryEstimate:
     """Estimate training memory in bytes per device, per node (host) and on NVMe.
 
     Accounting from Rajbhandari et al., 2019 (ZeRO), sec. 5: KΨ parameters + KΨ gradients +
@@ -388,9 +389,13 @@ def estimate_memory(model_or_num_params, world_size: int = 1, gpus_per_node: int
         host_cache_bytes: bytes of optimizer state kept in host memory instead of NVMe in the
             ``"nvme"`` rows, an int >= 0 (the engine's option; see [Note: host cache] in
             :mod:`offload_zero.memory.host_cache`). Default 0.
-        moment_dtype: ``"fp32"`` (default) or ``"bf16"``: Adam's moments, 8 or 4 bytes per
-            element of the state (the engine's option; see [Note: state layout] in
-            :mod:`offload_zero.memory.state_format`).
+        moment_dtype: ``"fp32"`` (default), ``"bf16"`` or ``"int8"``: Adam's moments, 8, 4 or
+            2.03 bytes per element of the state (the engine's option; see [Note: state layout]
+            in :mod:`offload_zero.memory.state_format`).
+        master_dtype: ``"fp32"`` (default) or ``"bf16"`` (with ``dtype`` bf16 only): the
+            master weights, 4 or 2 bytes per element (the engine's option; a bf16 master is
+            the bf16 parameter shard itself wherever both share a tier or file; the engine
+            keeps it off an accelerator: read the cpu and nvme rows).
 
     Returns:
         :class:`MemoryEstimate` with the selected placement and the 12-row table (bytes).
@@ -398,7 +403,8 @@ def estimate_memory(model_or_num_params, world_size: int = 1, gpus_per_node: int
     Raises:
         ValueError: a bad stage, offload, world size, dtype, parameter count, folder or preset,
             or update_timing (not a timing; ``"next_forward"`` below stage 3; ``"backward"``),
-            naming the value.
+            a bad ``moment_dtype`` or ``master_dtype`` (``"bf16"`` with another dtype), naming
+            the value.
     """
     if isinstance(stage, bool) or stage not in STAGES:
         raise ValueError(f"stage={stage!r} is not valid; choose one of {STAGES}")
@@ -420,7 +426,7 @@ def estimate_memory(model_or_num_params, world_size: int = 1, gpus_per_node: int
                          "('step', 'next_forward', 'auto'), or count it for one placement with "
                          "placement_bytes(update_timing='backward')")
     host_cache_bytes = check_int("host_cache_bytes", host_cache_bytes, 0)
-    fmt = StateFormat(moment_dtype_of(moment_dtype))
+    fmt = StateFormat(moment_dtype_of(moment_dtype), _master_dtype(master_dtype, dt))
     if update_timing == rules.NEXT_FORWARD and stage != 3:
         raise ValueError(f"update_timing='next_forward' needs stage 3 (as the engine's); got "
                          f"stage={stage}")
@@ -432,7 +438,7 @@ def estimate_memory(model_or_num_params, world_size: int = 1, gpus_per_node: int
             sif = s == 3 and rules.resolve(update_timing, s, o) == rules.NEXT_FORWARD
             plan = _plan(layout, s, o, None, world_size, dt, prefetch, accelerator, padded,
                          update_timing=rules.NEXT_FORWARD if sif else rules.STEP, host_cache_bytes=host_cache_bytes,
-                         moment_dtype=fmt.moment_dtype)
+                         moment_dtype=fmt.moment_dtype, master_dtype=fmt.master_dtype)
             rows.append(_placement(plan, o, gpus_per_node))
     selected = next(p for p in rows if p.stage == stage and p.offload == offload)
     units = {}
@@ -447,6 +453,16 @@ def estimate_memory(model_or_num_params, world_size: int = 1, gpus_per_node: int
         root_numel=units.get(-1, 0), source=source, selected=selected, table=tuple(rows))
 
 
+def _master_dtype(master_dtype, dtype: torch.dtype) -> torch.dtype:
+    """``master_dtype`` as a torch dtype, checked against the compute ``dtype`` as the engine
+    checks it (ValueError naming both: a bf16 master needs a bf16 model)."""
+    master = master_dtype_of(master_dtype)
+    if master == torch.bfloat16 and dtype != torch.bfloat16:
+        raise ValueError(f"master_dtype={master_dtype!r} needs dtype bf16 (the master is the "
+                         f"bf16 parameter shard itself); got dtype={_SHORT[dtype]}")
+    return master
+
+
 def placement_bytes(model: nn.Module, stage: int, offload_optimizer: str, offload_param: str,
                     world_size: int = 1, dtype=torch.bfloat16, prefetch: int = 1,
                     unit_classes: Sequence[type] = (), accelerator: bool = True,
@@ -454,7 +470,8 @@ def placement_bytes(model: nn.Module, stage: int, offload_optimizer: str, offloa
                     tail_state_in_host: Optional[bool] = None,
                     host_cache_bytes: int = 0, moment_dtype="fp32",
                     max_host_bytes: Optional[int] = None,
-                    optimizer_prefetch: Optional[int] = None) -> "Placement":
+                    optimizer_prefetch: Optional[int] = None,
+                    master_dtype="fp32") -> "Placement":
     """Bytes per rank for one placement with the optimizer and parameter tiers set apart.
 
     ``offload_optimizer`` / ``offload_param``: "none", "cpu" or "nvme" (parameters off the
@@ -468,7 +485,8 @@ def placement_bytes(model: nn.Module, stage: int, offload_optimizer: str, offloa
     budget streams the optimizer state in smaller chunks as the engine's build does
     (:func:`offload_zero.plan.fit_host_budget`; a plan that cannot fit is counted as it is,
     over the budget); ``optimizer_prefetch``: the engine's option (whole-state read-ahead
-    buffers; None: the least the timing needs). Returns a :class:`Placement` whose
+    buffers; None: the least the timing needs); ``master_dtype``: ``"fp32"`` or ``"bf16"``, the
+    engine's option (ValueError for bf16 with another dtype). Returns a :class:`Placement` whose
     ``offload`` reads ``"<optimizer>+<param>"``. Used by ``offload="auto"``
     (:mod:`offload_zero.placement`).
     """
@@ -476,10 +494,12 @@ def placement_bytes(model: nn.Module, stage: int, offload_optimizer: str, offloa
     update_timing = rules.resolve(update_timing, stage, offload_optimizer)
     if layout is None:
         layout = model_layout(model, unit_classes)
+    dtype = resolve_dtype(dtype)
     plan = _plan(layout, stage, offload_optimizer, offload_param, world_size,
-                 resolve_dtype(dtype), prefetch, accelerator, True,
+                 dtype, prefetch, accelerator, True,
                  update_timing=update_timing, tail_state_in_host=tail_state_in_host,
                  host_cache_bytes=host_cache_bytes, moment_dtype=moment_dtype_of(moment_dtype),
+                 master_dtype=_master_dtype(master_dtype, dtype),
                  max_host_bytes=max_host_bytes, optimizer_prefetch=optimizer_prefetch)
     if max_host_bytes is not None:
         try:
@@ -563,6 +583,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "parameter), bf16 (8) or int8 (6.03: blockwise 8-bit, the absmax "
                              "in host memory; the engine keeps it off a GPU: read the cpu and "
                              "nvme rows)")
+    parser.add_argument("--master-dtype", default="fp32", choices=("fp32", "bf16"),
+                        help="master weights: fp32 (default) or bf16 (with --dtype bf16: 2 "
+                             "bytes of state per parameter less; the engine keeps it off a "
+                             "GPU: read the cpu and nvme rows)")
     parser.add_argument("--host-cache-bytes", type=int, default=0, metavar="B",
                         help="bytes of the NVMe rows' optimizer state kept in host memory "
                              "(the engine's host_cache_bytes; default 0)")
@@ -588,7 +612,8 @@ def estimate_from_args(args: argparse.Namespace) -> MemoryEstimate:
                           stage=args.stage, offload=args.offload, dtype=args.dtype,
                           prefetch=args.prefetch, accelerator=not args.cpu_device,
                           update_timing=args.update_timing,
-                          host_cache_bytes=args.host_cache_bytes, moment_dtype=args.moment_dtype)
+                          host_cache_bytes=args.host_cache_bytes, moment_dtype=args.moment_dtype,
+                          master_dtype=args.master_dtype)
     return est
 
 

@@ -151,7 +151,8 @@ def choose_placement(model: nn.Module, stage: int, world_size: int, dtype: torch
                      moment_dtype: str = "fp32", workload: Optional[Workload] = None,
                      aio_backend: str = "auto", comm=None, disk: Optional[DiskRates] = None,
                      flops: Optional[float] = None,
-                     optimizer_prefetch: Optional[int] = None) -> PlacementChoice:
+                     optimizer_prefetch: Optional[int] = None,
+                     master_dtype: str = "fp32") -> PlacementChoice:
     """Pick among :data:`CANDIDATES` by fit and, with ``workload``, by estimated step time (see
     the module docstring; ``update_timing`` ``"backward"`` or ``"next_forward"``: count their
     NVMe read-ahead buffers too). ``update_timing="auto"`` (the engine's default) tries each
@@ -170,6 +171,8 @@ def choose_placement(model: nn.Module, stage: int, world_size: int, dtype: torch
     ``disk`` (:class:`offload_zero.step_time.DiskRates`) and ``flops`` (FLOP/s > 0) replace
     the measured rates (tests, or a machine known in advance). ``optimizer_prefetch``: the
     engine's option, counted in the candidates that have the read-ahead ring.
+    ``master_dtype``: the engine's option (``"bf16"``: 2 bytes of state per parameter less,
+    only with the state off an accelerator), never changed.
 
     Raises:
         ValueError: nothing fits; the message names, for the placement that needs the least
@@ -182,7 +185,7 @@ def choose_placement(model: nn.Module, stage: int, world_size: int, dtype: torch
                      update_timing, tail_state_in_host, host_cache_bytes, moment_dtype, workload,
                      aio_backend, comm, disk, flops, budgets,
                      model_layout(model, unit_classes, leaf_modules), max_host_bytes,
-                     optimizer_prefetch)
+                     optimizer_prefetch, master_dtype)
     choice = search.run()
     log.info("offload='auto' chose offload_optimizer=%r offload_param=%r update_timing=%r "
              "moment_dtype=%r: %s; budgets %s; %s", choice.offload_optimizer,
@@ -216,6 +219,7 @@ class _Search:
     layout: list
     max_host_bytes: Optional[int] = None  # (the engine's option: chunks shrink to fit it)
     optimizer_prefetch: Optional[int] = None  # (the engine's option: read-ahead depth)
+    master_dtype: str = "fp32"  # (the engine's option)
 
     def _ring_for(self, timing: str) -> Optional[int]:
         """The ``optimizer_prefetch`` a candidate with ``timing`` is counted with (the plain
@@ -276,6 +280,10 @@ class _Search:
             # (bf16 and int8 moments need the host kernel: see EngineConfig's moment_dtype)
             return "" if auto else (f"moment_dtype={fmt!r} needs the optimizer state off the "
                                     "accelerator")
+        if opt == "none" and self.master_dtype != "fp32" and self.device.type != "cpu":
+            said = twin or (auto and fmt != MOMENT_FORMATS[0])  # (said once per candidate)
+            return "" if said else (f"master_dtype={self.master_dtype!r} needs the optimizer "
+                                    "state off the accelerator")
         if "nvme" in (opt, param) and self.path is None:
             said = twin or (auto and fmt != MOMENT_FORMATS[0])  # (said once per candidate)
             return "" if said else "needs path= for NVMe files"
@@ -293,7 +301,8 @@ class _Search:
                                 update_timing=o.timing, tail_state_in_host=self.tail_state_in_host,
                                 host_cache_bytes=cache, moment_dtype=o.moments,
                                 max_host_bytes=self.max_host_bytes,
-                                optimizer_prefetch=self._ring_for(o.timing))
+                                optimizer_prefetch=self._ring_for(o.timing),
+                                master_dtype=self.master_dtype)
             need = placement_need(p, self.activations["device"], per_node=False)
             need["host"] += self.activations["host"]
             return p, need

@@ -7,7 +7,7 @@ tiers, dtype, world size, prefetch, update timing, host cache) what the engine w
 - model states per tier and kind (parameters, gradients, master weights, moments);
 - every fixed pool of buffers, as ``(name, tier, count, bytes each)`` (see [Note: pools]);
 - the bytes in flight that are no pool (a unit's full gradient before it is reduced);
-- the decisions behind them: whether the fp32 master is the parameter shard itself (master
+- the decisions behind them: whether the master is the parameter shard itself (master
   aliasing), which flat parameter's state stays in host memory (the tail and the host cache).
 
 The engine builds exactly these pools (and checks it); :func:`offload_zero.estimate_memory` and
@@ -25,9 +25,9 @@ flight ahead of the running one, ``prefetch`` capped at the other blocks):
 - ``param_shards`` (host): parameter shards on NVMe; ``f * (ahead + 2) + ring`` buffers of the
   largest block shard (reads ahead of use for the ``f`` flat parameters of a block, 1, or 2
   where a block holds trainable and frozen parameters; and 2 more for new shards' write-backs
-  in flight, a write being waited for only when every buffer is in use; none when fp32 shards
-  and their optimizer state are both on NVMe: the shard is the master's bytes and the update
-  writes it once). ``param_shards_root``
+  in flight, a write being waited for only when every buffer is in use; none when shards of
+  the master's dtype (fp32, or bf16 with a bf16 master) and their optimizer state are both on
+  NVMe: the shard is the master's bytes and the update writes it once). ``param_shards_root``
   (host): where a root flat parameter is larger than a block shard, root-sized buffers, one per
   such outsized flat parameter when all the root is trainable (each keeps its updated shard
   for the next forward; none for a state kept in host memory that is its own shard), else one.
@@ -36,9 +36,9 @@ flight ahead of the running one, ``prefetch`` capped at the other blocks):
   elements (1024 when nothing streams: every state is in host memory).
 - ``optimizer_prefetch`` (host): the state on NVMe with updates in backward or in the next
   forward; two buffers of the largest streamed block shard's whole state, three with the next
-  forward or when backward gathers fp32 parameter shards from them, or ``optimizer_prefetch``
-  (at least that many); never more than the block flat parameters whose state streams (the
-  rest kept in host memory).
+  forward or when backward gathers parameter shards from them (the master's bytes), or
+  ``optimizer_prefetch`` (at least that many); never more than the block flat parameters
+  whose state streams (the rest kept in host memory).
 - ``staging`` (host): an accelerator, the optimizer state off it and the parameter shards on
   it: one buffer of the largest trainable shard (the update's copy back to the device).
 - ``reduce_scratch`` (device): N > 1: one shard of the largest trainable shard, that every
@@ -61,7 +61,8 @@ Besides the pools, at the step's peak:
 The paper's arithmetic (see [Note: model-state arithmetic] in :mod:`offload_zero.estimator`),
 with the engine's layout and these decisions:
 
-- master aliasing: in fp32 the master weights are the parameter shard itself when both sit on
+- master aliasing: with a master of the compute dtype (fp32 in an fp32 model, bf16 with
+  ``master_dtype="bf16"``) the master weights are the parameter shard itself when both sit on
   the device (no offload, or ``"cpu"`` where the CPU itself is the device) or both in NVMe files
   (the shard is read from the master's bytes): 0 bytes beyond the parameters.
 - states kept in host memory (``in_host``): with updates in backward or in the next forward and
@@ -70,8 +71,8 @@ with the engine's layout and these decisions:
   when its shard is at most a quarter of all trainable shards (``tail_state_in_host=None``),
   and those ``host_cache_bytes`` takes (see [Note: host cache] in
   :mod:`offload_zero.memory.host_cache`): 12 bytes per element there (8 with bf16 moments),
-  4 less when the master is the CPU device's shard; an fp32 parameter shard on NVMe is then
-  that host master (0 on NVMe).
+  2 less with a bf16 master, the master's bytes less when it is the CPU device's shard; a
+  parameter shard on NVMe that is its master's bytes is then that host master (0 on NVMe).
 - NVMe moments are padded to 4096 bytes each (see [Note: state layout] in
   :mod:`offload_zero.memory.state_format`).
 - ``update_timing="backward"`` on one CPU rank whose fp32 host shards adopt the gradients: each
@@ -129,7 +130,8 @@ class PlanSettings:
     ``tail_state_in_host`` (None, True, False) and ``host_cache_bytes`` (bytes >= 0) which
     states stay in host memory; ``optimizer_prefetch`` (None: the least the update timing
     needs, else that many whole-state read-ahead buffers); ``moment_dtype`` (float32,
-    bfloat16 or uint8: int8 codes); ``padded`` (False: the
+    bfloat16 or uint8: int8 codes); ``master_dtype`` (float32, or bfloat16: [Note: bf16
+    master weights] in :mod:`offload_zero.memory.state_format`); ``padded`` (False: the
     paper's unpadded arithmetic, shards of exactly numel / N elements, for a layout assumed from
     a parameter count); ``rebinding`` (whether this torch can bind gathered units to pool
     slots; without it they are allocated per gather, bytes counted in flight);
@@ -153,6 +155,7 @@ class PlanSettings:
     host_cache_bytes: int = 0
     optimizer_prefetch: Optional[int] = None
     moment_dtype: torch.dtype = torch.float32
+    master_dtype: torch.dtype = torch.float32
     padded: bool = True
     rebinding: bool = True
     pipeline_chunk_numel: Optional[int] = None
@@ -170,6 +173,12 @@ class PlanSettings:
         return self.update_timing == "next_forward"
 
     @property
+    def master_is_compute(self) -> bool:
+        """Whether the master weights have the compute dtype (fp32 ones of an fp32 model, bf16
+        ones of a bf16 model): a parameter shard can then be its master's memory or bytes."""
+        return self.master_dtype == self.dtype
+
+    @property
     def itemsize(self) -> int:
         """K: bytes per element of the compute dtype."""
         return torch.empty(0, dtype=self.dtype).element_size()
@@ -181,7 +190,7 @@ class PlanSettings:
 
     @property
     def optimizer_tier(self) -> str:
-        """Tier of the fp32 master weights and moments."""
+        """Tier of the master weights and moments."""
         return TIER_OF_OFFLOAD[self.offload_optimizer]
 
 
@@ -196,7 +205,7 @@ def settings_of(cfg, world_size: int, device: torch.device, rebinding: bool) -> 
         accelerator=device.type != "cpu", update_timing=cfg.update_timing,
         tail_state_in_host=cfg.tail_state_in_host,
         host_cache_bytes=cfg.host_cache_bytes, optimizer_prefetch=cfg.optimizer_prefetch,
-        moment_dtype=cfg.moment_torch_dtype,
+        moment_dtype=cfg.moment_torch_dtype, master_dtype=cfg.master_torch_dtype,
         rebinding=rebinding, max_host_bytes=cfg.max_host_bytes,
         left_to_engine=frozenset(cfg.left_to_engine))
 
@@ -235,11 +244,13 @@ class MemoryPlan:
         pools: every fixed pool (see [Note: pools]).
         in_flight: ``{tier: {kind: bytes}}`` held at the step's peak beside the pools (a unit's
             full gradient before its reduction; gathered units without storage rebinding).
-        master_aliased: the trainable fp32 shards are their own master weights (no copy).
-        host_master_aliased: a state kept in host memory has the fp32 parameter shard as its
-            master (fp32 on a CPU device, shards on the device).
-        master_is_param_on_nvme: fp32 parameter shards on NVMe are read from their master's
-            bytes in the optimizer's files (no files of their own, no write-back ring).
+        master_aliased: the trainable shards are their own master weights (no copy; the master
+            has the compute dtype: :attr:`PlanSettings.master_is_compute`).
+        host_master_aliased: a state kept in host memory has the parameter shard as its
+            master (a master of the compute dtype on a CPU device, shards on the device).
+        master_is_param_on_nvme: parameter shards on NVMe are read from their master's
+            bytes in the optimizer's files (no files of their own, no write-back ring): a
+            master of the compute dtype.
         keeps_full_params: gathered parameters stay allocated (stages 1-2; stage 3 with one rank
             and its shards on the device).
         tail: index in ``layout`` of the state ``tail_state_in_host`` keeps, or None.
@@ -347,8 +358,8 @@ def memory_plan(layout: Sequence[FlatSpec], settings: PlanSettings) -> MemoryPla
     layout = tuple(layout)
     k = s.itemsize
     shards = tuple(shard_numel(f.numel, s.world_size, k, s.padded) for f in layout)
-    fmt = StateFormat(s.moment_dtype)
-    share = (s.param_tier == "nvme" and s.optimizer_tier == "nvme" and k == 4)
+    fmt = StateFormat(s.moment_dtype, s.master_dtype)
+    share = (s.param_tier == "nvme" and s.optimizer_tier == "nvme" and s.master_is_compute)
     tail, in_host = _in_host(layout, shards, s, fmt)
     frozen = _frozen_in_host(layout, shards, s, fmt, in_host)
     states = _model_states(layout, shards, s, fmt, in_host, frozen)
@@ -378,16 +389,18 @@ def memory_plan(layout: Sequence[FlatSpec], settings: PlanSettings) -> MemoryPla
 
 # -- decisions -----------------------------------------------------------------------------------
 def _aliased(s: PlanSettings) -> bool:
-    """fp32 master weights in the same memory as the fp32 parameter shard, the shard being the
-    master: optimizer state on the device (or host "offload" where the CPU is the device)."""
+    """Master weights in the same memory as the parameter shard of their dtype, the shard being
+    the master: optimizer state on the device (or host "offload" where the CPU is the
+    device)."""
     same_memory = s.optimizer_tier == "device" or (s.optimizer_tier == "host"
                                                    and not s.accelerator)
-    return same_memory and s.param_tier == "device" and s.itemsize == 4
+    return same_memory and s.param_tier == "device" and s.master_is_compute
 
 
 def _host_alias(s: PlanSettings) -> bool:
-    """A state kept in host memory whose fp32 master is the parameter shard (a CPU device)."""
-    return not s.accelerator and s.param_tier == "device" and s.itemsize == 4
+    """A state kept in host memory whose master is the parameter shard (a CPU device, a
+    master of the compute dtype)."""
+    return not s.accelerator and s.param_tier == "device" and s.master_is_compute
 
 
 def _keeps_full(s: PlanSettings) -> bool:
@@ -396,9 +409,9 @@ def _keeps_full(s: PlanSettings) -> bool:
 
 def _host_state_bytes_per_element(s: PlanSettings, fmt: StateFormat) -> float:
     """Host bytes per element of a state kept in host memory (int8 moments' scales
-    included: :attr:`StateFormat.resident_bytes_per_element`), less the master's 4 when it is
-    the parameter shard itself."""
-    return fmt.resident_bytes_per_element - (4 if _host_alias(s) else 0)
+    included: :attr:`StateFormat.resident_bytes_per_element`), less the master's bytes when it
+    is the parameter shard itself."""
+    return fmt.resident_bytes_per_element - (fmt.master_itemsize if _host_alias(s) else 0)
 
 
 def _in_host(layout, shards, s: PlanSettings, fmt: StateFormat):
@@ -477,7 +490,7 @@ def _state_bytes(fmt: StateFormat, numel, padded: bool, moments_only: bool = Fal
     the padding of [Note: state layout], or the unpadded ``bytes_per_element`` arithmetic."""
     if padded:
         return fmt.moment_bytes(numel) if moments_only else fmt.nbytes(numel)
-    return (fmt.bytes_per_element - (4 if moments_only else 0)) * numel
+    return (fmt.bytes_per_element - (fmt.master_itemsize if moments_only else 0)) * numel
 
 
 def _state_buffer_numel(fmt: StateFormat, numel, padded: bool) -> Number:
@@ -500,20 +513,22 @@ def _model_states(layout, shards, s: PlanSettings, fmt: StateFormat, in_host,
     out = _zeros()
     dev, n, k = out["device"], s.world_size, s.itemsize
     opt_tier, param_tier = s.optimizer_tier, s.param_tier
-    aliased = _aliased(s) or (k == 4 and s.offload_optimizer == "nvme" and param_tier == "nvme")
+    aliased = _aliased(s) or (s.master_is_compute and s.offload_optimizer == "nvme"
+                              and param_tier == "nvme")
+    w = fmt.master_itemsize
     for i, (spec, shard) in enumerate(zip(layout, shards)):
         full = shard * n
         if s.stage < 2 and spec.trainable:
             dev["gradients"] += k * full     # full gradients held until the step
         if i in in_host:
-            # its state in host memory: an fp32 shard that lived in the master's NVMe bytes
-            # is that host master now, a shard of another dtype stays in host memory beside
-            # it; on a CPU device the master is the shard itself
-            on_nvme = param_tier == "nvme" and k == 4
+            # its state in host memory: a shard that lived in the master's NVMe bytes is that
+            # host master now, a shard of another dtype than the master's stays in host
+            # memory beside it; on a CPU device the master is the shard itself
+            on_nvme = param_tier == "nvme" and s.master_is_compute
             tier = "host" if param_tier == "nvme" else param_tier
             out[tier]["parameters"] += 0 if on_nvme else k * (full if s.stage < 3 else shard)
             out["host"]["gradients"] += 4 * shard
-            out["host"]["master_weights"] += 0 if _host_alias(s) else 4 * shard
+            out["host"]["master_weights"] += 0 if _host_alias(s) else w * shard
             out["host"]["moments"] += fmt.resident_moment_bytes(shard)
             continue
         # (a frozen shard the host cache keeps: in host memory instead of its file)
@@ -526,7 +541,7 @@ def _model_states(layout, shards, s: PlanSettings, fmt: StateFormat, in_host,
             out["host"]["gradients"] += 4 * opt   # fp32 reduced gradient shards
         elif s.stage >= 2:
             dev["gradients"] += k * shard
-        out[opt_tier]["master_weights"] += 0 if aliased else 4 * opt
+        out[opt_tier]["master_weights"] += 0 if aliased else w * opt
         if opt_tier == "nvme":  # (the codes in the file; int8 moments' scales in host memory)
             out["nvme"]["moments"] += _state_bytes(fmt, opt, s.padded, moments_only=True)
             out["host"]["moments"] += fmt.scale_bytes(opt)
@@ -593,7 +608,7 @@ def _pools(layout, shards, s: PlanSettings, fmt: StateFormat, in_host, share, ou
         pools.append(PoolSpec("param_shards", "host",
                               _flats_per_block(layout) * (_ahead(layout, s.prefetch) + 2) + ring,
                               max(block_shard, 1), k))
-        # (a shard whose state is kept in host memory is that master (fp32) or stays in host
+        # (a shard whose state is kept in host memory is that master or stays in host
         # memory beside it: no buffer for it)
         on_disk = outsized - in_host
         root_count = len(on_disk) if keep_root else int(bool(on_disk))
@@ -628,7 +643,7 @@ def _pools(layout, shards, s: PlanSettings, fmt: StateFormat, in_host, share, ou
 
 def _ring_count(s: PlanSettings, share: bool) -> int:
     """Buffers of the ``optimizer_prefetch`` pool: ``s.optimizer_prefetch``, else the least the
-    timing needs (3 with the next forward or when backward gathers fp32 shards from the
+    timing needs (3 with the next forward or when backward gathers shards from the
     reads, else 2). Raises ValueError for fewer than that least."""
     least = 3 if s.in_forward or (share and s.in_backward) else 2
     if s.optimizer_prefetch is None:
@@ -706,7 +721,7 @@ def _fit_chunk(layout, s: PlanSettings, budget: int) -> MemoryPlan:
     host tier fits ``budget`` or the chunk is the format's smallest (step 1 of
     :func:`fit_host_budget`)."""
     plan = memory_plan(layout, s)
-    smallest = StateFormat(s.moment_dtype).chunk_multiple
+    smallest = StateFormat(s.moment_dtype, s.master_dtype).chunk_multiple
     chunk = _chunk_numel(s)
     while plan.tier_bytes("host") > budget and plan.pool("optimizer_pipeline") is not None \
             and chunk > smallest:

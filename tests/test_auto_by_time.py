@@ -342,16 +342,19 @@ _WRITES = {  # SwapHandle.done of a parameter shard's write as the engine sees i
 }
 
 
-@pytest.mark.parametrize("dtype,timing,exact,writes", [
-    (torch.bfloat16, "step", True, "as_they_come"),
-    (torch.bfloat16, "backward", True, "as_they_come"),
-    (torch.bfloat16, "next_forward", True, "as_they_come"),
-    (torch.bfloat16, "next_forward", True, "slow"), (torch.bfloat16, "next_forward", True, "fast"),
-    (torch.float32, "step", True, "as_they_come"),
-    (torch.float32, "next_forward", False, "as_they_come")])
+@pytest.mark.parametrize("dtype,timing,exact,writes,master", [
+    (torch.bfloat16, "step", True, "as_they_come", "fp32"),
+    (torch.bfloat16, "backward", True, "as_they_come", "fp32"),
+    (torch.bfloat16, "next_forward", True, "as_they_come", "fp32"),
+    (torch.bfloat16, "next_forward", True, "slow", "fp32"),
+    (torch.bfloat16, "next_forward", True, "fast", "fp32"),
+    (torch.float32, "step", True, "as_they_come", "fp32"),
+    (torch.float32, "next_forward", False, "as_they_come", "fp32"),
+    (torch.bfloat16, "step", True, "as_they_come", "bf16"),
+    (torch.bfloat16, "next_forward", False, "as_they_come", "bf16")])
 @pytest.mark.parametrize("shape", ["plain", "outsized_root", "frozen", "cached"])
-def test_nvme_bytes_per_step_are_the_engines(dtype, timing, exact, writes, shape, tmp_path,
-                                             torch_single_thread, monkeypatch):
+def test_nvme_bytes_per_step_are_the_engines(dtype, timing, exact, writes, master, shape,
+                                             tmp_path, torch_single_thread, monkeypatch):
     """The model's NVMe bytes per step (state and parameter shards on NVMe) are what the
     engine reads and writes in a steady step; an upper bound where fp32 gathers take some
     shards from the state read. Also with a root larger than a block (its parts kept in
@@ -360,7 +363,9 @@ def test_nvme_bytes_per_step_are_the_engines(dtype, timing, exact, writes, shape
     fast the disk: a write seen in flight when a buffer is needed takes no new shard from the
     gather that follows its update (it read the file again). With a host cache of 40% of the
     state: a cached flat parameter's shard never reaches the disk (in fp32 it is the host
-    master, in bf16 it stays in host memory beside it): no file, no bytes."""
+    master, in bf16 it stays in host memory beside it): no file, no bytes. With bf16 master
+    weights a bf16 shard is its master's bytes, as an fp32 one is: no shard files, no shard
+    writes."""
     if _WRITES[writes] is not None:
         monkeypatch.setattr(SwapHandle, "done", _WRITES[writes])
     torch.manual_seed(0)
@@ -372,14 +377,18 @@ def test_nvme_bytes_per_step_are_the_engines(dtype, timing, exact, writes, shape
     cache = {} if shape != "cached" else {
         "host_cache_bytes": int(0.4 * 12 * sum(p.numel() for p in model.parameters()))}
     plan = placement_bytes(model, 3, "nvme", "nvme", dtype=dtype, accelerator=False,
-                           update_timing=timing, **cache).plan
+                           update_timing=timing, master_dtype=master, **cache).plan
     traffic = nvme_traffic(plan)
+    if master == "bf16":
+        assert plan.master_is_param_on_nvme and traffic.param_written_bytes == 0
     with OffloadEngine(copy.deepcopy(model), offload="nvme", path=str(tmp_path), dtype=dtype,
-                       update_timing=timing, **cache) as eng:
+                       update_timing=timing, master_dtype=master, **cache) as eng:
         cached = {fp.name for fp in eng.trainable if eng.store.in_host(fp)}
         assert cached or shape != "cached"
         files = {os.path.basename(f) for f in eng.swapper.files}
         assert not {f"{name}.param.swp" for name in cached} & files
+        if master == "bf16":
+            assert not {f"{fp.name}.param.swp" for fp in eng.trainable} & files
         on_nvme = [fp for fp in eng.flat_params if fp.name not in cached]
         assert eng.memory_report()["nvme"]["by_kind"]["parameters"]["current_bytes"] == (
             sum(fp.shard_numel * fp.itemsize for fp in on_nvme))

@@ -188,6 +188,12 @@ MAPPED_CASES = {
     "train_batch_size": ({"train_batch_size": 12, "train_micro_batch_size_per_gpu": 3},
                          _kw("gradient_accumulation_steps"), 4),
     "bf16.enabled": ({"bf16": {"enabled": True}}, _kw("dtype"), torch.bfloat16),
+    "bf16.bf16_master_weights_and_grads": (
+        {"bf16": {"enabled": True, "bf16_master_weights_and_grads": True}},
+        lambda s: (s.engine_kwargs["master_dtype"], s.engine_kwargs["grad_dtype"]),
+        ("bf16", torch.bfloat16)),
+    "bf16.bf16_optimizer_states": (
+        {"bf16": {"enabled": True, "bf16_optimizer_states": True}}, _kw("moment_dtype"), "bf16"),
     "fp16.enabled": ({"fp16": {"enabled": True}}, _kw("dtype"), torch.float16),
     "fp16.loss_scale": ({"fp16": {**_FP16, "loss_scale": 128}}, _kw("loss_scale"), 128.0),
     "fp16.initial_scale_power": ({"fp16": {**_FP16, "initial_scale_power": 12}},

@@ -134,6 +134,23 @@ def test_an_interrupted_estimate_says_nothing_of_swap_files(capsys, monkeypatch)
     assert "interrupted (Ctrl-C)" in err and "swap" not in err
 
 
+def test_master_dtype_flag(capsys):
+    """--master-dtype bf16 (with the default --dtype bf16): 2 bytes of master weights per
+    parameter instead of 4 wherever the master is not the shard itself; with --dtype fp32 a
+    one-line error."""
+    rows = {}
+    for flags in ([], ["--master-dtype", "bf16"]):
+        assert cli.main(["estimate", "--params", "1e9", "--json", *flags]) == 0
+        data = json.loads(capsys.readouterr().out)
+        rows[tuple(flags)] = next(r for r in data["table"]
+                                  if r["stage"] == 3 and r["offload"] == "cpu")
+    fp32, bf16 = (r["model_states"]["host"]["master_weights"] for r in rows.values())
+    assert fp32 == 2 * bf16 == 4 * 10 ** 9
+    assert cli.main(["estimate", "--params", "1e9", "--dtype", "fp32", "--master-dtype",
+                     "bf16"]) == 2
+    assert "master_dtype='bf16' needs dtype bf16" in capsys.readouterr().err
+
+
 def test_moment_dtype_and_host_cache_flags(capsys):
     """--moment-dtype bf16: 8 bytes of optimizer state per parameter in the NVMe rows instead
     of 12 (the paper's unpadded arithmetic), int8: 4 + 2 there and the absmax in host memory; --host-cache-bytes moves that many bytes of it

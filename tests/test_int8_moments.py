@@ -379,8 +379,11 @@ def test_overflow_leaves_bf16_master_and_int8_moments_unchanged(isa, monkeypatch
 
 
 def test_runs_of_bf16_master_at_block_edges_equal_one_fused_call():
-    """bf16 weights: runs cut at block edges are the fused call's bits; a cut inside a block
-    (its weights would be rounded outside the fused pass) is refused."""
+    """bf16 weights: runs cut at block edges are the fused call's bits; cut inside a block
+    (at 300, in block 1), the shared block's weights are rounded keyed by their place too:
+    codes and absmax are the fused call's bits, the weights outside block 1 too, those inside
+    it a bf16 neighbour of the fused call's (the same value before rounding, other random
+    bits), and the same on every run of it."""
     n = 1500
     state = _with_bf16_master(_q8_state(n, 5))
     g = torch.randn(n, generator=torch.Generator().manual_seed(6))
@@ -391,10 +394,21 @@ def test_runs_of_bf16_master_at_block_edges_equal_one_fused_call():
     p, mc, ma, vc, va = cut = [t.clone() for t in state]
     assert adam_step_runs_(p, g, mc, vc, ma, va, runs, step=3, sr_seed=2, sr_offset=1024) is False
     assert all(torch.equal(a, b) for a, b in zip(cut, whole))
-    runs = [(0, 300, _hp(1e-2, 0.1)), (300, n, _hp(1e-3, 0.0))]
-    with pytest.raises(NotImplementedError, match=r"inside a block of 256 \(at \[300\]\)"):
-        adam_step_runs_(p, g, mc, vc, ma, va, runs, step=4)
-    assert all(torch.equal(a, b) for a, b in zip(cut, whole))
+    runs = [(0, 300, _hp(1e-2, 0.1)), (300, n, _hp(1e-2, 0.1))]
+    results = []
+    for _ in range(2):
+        p, mc, ma, vc, va = mixed = [t.clone() for t in state]
+        assert adam_step_runs_(p, g, mc, vc, ma, va, runs, step=3, sr_seed=2,
+                               sr_offset=1024) is False
+        results.append(mixed)
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+    assert all(torch.equal(a, b) for a, b in zip(mixed[1:], whole[1:]))
+    outside = torch.ones(n, dtype=torch.bool)
+    outside[256:512] = False
+    assert torch.equal(mixed[0][outside], whole[0][outside])
+    inside = (mixed[0][256:512].float() - whole[0][256:512].float()).abs()
+    ulp = whole[0][256:512].float().abs() * 2.0 ** -7
+    assert bool((inside <= ulp).all()) and bool((inside > 0).any())
 
 
 def test_bad_absmax_raises_value_error():

@@ -265,6 +265,21 @@ def test_state_format_and_host_memory_flags_reach_the_engine(tmp_path, monkeypat
     assert ", int8 moments, host cache " in train.format_summary(summary)
 
 
+def test_master_dtype_flag_reaches_the_engine_and_is_checked(tmp_path, monkeypatch, capsys):
+    """--master-dtype bf16 (with --dtype bf16) sets the engine's master_dtype and the summary
+    names it; with another --dtype it is a one-line error that says what to change."""
+    seen = _engine_keywords(monkeypatch)
+    summary = train.run(_parse("--preset", "tiny", "--steps", 1, "--no-progress", "--offload",
+                               "nvme", "--path", tmp_path, "--dtype", "bf16", "--master-dtype",
+                               "bf16", *FAST))
+    assert seen["master_dtype"] == "bf16" and summary["master_dtype"] == "bf16"
+    assert ", bf16 master weights" in train.format_summary(summary)
+    assert cli.main(["train", "--master-dtype", "bf16", "--dtype", "fp32", "--steps", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].endswith("--master-dtype bf16 needs --dtype bf16 (got --dtype fp32): the "
+                            "master is the bf16 weights themselves; or --master-dtype fp32"), err
+
+
 def test_a_bad_size_flag_is_one_line(capsys):
     with pytest.raises(SystemExit) as exc:
         cli.main(["train", "--host-cache-bytes", "2XB"])

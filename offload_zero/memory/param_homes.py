@@ -1,7 +1,8 @@
 """Where compute-dtype parameter shards live when they are not on the device
 (``offload_param``): :class:`HostParamHome` (aligned, pinned host memory) and
 :class:`NVMeParamHome` (NVMe files read ahead into a fixed pool, written back through a ring;
-fp32 shards read from their master's bytes when the optimizer state is on NVMe too).
+shards read from their master's bytes when the optimizer state is on NVMe too and the master
+has the compute dtype).
 """
 from __future__ import annotations
 
@@ -86,8 +87,9 @@ class NVMeParamHome:
             function ``fp -> pool`` (a small pool for an outsized root unit, say, so the main
             pool's buffers need not all be root-sized).
         accountant: NVMe ``PARAMS`` bytes are the files' sizes.
-        master_is_param: the compute dtype is fp32 and the optimizer state is on NVMe too: a
-            trainable shard is then the same bytes as its fp32 master weights, so it is read
+        master_is_param: the compute dtype is the master's (``master_dtype``: fp32, or bf16
+            with ``master_dtype="bf16"``) and the optimizer state is on NVMe too: a trainable
+            shard is then the same bytes as its master weights, so it is read
             from the master region of the optimizer's file (offset 0 of the file named
             ``fp.name``; see :class:`NVMeStore`) and never written by this home: the update
             writes it once, as the master. No second file, no second write per step.
@@ -106,6 +108,8 @@ class NVMeParamHome:
             the gathers read it there, and it never reaches the disk. None: no such.
         host_alloc: ``f(numel, dtype) -> tensor``, the host allocator of those shards
             (required with ``in_host``).
+        master_dtype: the master weights' dtype (float32 or bfloat16): with
+            ``master_is_param``, the trainable shards of this dtype are the master's bytes.
         io_stages: the :class:`offload_zero.update.state.IOStages` of the parameter shards
             (:class:`ShardIO`: ``READING``, ``KEPT``, ``IN_UPDATE``, ``WRITING``, each with its
             pool buffer and handle; see [Note: update states]): the engine's
@@ -124,7 +128,8 @@ class NVMeParamHome:
 
     def __init__(self, swapper, pool, accountant: TierAccountant, master_is_param: bool = False,
                  keep_after_update=None, gather_follows=None,
-                 io_stages: Optional[IOStages] = None, in_host=None, host_alloc=None):
+                 io_stages: Optional[IOStages] = None, in_host=None, host_alloc=None,
+                 master_dtype=torch.float32):
         if in_host is not None and host_alloc is None:
             raise ValueError("in_host needs host_alloc: the shards it keeps are host memory")
         self.swapper, self._acct = swapper, accountant
@@ -138,8 +143,9 @@ class NVMeParamHome:
                           else IOStages(None, "parameter shard", SHARD_IO_LEGAL))
         self._sizes: Dict[object, int] = {}
         self.master_is_param = master_is_param
-        # a layout fact, not I/O state: the trainable fp32 shards that are their master's
-        # bytes (read from the optimizer's file, never written by this home)
+        self._master_dtype = master_dtype
+        # a layout fact, not I/O state: the trainable shards that are their master's bytes
+        # (read from the optimizer's file, never written by this home)
         self._in_master: set = set()
         self._keep = keep_after_update or (lambda fp: False)
         self._follows = gather_follows or (lambda fp: False)
@@ -157,7 +163,8 @@ class NVMeParamHome:
         """Write ``fp``'s initial shard to its file (unless it is its master's bytes, which the
         optimizer's store writes); ``fp.sharded`` becomes None."""
         nbytes = device_shard.numel() * device_shard.element_size()
-        if self.master_is_param and fp.requires_grad and device_shard.dtype == torch.float32:
+        if (self.master_is_param and fp.requires_grad
+                and device_shard.dtype == self._master_dtype):
             self._in_master.add(fp)
             source = self.master_source
             # a master kept in host memory (NVMeStore.keep_in_host) holds the shard's bytes

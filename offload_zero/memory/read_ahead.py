@@ -157,12 +157,12 @@ class ReadAheadRing:
         return self.prefetched(fp) or self._holds_whole_write(fp)
 
     def master_view(self, fp) -> Optional[torch.Tensor]:
-        """``fp``'s fp32 master weights, shape (shard_numel,), a view of its read-ahead buffer
-        (waiting for that part of the read only) or of the buffer of its whole write-back not
-        yet retired (the current values: a later read or update of ``fp`` retires it first),
-        or None when neither holds it (see :meth:`holds_master`). The view is valid until the
-        store's next call (copy it out). Raises SwapIOError if the read failed (file and
-        offset named)."""
+        """``fp``'s master weights (the master's dtype), shape (shard_numel,), a view of its
+        read-ahead buffer (waiting for that part of the read only) or of the buffer of its
+        whole write-back not yet retired (the current values: a later read or update of
+        ``fp`` retires it first), or None when neither holds it (see :meth:`holds_master`).
+        The view is valid until the store's next call (copy it out). Raises SwapIOError if
+        the read failed (file and offset named)."""
         if self.in_host(fp):
             return self._host.master_view(fp)
         n = self._numel.get(fp, 0)

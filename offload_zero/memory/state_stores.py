@@ -1,21 +1,22 @@
-"""Where fp32 master weights and Adam moments live, and how the step walks them.
+"""Where master weights and Adam moments live, and how the step walks them.
 
 Three stores share one interface. ``iter_states(flat_params)`` yields, for each flat parameter
-in turn, ``(fp, lo, hi, master, exp_avg, exp_avg_sq)``: elements [lo, hi) of its shard as fp32
+in turn, ``(fp, lo, hi, master, exp_avg, exp_avg_sq)``: elements [lo, hi) of its shard as
 tensors of shape (hi - lo,) that the caller updates in place; whatever the caller wrote is
 persisted by the store. Resident stores yield each shard whole; the NVMe store in chunks of at
 most ``chunk_numel`` elements, so its buffers do not grow with the largest unit.
 
 The moments are ``moment_dtype`` (float32, bfloat16, or int8 codes with per-block scales that
 every store keeps in memory: [Note: int8 moment scales] in
-:mod:`offload_zero.memory.state_format`) in every store; the master is fp32.
+:mod:`offload_zero.memory.state_format`) in every store; the master is ``master_dtype``
+(float32, or bfloat16: [Note: bf16 master weights] there).
 Every store also copies a flat parameter's whole state out (``read_all``: exports, checkpoints)
-and overwrites it (``write_all``: loading a checkpoint).
+and overwrites it (``write_all``: loading a checkpoint), the master as fp32 values.
 
 - :class:`DeviceStore` (``offload="none"``): tensors on the accelerator.
 - :class:`HostStore` (``offload="cpu"``): 4096-aligned (pinned when CUDA is present) host tensors.
 - :class:`NVMeStore` (``offload="nvme"``): one file per flat parameter holding
-  ``[master | exp_avg | exp_avg_sq]`` (fp32 master, moments in fp32 or bf16; see
+  ``[master | exp_avg | exp_avg_sq]`` (fp32 or bf16 master, moments in fp32, bf16 or int8; see
   [Note: state layout] in :mod:`offload_zero.memory.state_format`), and a pipeline of
   three host buffer sets over chunks: while the caller updates chunk k, the read of chunk k+1 is
   in flight and the write of chunk k-1 drains (ZeRO-Infinity's overlap of NVMe I/O with the
@@ -44,20 +45,23 @@ class _TensorStore:
 
     tier: Tier
 
-    def __init__(self, accountant: TierAccountant, alloc, moment_dtype=torch.float32):
+    def __init__(self, accountant: TierAccountant, alloc, moment_dtype=torch.float32,
+                 master_dtype=torch.float32):
         self._acct, self._alloc = accountant, alloc
-        self.fmt = StateFormat(moment_dtype)
+        self.fmt = StateFormat(moment_dtype, master_dtype)
         self._state: Dict[object, Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._held: Dict[object, Tuple[int, int]] = {}
         self._scales: Dict[object, torch.Tensor] = {}  # int8 moments' absmax (2, blocks)
 
     def add(self, fp, master_shard: torch.Tensor, alias: Optional[torch.Tensor] = None) -> None:
-        """Register ``fp`` with initial fp32 master values ``master_shard`` (shard_numel,).
+        """Register ``fp`` with initial master values ``master_shard`` ((shard_numel,), fp32;
+        rounded to nearest for a bf16 master).
 
-        ``alias``: an existing fp32 tensor to use as the master (fp32 compute on the same tier).
+        ``alias``: an existing tensor of the master's dtype to use as the master (a compute
+        dtype equal to it, on the same tier).
         """
         n = master_shard.numel()
-        master = alias if alias is not None else self._alloc(n, torch.float32)
+        master = alias if alias is not None else self._alloc(n, self.fmt.master_dtype)
         if alias is None:
             master.copy_(master_shard)
         dt = self.fmt.moment_dtype
@@ -67,7 +71,7 @@ class _TensorStore:
         self._state[fp] = (master, m, v)
         if self.fmt.blockwise:
             self._scales[fp] = self.fmt.new_scales(n, device=master.device)
-        master_bytes = 0 if alias is not None else 4 * n
+        master_bytes = 0 if alias is not None else self.fmt.master_itemsize * n
         moment_bytes = self.fmt.resident_moment_bytes(n)
         self._held[fp] = (master_bytes, moment_bytes)
         self._acct.add(self.tier, StateKind.MASTER, master_bytes)
@@ -102,30 +106,31 @@ class _TensorStore:
         """Resident state has no writes in flight (see :meth:`NVMeStore.drain`)."""
 
     def master_view(self, fp) -> torch.Tensor:
-        """``fp``'s resident fp32 master weights themselves (not a copy), shape
+        """``fp``'s resident master weights themselves (not a copy; ``master_dtype``), shape
         (shard_numel,), on this store's device: updates change it in place."""
         return self._state[fp][0]
 
     def read_master(self, fp) -> torch.Tensor:
-        """This rank's fp32 master shard of ``fp`` (a copy on the CPU), shape (shard_numel,)."""
-        return self._state[fp][0].detach().to("cpu", copy=True)
+        """This rank's master shard of ``fp`` as fp32 values (a copy on the CPU), shape
+        (shard_numel,)."""
+        return self._state[fp][0].detach().to("cpu", torch.float32, copy=True)
 
     def scales(self, fp) -> torch.Tensor:
         """``fp``'s int8 moments' absmax, updated in place ([Note: int8 moment scales])."""
         return self._scales[fp]
 
     def read_all(self, fp) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """CPU copies of (master, exp_avg, exp_avg_sq) for ``fp`` (int8 ones decoded)."""
+        """CPU copies of (master, exp_avg, exp_avg_sq) for ``fp``: the master as fp32 values,
+        int8 moments decoded."""
         master, m, v = self._state[fp]
-        return master.detach().to("cpu", copy=True), *decode_moments(self.fmt, m, v,
-                                                                     self._scales.get(fp))
+        return self.read_master(fp), *decode_moments(self.fmt, m, v, self._scales.get(fp))
 
     def write_all(self, fp, master: torch.Tensor, exp_avg: torch.Tensor,
                   exp_avg_sq: torch.Tensor) -> None:
         """Overwrite ``fp``'s (master, exp_avg, exp_avg_sq) in place with the given tensors of
-        shape (shard_numel,) (fp32 master, moments in the store's ``moment_dtype``), on any
-        device (a checkpoint being loaded). Raises ValueError naming ``fp`` for a wrong shape
-        or dtype."""
+        shape (shard_numel,) (fp32 master, rounded to nearest for a bf16 one; moments in the
+        store's ``moment_dtype``), on any device (a checkpoint being loaded). Raises
+        ValueError naming ``fp`` for a wrong shape or dtype."""
         _check_state_shapes(fp, self._state[fp][0].numel(), (master, exp_avg, exp_avg_sq),
                             self.fmt.exchange_dtype)
         if self.fmt.blockwise:  # (fp32 moments encoded to nearest)
@@ -151,9 +156,9 @@ class DeviceStore(_TensorStore):
     tier = Tier.DEVICE
 
     def __init__(self, accountant: TierAccountant, device: torch.device,
-                 moment_dtype=torch.float32):
+                 moment_dtype=torch.float32, master_dtype=torch.float32):
         super().__init__(accountant, lambda n, dt: torch.empty(n, dtype=dt, device=device),
-                         moment_dtype)
+                         moment_dtype, master_dtype)
 
 
 class HostStore(_TensorStore):
@@ -161,8 +166,9 @@ class HostStore(_TensorStore):
 
     tier = Tier.HOST
 
-    def __init__(self, accountant: TierAccountant, host_alloc, moment_dtype=torch.float32):
-        super().__init__(accountant, host_alloc, moment_dtype)
+    def __init__(self, accountant: TierAccountant, host_alloc, moment_dtype=torch.float32,
+                 master_dtype=torch.float32):
+        super().__init__(accountant, host_alloc, moment_dtype, master_dtype)
 
 
 class NVMeStore(ReadAheadRing):
@@ -177,11 +183,14 @@ class NVMeStore(ReadAheadRing):
             moments; default ``CHUNK_NUMEL``): buffers hold three states of
             ``min(max_shard_numel, chunk_numel)`` elements (12 bytes each with fp32 moments, 8
             with bf16; see :class:`offload_zero.memory.state_format.StateFormat`).
-        master_is_param: the fp32 parameter shards are read from the master region (file
-            ``fp.name``, offset 0, ``4 * shard_numel`` bytes; see :class:`NVMeParamHome`); the
-            master's NVMe bytes are then accounted as parameters.
-        moment_dtype: ``torch.float32`` (default) or ``torch.bfloat16``: the moments' dtype in
-            the files and in every host buffer (see [Note: state layout]).
+        master_is_param: the parameter shards (of the master's dtype) are read from the master
+            region (file ``fp.name``, offset 0, ``w * shard_numel`` bytes; see
+            :class:`NVMeParamHome`); the master's NVMe bytes are then accounted as parameters.
+        moment_dtype: ``torch.float32`` (default), ``torch.bfloat16`` or ``torch.uint8``
+            (int8 codes): the moments' dtype in the files and in every host buffer (see
+            [Note: state layout]).
+        master_dtype: ``torch.float32`` (default) or ``torch.bfloat16`` ([Note: bf16 master
+            weights]): the master's dtype there.
         io_stages: the :class:`offload_zero.update.state.IOStages` of the optimizer state
             (:class:`StateIO`) that records where each flat parameter's state stands, with its
             buffer and handles: the engine's (``UpdateStates.state_io``); default: one of this
@@ -207,9 +216,10 @@ class NVMeStore(ReadAheadRing):
 
     def __init__(self, swapper, accountant: TierAccountant, host_alloc, max_shard_numel: int,
                  chunk_numel: Optional[int] = None, master_is_param: bool = False,
-                 moment_dtype=torch.float32, io_stages: Optional[IOStages] = None):
+                 moment_dtype=torch.float32, io_stages: Optional[IOStages] = None,
+                 master_dtype=torch.float32):
         self._master_is_param = master_is_param
-        self.fmt = StateFormat(moment_dtype)
+        self.fmt = StateFormat(moment_dtype, master_dtype)
         self.io_stages = (io_stages if io_stages is not None
                           else IOStages(None, "optimizer state", STATE_IO_LEGAL))
         self._init_read_ahead()
@@ -231,16 +241,17 @@ class NVMeStore(ReadAheadRing):
         self._keys: Dict[object, str] = {}
         # int8 moments' absmax of the states in files, in host memory for the whole run
         self._scales: Dict[object, torch.Tensor] = {}
-        self._host = HostStore(accountant, host_alloc, moment_dtype)  # state kept in host memory
+        # state kept in host memory
+        self._host = HostStore(accountant, host_alloc, moment_dtype, master_dtype)
         self._host_names: set = set()
         self._moved = [0, 0]  # state bytes submitted: [read, written]
         self._closed = False
 
     def keep_in_host(self, name: str) -> None:
         """Keep the state of the flat parameter named ``name`` (added later) in host memory:
-        ``4 + 8`` bytes per element of its shard with fp32 moments, ``4 + 4`` with bf16 (the 4
-        bytes of the master less when :meth:`add` gets an ``alias``), accounted as host master
-        weights and moments."""
+        ``w + 8`` bytes per element of its shard with fp32 moments, ``w + 4`` with bf16 (w the
+        master's bytes, 4 or 2, left out when :meth:`add` gets an ``alias``), accounted as host
+        master weights and moments."""
         self._host_names.add(name)
 
     def in_host(self, fp) -> bool:
@@ -251,8 +262,9 @@ class NVMeStore(ReadAheadRing):
     def add(self, fp, master_shard: torch.Tensor, alias: Optional[torch.Tensor] = None) -> None:
         """Create ``fp``'s file and write the initial master to it (the moments' bytes, never
         written, read as zeros); for a
-        flat parameter kept in host memory, allocate its state there instead (``alias``: an
-        fp32 tensor to use as its master, as in :meth:`HostStore.add`; ignored otherwise)."""
+        flat parameter kept in host memory, allocate its state there instead (``alias``: a
+        tensor of the master's dtype to use as its master, as in :meth:`HostStore.add`;
+        ignored otherwise)."""
         if self.in_host(fp):
             self._host.add(fp, master_shard, alias=alias)
             return
@@ -274,7 +286,8 @@ class NVMeStore(ReadAheadRing):
             self._views(0, hi - lo)[0].copy_(master_shard[lo:hi])
             view = self._views(0, hi - lo, padded=True)[0]  # (as _io transfers it)
             self._moved[True] += view.numel() * view.element_size()
-            self.swapper.swap_out(key, view, offset_bytes=master_base + 4 * lo).wait()
+            self.swapper.swap_out(key, view,
+                                  offset_bytes=master_base + self.fmt.master_itemsize * lo).wait()
 
     def scales(self, fp) -> torch.Tensor:
         """``fp``'s int8 moments' absmax, in host memory ([Note: int8 moment scales])."""
@@ -286,9 +299,9 @@ class NVMeStore(ReadAheadRing):
         return self.in_host(fp) and self._host.aliases(fp)
 
     def _master_bytes(self, n: int) -> int:
-        # an fp32 parameter shard on NVMe is read from the master region: its bytes are counted
-        # once, as parameters (see NVMeParamHome's master_is_param)
-        return 0 if self._master_is_param else 4 * n
+        # a parameter shard on NVMe of the master's dtype is read from the master region: its
+        # bytes are counted once, as parameters (see NVMeParamHome's master_is_param)
+        return 0 if self._master_is_param else self.fmt.master_itemsize * n
 
     def _views(self, slot: int, c: int, padded: bool = False):
         return self.fmt.views(self._bufs[slot], self._chunk, c, padded)
@@ -464,31 +477,35 @@ class NVMeStore(ReadAheadRing):
 
     def read_all(self, fp) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """CPU copies of (master, exp_avg, exp_avg_sq) for ``fp``, read from its file (or from
-        host memory, see :meth:`keep_in_host`); int8 moments decoded to fp32."""
+        host memory, see :meth:`keep_in_host`): the master as fp32 values, int8 moments
+        decoded to fp32."""
         if self.in_host(fp):
             return self._host.read_all(fp)
         self.drain()
         n = self._numel[fp]
         md = self.fmt.moment_dtype
-        out = tuple(torch.empty(n, dtype=dt) for dt in (torch.float32, md, md))
+        out = tuple(torch.empty(n, dtype=dt) for dt in (self.fmt.master_dtype, md, md))
         for lo in range(0, n, self._chunk):
             hi = min(n, lo + self._chunk)
             for h in self._io(fp, lo, hi, 0, write=False):
                 h.wait()
             for dst, src in zip(out, self._views(0, hi - lo)):
                 dst[lo:hi].copy_(src)
+        master = out[0].float()
         if self.fmt.blockwise:  # (decoded to fp32)
-            return (out[0], *decode_moments(self.fmt, out[1], out[2], self._scales[fp]))
-        return out
+            return (master, *decode_moments(self.fmt, out[1], out[2], self._scales[fp]))
+        return (master, out[1], out[2])
 
     def read_master(self, fp) -> torch.Tensor:
-        """This rank's fp32 master shard of ``fp``, read from its file (a CPU copy)."""
+        """This rank's master shard of ``fp`` as fp32 values, read from its file (a CPU
+        copy)."""
         return self.read_all(fp)[0]
 
     def write_all(self, fp, master: torch.Tensor, exp_avg: torch.Tensor,
                   exp_avg_sq: torch.Tensor) -> None:
         """Write ``fp``'s (master, exp_avg, exp_avg_sq), CPU tensors of shape (shard_numel,)
-        (fp32 master, moments in ``moment_dtype``, fp32 for int8 ones: encoded to nearest),
+        (fp32 master, rounded to nearest for a bf16 one; moments in ``moment_dtype``, fp32 for
+        int8 ones: encoded to nearest),
         to its file chunk by chunk through the pipeline's first buffer set, and
         wait for every write (a checkpoint being loaded). Read-ahead of any state is dropped
         first: it would be stale. Raises ValueError naming ``fp`` for a wrong shape or dtype,

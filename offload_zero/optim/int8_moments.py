@@ -109,22 +109,14 @@ def adam_step_runs_(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Ten
     hyperparameters would give, wherever the runs are cut. ``sr_offset``: the place of element
     0 in the whole flat parameter (a multiple of 256, so the blocks are the same however a
     state is chunked). ``master`` may be bfloat16 ([Note: bf16 master weights] in
-    csrc/adam_scalar.h) when every run starts and ends on a block edge (or at N): a block
-    shared by runs would round its weights outside the fused pass. Other arguments and errors
-    as :func:`offload_zero.optim.adam_step_`.
-
-    Raises:
-        NotImplementedError: a bfloat16 ``master`` with a run edge inside a block.
+    csrc/adam_scalar.h): in a block shared by runs its rounding is keyed as the chunked update
+    keys a run's pieces (see :func:`_mixed_block`). Other arguments and errors as
+    :func:`offload_zero.optim.adam_step_`.
     """
     n = master.numel()
     if sr_offset % BLOCK_NUMEL:
         raise ValueError(f"sr_offset={sr_offset} must be a multiple of {BLOCK_NUMEL} (a block)")
-    inside = sorted({edge for a, b, _ in runs for edge in (a, b)
-                     if 0 < edge < n and edge % BLOCK_NUMEL})
-    if master.dtype == torch.bfloat16 and inside:
-        raise NotImplementedError(
-            f"bfloat16 master weights with runs cut inside a block of {BLOCK_NUMEL} (at "
-            f"{inside}) are not supported: cut the runs at multiples of {BLOCK_NUMEL}")
+    inside = {edge for a, b, _ in runs for edge in (a, b) if 0 < edge < n and edge % BLOCK_NUMEL}
     if len(runs) > 1 and check_overflow:
         if not _all_finite(grad, grad_scale):
             return True
@@ -151,17 +143,21 @@ def adam_step_runs_(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Ten
 
 
 def _mixed_block(k, master, grad, codes, absmax, runs, out, sr_seed, sr_offset, common) -> None:
-    """Block ``k``, shared by several runs: decode, the fp32 kernel per run, encode."""
+    """Block ``k``, shared by several runs: decode, the fp32 kernel per run, encode. A bf16
+    master's rounding is keyed by the place in the flat parameter of each run's pieces
+    (:func:`offload_zero.update.adam.sr_pieces`), so it too is the same however a state is
+    chunked."""
+    from offload_zero.update.adam import sr_pieces
     s, e = k * BLOCK_NUMEL, min(master.numel(), (k + 1) * BLOCK_NUMEL)
     moments = [dequantize(c[s:e], a[k:k + 1], signed=signed)
                for c, a, signed in zip(codes, absmax, (True, False))]
     for a, b, hp in runs:
         lo, hi = max(a, s), min(b, e)
-        if lo < hi:
-            adam_step_(master[lo:hi], grad[lo:hi], moments[0][lo - s:hi - s],
-                       moments[1][lo - s:hi - s], lr=hp.lr, betas=hp.betas, eps=hp.eps,
-                       weight_decay=hp.weight_decay, out=None if out is None else out[lo:hi],
-                       **{**common, "check_overflow": False})
+        for p0, p1, key in (sr_pieces(lo, hi, sr_offset) if lo < hi else ()):
+            adam_step_(master[p0:p1], grad[p0:p1], moments[0][p0 - s:p1 - s],
+                       moments[1][p0 - s:p1 - s], lr=hp.lr, betas=hp.betas, eps=hp.eps,
+                       weight_decay=hp.weight_decay, out=None if out is None else out[p0:p1],
+                       sr_seed=sr_seed, sr_offset=key, **{**common, "check_overflow": False})
     for x, c, a, signed in zip(moments, codes, absmax, (True, False)):
         quantize_(x, c[s:e], a[k:k + 1], signed=signed, stochastic=True, sr_seed=sr_seed,
                   step=common["step"], sr_offset=sr_offset + s)

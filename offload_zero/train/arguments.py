@@ -117,8 +117,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--stage", type=int, choices=[1, 2, 3], default=d["stage"],
                         help="ZeRO stage (default: %(default)s)")
     engine.add_argument("--dtype", choices=sorted(DTYPES), default=d["dtype"],
-                        help="compute dtype; master weights stay fp32; fp16 scales the loss "
-                             "dynamically (default: %(default)s)")
+                        help="compute dtype; master weights fp32 unless --master-dtype bf16; "
+                             "fp16 scales the loss dynamically (default: %(default)s)")
 
     optim = parser.add_argument_group("optimization")
     optim.add_argument("--steps", type=_positive_int, default=d["steps"],
@@ -175,6 +175,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "rounding, 8 bytes of state per parameter instead of 12) or int8 "
                              "(blockwise 8-bit, 6.03; see docs/moments.md); off the device "
                              "only; auto (with --offload auto): chosen with the placement")
+    engine.add_argument("--master-dtype", choices=("bf16", "fp32"), default="fp32",
+                        help="master weights: fp32 (default: exact AdamW) or bf16 (with "
+                             "--dtype bf16: the bf16 weights themselves, stochastic rounding, "
+                             "2 bytes of state per parameter less; see docs/moments.md); off "
+                             "the device only")
     engine.add_argument("--host-cache-bytes", type=_size, default=0, metavar="SIZE",
                         help="with --offload nvme, host memory for optimizer state kept in "
                              "RAM instead of its files (e.g. 2GB; default 0: no cache). Even "
@@ -222,7 +227,8 @@ def check_args(args: argparse.Namespace) -> None:
     output folder, removed at once (see :func:`_check_output_paths`).
 
     Raises ``ValueError`` (naming the flag and its value) if ``--warmup`` is more than
-    ``--steps``; ``--moment-dtype auto`` without ``--offload auto``; ``--path`` is given
+    ``--steps``; ``--moment-dtype auto`` without ``--offload auto``; ``--master-dtype bf16``
+    without ``--dtype bf16``; ``--path`` is given
     without ``--offload nvme``/``auto``, is not a folder or has no parent folder; an output
     flag's folder cannot be written (see :func:`_check_output_paths`); ``--save`` is not a
     folder or cannot be created (see :func:`check_save_dir`); or a ``--checkpoint`` /
@@ -234,6 +240,9 @@ def check_args(args: argparse.Namespace) -> None:
     if args.moment_dtype == "auto" and args.offload != "auto":
         raise ValueError(f"--moment-dtype auto needs --offload auto (got --offload "
                          f"{args.offload}); give fp32, bf16 or int8")
+    if args.master_dtype == "bf16" and args.dtype != "bf16":
+        raise ValueError(f"--master-dtype bf16 needs --dtype bf16 (got --dtype {args.dtype}): "
+                         "the master is the bf16 weights themselves; or --master-dtype fp32")
     if args.path is not None and args.offload not in ("nvme", "auto"):
         raise ValueError(f"--path is only used with --offload nvme or auto (got --offload "
                          f"{args.offload})")

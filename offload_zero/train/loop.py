@@ -155,6 +155,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
             activation_checkpointing=args.activation_checkpointing,
             update_timing=update_timing,
             gradient_accumulation_steps=args.grad_accum, moment_dtype=args.moment_dtype,
+            master_dtype=args.master_dtype,
             host_cache_bytes=args.host_cache_bytes, max_host_bytes=args.max_host_bytes,
             optimizer_prefetch=args.optimizer_prefetch, workload=auto_workload(args),
             **getattr(args, "ds_kwargs", {}), **model_source(args)) as engine:
@@ -207,6 +208,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
                             lr=args.lr, warmup=warmup, seed=args.seed, setup_s=setup_s,
                             update_timing=engine.config.update_timing, skipped_steps=skipped,
                             moment_dtype=engine.config.moment_dtype,
+                            master_dtype=engine.config.master_dtype,
                             host_cache_bytes=(engine.config.host_cache_bytes
                                               if engine.config.offload_optimizer == "nvme"
                                               else 0),

@@ -88,6 +88,8 @@ def format_summary(s: Dict[str, Any]) -> str:
            else "")
         + (f", {s['grad_accum']} micro-batches a step" if s.get("grad_accum", 1) > 1 else "")
         + (f", {s['moment_dtype']} moments" if s.get("moment_dtype", "fp32") != "fp32" else "")
+        + (f", {s['master_dtype']} master weights" if s.get("master_dtype", "fp32") != "fp32"
+           else "")
         + (f", host cache {fmt_bytes(s['host_cache_bytes'])}" if s.get("host_cache_bytes")
            else ""),
     ] + ([f"  deepspeed    {s['deepspeed']}"] if s.get("deepspeed") else [])

@@ -128,7 +128,7 @@ class ShardAdam:
     def update_target(self, fp) -> Optional[torch.Tensor]:
         """Where the kernel writes ``fp``'s new compute-dtype shard in the same pass as the
         update: the shard itself, a host buffer of its home, or the staging buffer; None when the
-        fp32 master is the shard."""
+        master (of the compute dtype) is the shard."""
         if fp.home is not None:
             return fp.home.update_target(fp)
         if self.store.aliases(fp):
@@ -142,8 +142,8 @@ class ShardAdam:
     def update(self, fp, lo: int, hi: int, master, m, v, coef: float, hypers: tuple,
                check_overflow: bool) -> bool:
         """Adam/AdamW on elements [lo, hi) of ``fp``'s shard (``master``, ``m``, ``v``: 1-d
-        views of that chunk; fp32 master, fp32, bf16 or int8-coded moments), each run of one parameter
-        group with that group's ``hypers`` (see [Note: parameter groups] in
+        views of that chunk; fp32 or bf16 master, fp32, bf16 or int8-coded moments), each run
+        of one parameter group with that group's ``hypers`` (see [Note: parameter groups] in
         :mod:`offload_zero.optim.facade`); returns False on overflow (nothing then changed)."""
         grad = self.grads.buf[fp][lo:hi]
         runs = [(max(a, lo) - lo, min(b, hi) - lo, hypers[g])
@@ -157,8 +157,8 @@ class ShardAdam:
         if master.device.type == "cpu":
             out = self.states.target(fp)
             out = None if out is None else out[lo:hi]
-            # (bf16 moments: rounding keyed by the element's place in the flat parameter, the
-            # same however the update is cut into chunks and at any world size)
+            # (bf16 moments or master: rounding keyed by the element's place in the flat
+            # parameter, the same however the update is cut into chunks and at any world size)
             base = self.rank * fp.shard_numel + lo  # (the chunk's place in the flat parameter)
             if m.dtype == torch.uint8:  # int8 moments: whole 256-element blocks, one call
                 overflow = self._adam_cpu_int8(fp, lo, hi, master, grad, m, v, runs, coef, out,
@@ -185,8 +185,8 @@ class ShardAdam:
 
     def _adam_cpu(self, fp, master, grad, m, v, hp, coef: float, out, check_overflow: bool,
                   offset: int) -> bool:
-        """The C++ Adam on one run of ``fp``'s shard (1-d fp32 views of equal length; bf16
-        moments for ``moment_dtype="bf16"``) with the group's ``hp``; ``offset``: the run's first
+        """The C++ Adam on one run of ``fp``'s shard (1-d views of equal length: fp32 or bf16
+        master, fp32 or bf16 moments) with the group's ``hp``; ``offset``: the run's first
         element's index in the whole flat parameter (the stochastic rounding's position key);
         returns True on overflow (see :func:`offload_zero.optim.adam_step_`)."""
         from offload_zero.optim.kernel import adam_step_
@@ -234,8 +234,8 @@ def sr_pieces(a: int, b: int, base: int) -> List[tuple]:
 
 
 def sr_seed(fp) -> int:
-    """The stochastic-rounding seed of ``fp``'s bf16 moments: a CRC-32 of its name, the same
-    in every run and on every rank."""
+    """The stochastic-rounding seed of ``fp``'s bf16 moments and master: a CRC-32 of its name,
+    the same in every run and on every rank."""
     return zlib.crc32(fp.name.encode())
 
 

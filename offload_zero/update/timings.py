@@ -62,7 +62,8 @@ class UpdateTimings:
 
     # -- reads ahead (NVMe) ------------------------------------------------------------------
     def params_from_state(self) -> bool:
-        """Whether fp32 parameter shards on NVMe are their master's bytes: with
+        """Whether parameter shards on NVMe are their master's bytes (a master of the compute
+        dtype): with
         ``"backward"`` the whole state read ahead for an update then also serves the unit's
         gather in backward (one read of the parameters less per unit and step)."""
         home = self.param_home
@@ -95,11 +96,11 @@ class UpdateTimings:
         Without parameter reads in forward (parameter shards in memory) they all start at the
         forward's start, latest-in-forward first. When forward reads parameter shards from NVMe,
         each starts with the lead its parameter read would have had (``prefetch`` units ahead),
-        so the parameter reads forward needs first are not queued behind them; with fp32 shards
-        their gather then takes the parameters from this read (see :meth:`params_from_state`),
-        one parameter read less. A read starts only when a ring buffer is free without waiting
-        for the disk; one not started here is retried at the next unit, or started by
-        backward (:meth:`prefetch_state`)."""
+        so the parameter reads forward needs first are not queued behind them; with shards that
+        are their master's bytes their gather then takes the parameters from this read (see
+        :meth:`params_from_state`), one parameter read less. A read starts only when a ring
+        buffer is free without waiting for the disk; one not started here is retried at the
+        next unit, or started by backward (:meth:`prefetch_state`)."""
         order = self.scheduler.order
         if not order or self.ring is None:
             return
@@ -128,7 +129,7 @@ class UpdateTimings:
         ring the whole state of the first blocks in forward order (as many as the ring holds),
         whose updates the next forward applies first, each when backward is ``prefetch`` units
         (at least one) from it: its parameter read for backward would start then, and the
-        gather takes the parameters from this read instead when fp32 shards on NVMe are their
+        gather takes the parameters from this read instead when shards on NVMe are their
         master's bytes (see :meth:`params_from_state`). The reads run while backward computes;
         the states are not written before those updates, so they stay current. A read starts
         only when a buffer is free without waiting for the disk."""
@@ -400,7 +401,7 @@ class UpdateTimings:
         try:
             skipped = self.adam.update_all(with_grad, coef, known_finite, hypers)
         finally:
-            # every write-back done before the next forward reads parameters (an fp32 shard on
+            # every write-back done before the next forward reads parameters (a shard on
             # NVMe is read from its master's bytes): updates made in backward included
             try:
                 self.store.release_prefetched()

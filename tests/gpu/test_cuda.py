@@ -286,3 +286,29 @@ def test_bf16_shards_kept_in_host_memory_on_cuda(timing, tmp_path):
     (ref, _, _), (got, cached, files) = out
     assert cached and not {f"{name}.param.swp" for name in cached} & files
     assert all(torch.equal(ref[k], got[k]) for k in ref)
+
+
+def test_bf16_masters_on_cuda_are_the_same_on_every_tier(tmp_path):
+    """bf16 masters on CUDA: offload="cpu" (host masters, staged to the device shards) and
+    "nvme" (the shards read from the masters' bytes, no shard files) give the same weights bit
+    for bit; the optimizer state on the device is refused."""
+    torch.manual_seed(4)
+    model = TinyLM(n_blocks=3)
+    kw = dict(lr=1e-2, weight_decay=0.1, stage=3, dtype=torch.bfloat16, device=DEV,
+              master_dtype="bf16", moment_dtype="bf16")
+    out = {}
+    for offload in ("cpu", "nvme"):
+        extra = {"path": str(tmp_path)} if offload == "nvme" else {}
+        with OffloadEngine(copy.deepcopy(model), offload=offload, **kw, **extra) as eng:
+            for x, y in batches(4):
+                x, y = x.to(DEV), y.to(DEV)
+                eng.backward(lm_loss(eng(x), y))
+                eng.step()
+            if offload == "nvme":
+                files = {os.path.basename(f) for f in eng.swapper.files}
+                assert not any(f.endswith(".param.swp") for f in files
+                               if any(f.startswith(fp.name) for fp in eng.trainable))
+            out[offload] = eng.full_state_dict()
+    assert all(torch.equal(out["cpu"][k], out["nvme"][k]) for k in out["cpu"])
+    with pytest.raises(NotImplementedError, match="master_dtype='bf16' with the optimizer"):
+        OffloadEngine(copy.deepcopy(model), offload="none", **kw)
