@@ -766,24 +766,6 @@ def test_bf16_master_trains_like_fp32_master():
     assert losses["bf16 nearest"] > 0.3 * start, (start, losses)
 
 
-def test_binding_rejects_bad_param_dtype():
-    p = torch.zeros(4)
-    ptr = p.data_ptr()
-    base = dict(param_ptr=ptr, grad_ptr=ptr, exp_avg_ptr=ptr, exp_avg_sq_ptr=ptr, numel=4,
-                grad_dtype="float32", out_ptr=0, out_dtype=None, step=1, lr=1e-3, beta1=0.9,
-                beta2=0.999, eps=1e-8, weight_decay=0.0, adamw=True, bias_correction=True,
-                grad_scale=1.0, num_threads=1)
-    for change, match in [(dict(param_dtype="float16"),
-                           "param dtype 'float16' is not one of float32, bfloat16"),
-                          (dict(param_dtype="q8"), "param dtype 'q8'"),
-                          (dict(param_dtype="bfloat16", param_ptr=ptr + 1),
-                           "param pointer .* not aligned to its element size 2"),
-                          (dict(param_ptr=ptr + 2), "param pointer .* element size 4")]:
-        with pytest.raises(ValueError, match=match):
-            _C.adam_step(**{**base, **change})
-    assert _C.adam_step(**{**base, "param_dtype": "bfloat16", "param_ptr": ptr + 2}) is False
-
-
 # ---------------------------------------------------------------------------- bad input
 
 
@@ -844,7 +826,13 @@ def test_binding_rejects_bad_pointers_and_sizes():
                 grad_dtype="float32", out_ptr=0, out_dtype=None, step=1, lr=1e-3, beta1=0.9,
                 beta2=0.999, eps=1e-8, weight_decay=0.0, adamw=True, bias_correction=True,
                 grad_scale=1.0, num_threads=1)
-    for change, match in [(dict(grad_ptr=0), "grad pointer is null"),
+    for change, match in [(dict(param_dtype="float16"),
+                           "param dtype 'float16' is not one of float32, bfloat16"),
+                          (dict(param_dtype="q8"), "param dtype 'q8'"),
+                          (dict(param_dtype="bfloat16", param_ptr=ptr + 1),
+                           "param pointer .* not aligned to its element size 2"),
+                          (dict(param_ptr=ptr + 2), "param pointer .* element size 4"),
+                          (dict(grad_ptr=0), "grad pointer is null"),
                           (dict(numel=-1), "numel=-1"),
                           (dict(grad_dtype="float64"), "grad dtype 'float64'"),
                           (dict(out_dtype="int8", out_ptr=ptr), "out dtype 'int8'"),
@@ -858,8 +846,9 @@ def test_binding_rejects_bad_pointers_and_sizes():
                           (dict(step=0), "step=0")]:
         with pytest.raises(ValueError, match=match):
             _C.adam_step(**{**base, **change})
-    # numel == 0 accepts null pointers and does nothing.
+    # numel == 0 accepts null pointers and does nothing; bf16 weights need 2-byte alignment.
     assert _C.adam_step(**{**base, "numel": 0, "param_ptr": 0, "grad_ptr": 0}) is False
+    assert _C.adam_step(**{**base, "param_dtype": "bfloat16", "param_ptr": ptr + 2}) is False
 
 
 def test_forced_isa_errors(monkeypatch):

@@ -9,10 +9,10 @@ import torch
 
 from offload_zero import OffloadEngine
 from offload_zero.memory.state_format import StateFormat, moment_dtype_of
-from offload_zero.memory.tiers import NVMeStore
-from models import TinyLM, batches, lm_loss
+from models import TinyLM
 from test_host_cache import CacheLM
-from test_moment_dtype import _engine, _run_and_save_halfway, _train
+from test_moment_dtype import (_engine, _run_and_save_halfway, _train,
+                               assert_resumes_exactly, assert_same_everywhere)
 
 
 def test_state_format_of_int8_moments():
@@ -46,24 +46,8 @@ def test_int8_moments_are_the_same_in_every_tier_mode_and_chunking(tmp_path, mon
     """Rounding keyed by each element's place in its flat parameter and blocks at fixed
     places: the plain step, update timings "backward", "next_forward", a host cache, offload="cpu" and
     NVMe state streamed in chunks of 4096 elements give the same weights bit for bit."""
-    torch.manual_seed(0)
-    model = CacheLM()
-    kw = {"stage": 3, "moment_dtype": "int8"}
-    variants = {"plain": {"update_timing": "step"}, "sib": {"update_timing": "backward"},
-                "sif": {}, "cache": {"host_cache_bytes": 200_000}, "cpu": {"offload": "cpu"}}
-    out = {}
-    for name, extra in variants.items():
-        with _engine(copy.deepcopy(model), tmp_path, name, **kw, **extra) as eng:
-            _train(eng)
-            out[name] = eng.full_state_dict()
-    monkeypatch.setattr(NVMeStore, "CHUNK_NUMEL", 4096)
-    with _engine(copy.deepcopy(model), tmp_path, "chunked", **kw, update_timing="step") as eng:
-        assert eng.store.chunks(eng.trainable[0]) > 1
-        _train(eng)
-        out["chunked"] = eng.full_state_dict()
-    ref = out.pop("plain")
-    for name, sd in out.items():
-        assert all(torch.equal(sd[k], ref[k]) for k in ref), name
+    assert_same_everywhere(tmp_path, monkeypatch, {"stage": 3, "moment_dtype": "int8"},
+                           200_000, 4096)
 
 
 def test_int8_moments_move_six_bytes_per_element(tmp_path):
@@ -122,16 +106,13 @@ def test_int8_checkpoint_resumes_bit_for_bit(offload, tmp_path):
     same checkpoint loads into an fp32-moment engine with those values exactly."""
     kw = {"stage": 3, "moment_dtype": "int8", "offload": offload}
     model, whole, xs, saved, scales = _run_and_save_halfway(tmp_path, kw)
-    with _engine(copy.deepcopy(model), tmp_path, "second", **kw) as b:
-        b.load_checkpoint(str(tmp_path / "ckpt"))
+
+    def check(b):
         for fp in b.trainable:
             assert torch.equal(b.store.scales(fp), scales[fp.name])
             assert all(torch.equal(g, w) for g, w in zip(b.store.read_all(fp), saved[fp.name]))
-        for x, y in xs[2:]:
-            b.backward(lm_loss(b(x), y))
-            b.step()
-        resumed = b.full_state_dict()
-    assert all(torch.equal(resumed[k], whole[k]) for k in whole)
+
+    assert_resumes_exactly(tmp_path, kw, model, whole, xs, check)
     with _engine(copy.deepcopy(model), tmp_path, "fp32", stage=3, offload=offload) as c:
         c.load_checkpoint(str(tmp_path / "ckpt"))
         for fp in c.trainable:

@@ -9,12 +9,14 @@ import pytest
 import torch
 
 from offload_zero import OffloadEngine
-from offload_zero.estimator import KINDS, TIERS, estimate_memory, placement_bytes
+from offload_zero.estimator import estimate_memory
 from offload_zero.memory.state_format import StateFormat
 from offload_zero.memory.tiers import NVMeStore
-from models import TinyLM, batches, lm_loss
+from models import TinyLM
 from test_host_cache import CacheLM
-from test_moment_dtype import _engine, _run_and_save_halfway, _train
+from test_moment_dtype import (_engine, _run_and_save_halfway, _train,
+                               assert_estimate_is_measured, assert_resumes_exactly,
+                               assert_same_everywhere, train_runs_on_rank)
 
 BF16 = torch.bfloat16
 
@@ -88,27 +90,9 @@ def test_bf16_master_is_the_same_in_every_mode_tier_and_chunking(moments, tmp_pa
     plain step, update timings "backward" and "next_forward", a host cache, offload="cpu" and
     the NVMe state streamed in chunks of 4096 elements give the same weights bit for bit, with
     every moment format."""
-    torch.manual_seed(0)
-    model = CacheLM()
-    kw = {"stage": 3, "dtype": BF16, "master_dtype": "bf16", "moment_dtype": moments}
-    variants = {"plain": {"update_timing": "step"}, "sib": {"update_timing": "backward"},
-                "sif": {}, "cache": {"host_cache_bytes": 150_000},
-                "cpu": {"offload": "cpu"}}
-    out = {}
-    for name, extra in variants.items():
-        with _engine(copy.deepcopy(model), tmp_path, name, **kw, **extra) as eng:
-            assert eng.store.fmt.master_dtype == BF16
-            _train(eng)
-            out[name] = eng.full_state_dict()
-    monkeypatch.setattr(NVMeStore, "CHUNK_NUMEL", 4096)
-    with _engine(copy.deepcopy(model), tmp_path, "chunked", **kw,
-                 update_timing="step") as eng:
-        assert eng.store.chunks(eng.trainable[0]) > 1
-        _train(eng)
-        out["chunked"] = eng.full_state_dict()
-    ref = out.pop("plain")
-    for name, sd in out.items():
-        assert all(torch.equal(sd[k], ref[k]) for k in ref), name
+    assert_same_everywhere(tmp_path, monkeypatch,
+                           {"stage": 3, "dtype": BF16, "master_dtype": "bf16",
+                            "moment_dtype": moments}, 150_000, 4096)
 
 
 @pytest.mark.parametrize("moments", ["bf16", "int8"])
@@ -183,23 +167,8 @@ def test_bf16_master_files_and_bytes(moments, per_element, tmp_path):
 def test_estimate_counts_bf16_masters(offload, stage, mode, moments, tmp_path):
     """The estimate's bytes per tier and kind equal memory_report's peaks with bf16 masters
     (on a CPU device with offload="cpu" the master is the shard itself: no bytes of its own)."""
-    torch.manual_seed(0)
-    model = CacheLM()
-    kw = {"update_timing": "backward"} if mode == "backward" else (
-        {"update_timing": "step"} if mode == "plain" and stage == 3 else {})
-    param = "nvme" if offload == "nvme" and stage == 3 else "none"
-    est = placement_bytes(model, stage, offload, param, dtype=BF16, accelerator=False,
-                          moment_dtype=moments, master_dtype="bf16",
-                          host_cache_bytes=60_000, **kw)
-    with _engine(model, tmp_path, "e", offload=offload, stage=stage, dtype=BF16,
-                 moment_dtype=moments, master_dtype="bf16",
-                 host_cache_bytes=60_000 if offload == "nvme" else 0, **kw) as eng:
-        _train(eng, steps=2)
-        eng(batches(1)[0][0])
-        rep = eng.memory_report()
-    for tier in TIERS:
-        measured = {k: rep[tier]["by_kind"][k]["peak_bytes"] for k in KINDS}
-        assert measured == est.by_kind(tier), tier
+    assert_estimate_is_measured(tmp_path, offload, stage, mode, BF16, moment_dtype=moments,
+                                master_dtype="bf16")
 
 
 def test_estimate_table_counts_two_bytes_of_master():
@@ -219,13 +188,7 @@ def test_bf16_master_checkpoint_resumes_bit_for_bit_and_converts(tmp_path):
     exactly; its checkpoint loads back into a bf16-master engine rounded to nearest."""
     kw = {"stage": 3, "dtype": BF16, "master_dtype": "bf16", "moment_dtype": "bf16"}
     model, whole, xs, saved, _ = _run_and_save_halfway(tmp_path, kw)
-    with _engine(copy.deepcopy(model), tmp_path, "second", **kw) as b:
-        b.load_checkpoint(str(tmp_path / "ckpt"))
-        for x, y in xs[2:]:
-            b.backward(lm_loss(b(x), y))
-            b.step()
-        resumed = b.full_state_dict()
-    assert all(torch.equal(resumed[k], whole[k]) for k in whole)
+    assert_resumes_exactly(tmp_path, kw, model, whole, xs)
     with _engine(copy.deepcopy(model), tmp_path, "fp32", stage=3, dtype=BF16,
                  moment_dtype="bf16") as c:
         c.load_checkpoint(str(tmp_path / "ckpt"))
@@ -269,25 +232,11 @@ def test_auto_with_bf16_master_keeps_the_state_off_an_accelerator(tmp_path):
 def _two_rank_run(rank, world_size):
     """Stage 3 at two ranks with bf16 masters: all on NVMe with the plain step, with a host
     cache and update_timing="backward", and on the CPU tier. The weights on this rank."""
-    import tempfile
-    out = {}
-    runs = {"nvme": {"update_timing": "step"},
-            "cache+sib": {"host_cache_bytes": 100_000, "update_timing": "backward"},
-            "cpu": {"offload": "cpu"}}
-    for name, extra in runs.items():
-        torch.manual_seed(0)
-        kw = {"offload": "nvme", "stage": 3, "lr": 1e-2, "weight_decay": 0.1, "dtype": BF16,
-              "master_dtype": "bf16", "moment_dtype": "bf16", **extra}
-        with tempfile.TemporaryDirectory() as d:
-            if kw["offload"] == "nvme":
-                kw["path"] = d
-            with OffloadEngine(CacheLM(), **kw) as eng:
-                for x, y in batches(4, seed=1, batch=2 * world_size):
-                    lo = rank * 2
-                    eng.backward(lm_loss(eng(x[lo:lo + 2]), y[lo:lo + 2]))
-                    eng.step()
-                out[name] = {k: v.float().numpy() for k, v in eng.full_state_dict().items()}
-    return out
+    return train_runs_on_rank(rank, world_size, {
+        "nvme": {"update_timing": "step"},
+        "cache+sib": {"host_cache_bytes": 100_000, "update_timing": "backward"},
+        "cpu": {"offload": "cpu"}},
+        base={"dtype": BF16, "master_dtype": "bf16", "moment_dtype": "bf16"})
 
 
 def test_bf16_master_is_the_same_at_two_ranks_on_every_tier():

@@ -37,6 +37,33 @@ def _train(eng, steps=5, seed=0, repeat=False):
     return losses
 
 
+def assert_same_everywhere(tmp_path, monkeypatch, kw, cache_bytes, chunk_numel):
+    """Train a fresh :class:`CacheLM` (seed 0) five steps with engine options ``kw`` in the
+    plain step, update timings "backward" and "next_forward", a host cache of
+    ``cache_bytes``, offload="cpu", and with the NVMe state streamed in chunks of
+    ``chunk_numel`` elements (more than one): assert every run's weights equal the plain
+    step's bit for bit."""
+    torch.manual_seed(0)
+    model = CacheLM()
+    variants = {"plain": {"update_timing": "step"}, "sib": {"update_timing": "backward"},
+                "sif": {}, "cache": {"host_cache_bytes": cache_bytes},
+                "cpu": {"offload": "cpu"}}
+    out = {}
+    for name, extra in variants.items():
+        with _engine(copy.deepcopy(model), tmp_path, name, **kw, **extra) as eng:
+            _train(eng)
+            out[name] = eng.full_state_dict()
+    monkeypatch.setattr(NVMeStore, "CHUNK_NUMEL", chunk_numel)
+    with _engine(copy.deepcopy(model), tmp_path, "chunked", **kw,
+                 update_timing="step") as eng:
+        assert eng.store.chunks(eng.trainable[0]) > 1
+        _train(eng)
+        out["chunked"] = eng.full_state_dict()
+    ref = out.pop("plain")
+    for name, sd in out.items():
+        assert all(torch.equal(sd[k], ref[k]) for k in ref), name
+
+
 def _run_and_save_halfway(tmp_path, kw):
     """A resume's two sides for engine options ``kw``: 4 steps in one run, and a run of the
     first 2 that saves its checkpoint to ``tmp_path / "ckpt"``. Returns ``(model, full state
@@ -57,6 +84,22 @@ def _run_and_save_halfway(tmp_path, kw):
         scales = {fp.name: (a.store.scales(fp).clone() if kw.get("moment_dtype") == "int8"
                             else None) for fp in a.trainable}
     return model, whole, xs, saved, scales
+
+
+def assert_resumes_exactly(tmp_path, kw, model, whole, xs, check=None):
+    """The second half of :func:`_run_and_save_halfway`: a fresh engine with options ``kw``
+    over a copy of ``model`` loads ``tmp_path / "ckpt"`` (``check(engine)`` then, if given),
+    trains on ``xs[2:]``, and its weights equal ``whole``, the run that did not stop, bit for
+    bit."""
+    with _engine(copy.deepcopy(model), tmp_path, "second", **kw) as b:
+        b.load_checkpoint(str(tmp_path / "ckpt"))
+        if check is not None:
+            check(b)
+        for x, y in xs[2:]:
+            b.backward(lm_loss(b(x), y))
+            b.step()
+        resumed = b.full_state_dict()
+    assert all(torch.equal(resumed[k], whole[k]) for k in whole)
 
 
 def test_state_format_bytes():
@@ -94,26 +137,8 @@ def test_bf16_moments_are_the_same_in_every_mode_tier_and_chunking(dtype, tmp_pa
     """The stochastic rounding is keyed by each element's place in its flat parameter, so the
     plain step, update timings "backward", "next_forward", a host cache, offload="cpu", and the NVMe
     state streamed in chunks of 2048 elements all give the same weights bit for bit."""
-    torch.manual_seed(0)
-    model = CacheLM()
-    kw = {"stage": 3, "dtype": dtype, "moment_dtype": "bf16"}
-    variants = {"plain": {"update_timing": "step"}, "sib": {"update_timing": "backward"},
-                "sif": {}, "cache": {"host_cache_bytes": 200_000},
-                "cpu": {"offload": "cpu"}}
-    out = {}
-    for name, extra in variants.items():
-        with _engine(copy.deepcopy(model), tmp_path, name, **kw, **extra) as eng:
-            _train(eng)
-            out[name] = eng.full_state_dict()
-    monkeypatch.setattr(NVMeStore, "CHUNK_NUMEL", 2048)
-    with _engine(copy.deepcopy(model), tmp_path, "chunked", **kw,
-                 update_timing="step") as eng:
-        assert eng.store.chunks(eng.trainable[0]) > 1
-        _train(eng)
-        out["chunked"] = eng.full_state_dict()
-    ref = out.pop("plain")
-    for name, sd in out.items():
-        assert all(torch.equal(sd[k], ref[k]) for k in ref), name
+    assert_same_everywhere(tmp_path, monkeypatch, {"stage": 3, "dtype": dtype,
+                                                   "moment_dtype": "bf16"}, 200_000, 2048)
 
 
 @pytest.mark.parametrize("mode", ["plain", "backward", "next_forward"])
@@ -148,15 +173,24 @@ def test_bf16_moments_move_eight_bytes_per_element(mode, tmp_path):
 def test_estimate_counts_bf16_moments(offload, stage, mode, dtype, tmp_path):
     """The estimate's bytes per tier and kind equal memory_report's peaks with bf16 moments
     (host and device moments at 4 bytes per element, NVMe ones padded, buffers sized for 8)."""
+    assert_estimate_is_measured(tmp_path, offload, stage, mode, dtype, moment_dtype="bf16")
+
+
+def assert_estimate_is_measured(tmp_path, offload, stage, mode, dtype, **formats):
+    """``placement_bytes`` for a :class:`CacheLM` (seed 0) at ``stage`` with ``offload``
+    (parameters on NVMe too at stage 3 with "nvme"), update timing ``mode`` ("plain",
+    "backward" or the default), ``dtype`` and state ``formats`` (``moment_dtype``,
+    ``master_dtype``), a host cache of 60 KB on NVMe: its bytes per tier and kind equal the
+    engine's peaks in ``memory_report()`` after two steps and a forward."""
     torch.manual_seed(0)
     model = CacheLM()
     kw = {"update_timing": "backward"} if mode == "backward" else (
         {"update_timing": "step"} if mode == "plain" and stage == 3 else {})
     param = "nvme" if offload == "nvme" and stage == 3 else "none"
     est = placement_bytes(model, stage, offload, param, dtype=dtype, accelerator=False,
-                          moment_dtype="bf16", host_cache_bytes=60_000, **kw)
+                          host_cache_bytes=60_000, **formats, **kw)
     with _engine(model, tmp_path, "e", offload=offload, stage=stage, dtype=dtype,
-                 moment_dtype="bf16", host_cache_bytes=60_000 if offload == "nvme" else 0,
+                 host_cache_bytes=60_000 if offload == "nvme" else 0, **formats,
                  **kw) as eng:
         _train(eng, steps=2)
         eng(batches(1)[0][0])
@@ -176,13 +210,7 @@ def test_bf16_checkpoint_resumes_bit_for_bit_and_converts_across_dtypes(tmp_path
     with safe_open(str(tmp_path / "ckpt" / "rank00000.safetensors"), framework="pt") as f:
         name = next(k for k in f.keys() if k.endswith("/exp_avg"))
         assert f.get_tensor(name).dtype == BF16
-    with _engine(copy.deepcopy(model), tmp_path, "second", **kw) as b:
-        b.load_checkpoint(str(tmp_path / "ckpt"))
-        for x, y in xs[2:]:
-            b.backward(lm_loss(b(x), y))
-            b.step()
-        resumed = b.full_state_dict()
-    assert all(torch.equal(resumed[k], whole[k]) for k in whole)
+    assert_resumes_exactly(tmp_path, kw, model, whole, xs)
     with _engine(copy.deepcopy(model), tmp_path, "fp32", stage=3) as c:
         c.load_checkpoint(str(tmp_path / "ckpt"))
         for fp in c.trainable:
@@ -214,26 +242,16 @@ def test_auto_with_bf16_moments_keeps_the_state_off_an_accelerator(tmp_path):
     assert choice.tried[0].startswith("none+none: skipped, moment_dtype='bf16'")
 
 
-def _two_rank_run(rank, world_size):
-    """Stage 3 on NVMe at two ranks: all-NVMe fp32 moments, with a host cache; bf16 moments
-    all on NVMe with the plain step, with a host cache and update_timing="backward", and on the CPU
-    tier; int8 moments the same three ways. The weights of each on this rank."""
+def train_runs_on_rank(rank, world_size, runs, base=None):
+    """For each ``{name: engine options}`` of ``runs`` (over ``base`` and stage 3 on NVMe,
+    lr 1e-2, weight decay 0.1; seed 0): a :class:`CacheLM` trained four steps on this rank's
+    half of each batch. Returns ``{name: {parameter name: its fp32 values (numpy)}}``."""
     import tempfile
     out = {}
-    runs = {"fp32": {"update_timing": "step"},
-            "fp32+cache": {"host_cache_bytes": 150_000},
-            "bf16": {"moment_dtype": "bf16", "update_timing": "step"},
-            "bf16+cache+sib": {"moment_dtype": "bf16", "host_cache_bytes": 150_000,
-                               "update_timing": "backward"},
-            "bf16+cpu": {"moment_dtype": "bf16", "offload": "cpu"},
-            # int8 (blocks at the same places of each flat parameter as at one rank)
-            "int8": {"moment_dtype": "int8", "update_timing": "step"},
-            "int8+cache+sib": {"moment_dtype": "int8", "host_cache_bytes": 150_000,
-                               "update_timing": "backward"},
-            "int8+cpu": {"moment_dtype": "int8", "offload": "cpu"}}
     for name, extra in runs.items():
         torch.manual_seed(0)
-        kw = {"offload": "nvme", "stage": 3, "lr": 1e-2, "weight_decay": 0.1, **extra}
+        kw = {"offload": "nvme", "stage": 3, "lr": 1e-2, "weight_decay": 0.1, **(base or {}),
+              **extra}
         with tempfile.TemporaryDirectory() as d:
             if kw["offload"] == "nvme":
                 kw["path"] = d
@@ -242,8 +260,26 @@ def _two_rank_run(rank, world_size):
                     lo = rank * 2
                     eng.backward(lm_loss(eng(x[lo:lo + 2]), y[lo:lo + 2]))
                     eng.step()
-                out[name] = {k: v.numpy() for k, v in eng.full_state_dict().items()}
+                out[name] = {k: v.float().numpy() for k, v in eng.full_state_dict().items()}
     return out
+
+
+def _two_rank_run(rank, world_size):
+    """Stage 3 on NVMe at two ranks: all-NVMe fp32 moments, with a host cache; bf16 moments
+    all on NVMe with the plain step, with a host cache and update_timing="backward", and on the CPU
+    tier; int8 moments the same three ways. The weights of each on this rank."""
+    return train_runs_on_rank(rank, world_size, {
+        "fp32": {"update_timing": "step"},
+        "fp32+cache": {"host_cache_bytes": 150_000},
+        "bf16": {"moment_dtype": "bf16", "update_timing": "step"},
+        "bf16+cache+sib": {"moment_dtype": "bf16", "host_cache_bytes": 150_000,
+                           "update_timing": "backward"},
+        "bf16+cpu": {"moment_dtype": "bf16", "offload": "cpu"},
+        # int8 (blocks at the same places of each flat parameter as at one rank)
+        "int8": {"moment_dtype": "int8", "update_timing": "step"},
+        "int8+cache+sib": {"moment_dtype": "int8", "host_cache_bytes": 150_000,
+                           "update_timing": "backward"},
+        "int8+cpu": {"moment_dtype": "int8", "offload": "cpu"}})
 
 
 def test_host_cache_and_low_precision_moments_at_two_ranks():
