@@ -167,8 +167,8 @@ class EngineConfig:
             embeddings) in host memory instead of NVMe. Its gradient is final only when
             backward ends, and the next forward needs it first, so its reads and writes have no
             compute to hide behind; kept in memory it moves no bytes. Costs
-            12 bytes per element of its shard in host RAM (8 when its fp32 master is the
-            parameter shard itself, on a CPU device). ``None`` (default): on when that state is
+            12 bytes per element of its shard in host RAM (2 less with bf16 masters; the
+            master's bytes less when it is the parameter shard itself, on a CPU device). ``None`` (default): on when that state is
             at most a quarter of the model's (so the NVMe tier still holds most of it); True or
             False forces it (True where it cannot act warns).
         host_cache_bytes: with the optimizer state on NVMe, host memory (bytes, an int >= 0)
@@ -176,8 +176,8 @@ class EngineConfig:
             those, the same numbers. It is filled in a fixed order (the root's parts: input
             embeddings, LM head; then the blocks from both ends of the update order), each flat
             parameter whose state fits in what is left, at 12 bytes per element of its shard (8
-            with bf16 moments; 4 less when its fp32 master is the parameter shard itself, fp32
-            on a CPU device); the state
+            with bf16 moments, 2 less with bf16 masters; the master's bytes less when it is the
+            parameter shard itself, on a CPU device); the state
             ``tail_state_in_host`` keeps counts against it (see [Note: host cache] in
             :mod:`offload_zero.memory.host_cache`). A flat parameter whose state it keeps
             keeps its parameter shard in host memory too (not counted against it). With the

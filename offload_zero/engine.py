@@ -390,7 +390,7 @@ class OffloadEngine:
         It materialises the whole model in host memory (4 bytes per parameter); for a model
         larger than RAM use :meth:`iter_full_parameters` or :meth:`save_pretrained`.
 
-        Trainable parameters come from the fp32 master weights (all-gathered over ranks);
+        Trainable parameters come from the master weights (all-gathered over ranks);
         frozen ones from the compute-dtype shards. A tied parameter appears under each of its
         names. With ``rank0_only`` other ranks return ``{}`` (they still take part in the
         gathers). Shapes: the original parameter shapes.
@@ -407,7 +407,7 @@ class OffloadEngine:
         values (``padded_numel`` elements) and the tensors yielded from it, not the model.
 
         Tensors are full CPU tensors of the original shapes: trainable parameters from the
-        fp32 master weights, frozen ones from the compute-dtype shards, as fp32 or cast to
+        master weights, frozen ones from the compute-dtype shards, as fp32 or cast to
         ``dtype`` (floating buffers too). A tied parameter comes under each of its names as
         one tensor object. Collective: every rank must run the iterator to its end (each gets
         every tensor)."""
@@ -451,8 +451,8 @@ class OffloadEngine:
                                    tokenizer=tokenizer)
 
     def save_checkpoint(self, folder, client_state: Optional[dict] = None) -> None:
-        """Save the training state to resume from: every rank writes its shard (fp32 master
-        weights, Adam moments and step counts, the parameter shards) to ``folder`` as
+        """Save the training state to resume from: every rank writes its shard (master
+        weights as fp32 values, Adam moments and step counts, the parameter shards) to ``folder`` as
         ``rank<r>.safetensors``, and rank 0 writes ``checkpoint.json`` (the parameter groups'
         values, skipped_steps, the loss scaler's state, the layout). Atomic: a failed save
         leaves a previous checkpoint in ``folder`` intact. ``client_state``: a JSON-ready dict

@@ -27,7 +27,9 @@ A rank file is a plain safetensors file (any safetensors reader opens it). For e
 parameter ``<fp>`` (its name, e.g. ``unit3.trainable``) it holds this rank's shard:
 
 - ``<fp>/master``, ``<fp>/exp_avg``, ``<fp>/exp_avg_sq``: shape (shard_numel,), for a
-  trainable flat parameter: the fp32 master weights and Adam's two moments (float32, or
+  trainable flat parameter: the master weights (float32; bf16 masters as their exact fp32
+  values, loaded into either master dtype: fp32 -> bf16 rounding to nearest even) and Adam's
+  two moments (float32, or
   bfloat16 with ``moment_dtype="bf16"``: ``checkpoint.json``'s ``moment_dtype``, float32 when
   absent; loading into an engine with the other moment dtype converts them, bf16 -> fp32
   exactly, fp32 -> bf16 rounding to nearest even; int8 moments are saved decoded, as float32,

@@ -19,8 +19,9 @@ by the estimator alike (:func:`plan_host_cache`):
    ...), whose reads and write-backs start or end the step's stream and overlap least.
 
 A flat parameter's cost is ``bytes_per_element * shard_numel``: 12 (fp32 master, two fp32
-moments) or 8 (bf16 moments, ``moment_dtype="bf16"``), 4 less when its fp32 master is the
-parameter shard itself (fp32 on a CPU device).
+moments) or 8 (bf16 moments, ``moment_dtype="bf16"``), 2 less with a bf16 master
+(``master_dtype="bf16"``), the master's bytes less when it is the parameter shard itself (a
+master of the compute dtype on a CPU device).
 Everything not chosen stays on NVMe, so the bytes read and written per step are the state
 bytes of the NVMe-resident flat parameters, each way.
 
@@ -33,8 +34,8 @@ bytes of the NVMe-resident flat parameters, each way.
    of the budget, the frozen base weights are most of what crosses the disk.
 
 With the parameter shards on NVMe too (``offload_param="nvme"``), a chosen flat parameter's
-shard leaves the disk as well: in fp32 it is the host master itself; in bf16 or fp16 it stays
-in host memory beside its state (K bytes per element, counted on the host tier as parameters
+shard leaves the disk as well: in the master's dtype (fp32, or bf16 with bf16 masters) it is
+the host master itself; in another dtype it stays in host memory beside its state (K bytes per element, counted on the host tier as parameters
 but not against ``host_cache_bytes``), written by the update and read by the gathers there,
 so the disk is spared its K bytes written per step and its reads. The pool buffers such a
 shard would have gone through are not planned either (an outsized root part's own buffer).
@@ -77,7 +78,8 @@ def plan_host_cache(flat: Sequence[FlatInfo], budget_bytes: int, bytes_per_eleme
             (``block``: position of its block unit in forward order, None for the root).
         budget_bytes: ``host_cache_bytes``, bytes >= 0.
         bytes_per_element: host bytes of one element's state (12 with fp32 moments, 8 with
-            bf16; 4 less when the fp32 master is the parameter shard itself).
+            bf16, 2 less with a bf16 master; the master's bytes less when it is the parameter
+            shard itself).
         tail: the index ``tail_state_in_host`` keeps (taken whatever the budget), or None.
         blocks_reversed: as for :func:`cache_order`.
 

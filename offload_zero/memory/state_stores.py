@@ -229,7 +229,8 @@ class NVMeStore(ReadAheadRing):
         multiple = self.fmt.chunk_multiple
         if chunk_numel % multiple:
             raise ValueError(f"chunk_numel={chunk_numel} must be a multiple of {multiple} "
-                             f"elements with {self.fmt.moment_dtype} moments")
+                             f"elements with {self.fmt.moment_dtype} moments and "
+                             f"{self.fmt.master_dtype} master weights")
         self._chunk = min(max_shard_numel, chunk_numel)
         self._bufs = [host_alloc(self.fmt.buffer_numel(self._chunk), torch.float32)
                       for _ in range(self._DEPTH)]
