@@ -10,6 +10,9 @@
 #            (python3 setup.py build_ext --inplace; PYTHONPATH=the tree)
 #   tests    python3 -m pytest -q -rs tests/gpu
 #   bench    benchmarks/bench_step.py --device cuda: torch, torch+io, offload cpu and nvme rows
+#   bench16  the same in bf16: torch, offload nvme with fp32 masters, with bf16 moments and bf16
+#            masters (6 bytes of state per parameter each way), and with half the state cached
+#            and int8 moments (bench_step_gpu_bf16.txt)
 #   ds       only if a DeepSpeed wheel lies under .whl/: installed offline, then bench_step's
 #            DeepSpeed ZeRO-3 CPU-offload row beside ours (bench_step runs its ds-* rows with
 #            --device cpu only); skipped with a message otherwise
@@ -22,7 +25,8 @@
 # failed or a test failed (or timed out); 3 when only the benchmarks failed.
 #
 # Settings (environment): OZ_COMMIT (the commit, when the tree has no .git); CHECK_BUDGET_S
-# (seconds for the whole run, default 450); CHECK_SECTIONS (default "env install tests bench ds");
+# (seconds for the whole run, default 450); CHECK_SECTIONS (default "env install tests bench
+# bench16 ds");
 # BENCH_STEPS (default 5; the median is of steps 3..BENCH_STEPS); CHECK_ALLOW_NO_CUDA=1 (run
 # without a GPU, to try the script itself: tests/gpu then skips and counts as passed).
 set -uo pipefail
@@ -33,7 +37,7 @@ OUT_DIR=${OUT:-/tmp}
 mkdir -p "$OUT_DIR"
 LOG=$OUT_DIR/gpu_check.log
 BUDGET_S=${CHECK_BUDGET_S:-450}
-SECTIONS=${CHECK_SECTIONS:-"env install tests bench ds"}
+SECTIONS=${CHECK_SECTIONS:-"env install tests bench bench16 ds"}
 BENCH_STEPS=${BENCH_STEPS:-5}
 PY=${PYTHON:-python3}
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
@@ -146,6 +150,24 @@ if wanted bench && ((FATAL == 0)); then
   rc=${PIPESTATUS[0]}
   if ((rc != 0)) || grep -q ' failed: ' "$OUT_DIR/bench_step_gpu.txt"; then
     echo "== bench: FAILED (exit $rc, or a row failed)"
+    BENCH_FAILED=1
+  fi
+fi
+
+# -- bench_step on the GPU in bf16: fewer state bytes per step --------------------------------
+if wanted bench16 && ((FATAL == 0)); then
+  mkdir -p "$WORK/nvme16"
+  BENCH16=("$PY" benchmarks/bench_step.py --device cuda --dtype bf16 --steps "$BENCH_STEPS"
+           --skip 2 --batch 8 --seq 512 --timeout 100 --path "$WORK/nvme16"
+           --configs torch,ours-nvme+sib,ours-nvme+bf16m+bf16w+sib,ours-nvme+cache+int8m+bf16w+sib)
+  {
+    echo "# bench_step on the GPU in bf16, commit $COMMIT, $DATE"
+    echo "# command: ${BENCH16[*]}"
+  } >"$OUT_DIR/bench_step_gpu_bf16.txt"
+  section bench16 150 "${BENCH16[@]}" | tee -a "$OUT_DIR/bench_step_gpu_bf16.txt"
+  rc=${PIPESTATUS[0]}
+  if ((rc != 0)) || grep -q ' failed: ' "$OUT_DIR/bench_step_gpu_bf16.txt"; then
+    echo "== bench16: FAILED (exit $rc, or a row failed)"
     BENCH_FAILED=1
   fi
 fi
