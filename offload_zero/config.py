@@ -489,10 +489,14 @@ class EngineConfig:
         master = master_dtype_of(self.master_dtype)
         object.__setattr__(self, "master_dtype",
                            next(k for k, v in MASTER_DTYPES.items() if v == master))
-        if self.master_dtype == "bf16" and self.dtype != torch.bfloat16:
-            raise ValueError(f"master_dtype='bf16' needs dtype=torch.bfloat16 (the master is "
-                             f"the bf16 parameter shard itself); got dtype={self.dtype}: set "
-                             "dtype=torch.bfloat16, or master_dtype='fp32'")
+        # (an invalid dtype is named by its own check)
+        if (self.master_dtype == "bf16" and self.dtype in DTYPE_CHOICES
+                and self.dtype != torch.bfloat16):
+            raise ValueError(f"master_dtype='bf16' needs bf16 compute (the master is the bf16 "
+                             f"parameter shard itself); got dtype={self.dtype}: compute in bf16 "
+                             "(dtype=torch.bfloat16; OffloadTrainer: TrainingArguments(bf16="
+                             "True); a DeepSpeed config: bf16.enabled), or master_dtype='fp32' "
+                             "(DeepSpeed: bf16_master_weights_and_grads false)")
         if self.moment_dtype == "auto":
             if self.offload != "auto":
                 raise ValueError(f"moment_dtype='auto' needs offload='auto' (the placement "

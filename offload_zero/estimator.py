@@ -648,7 +648,8 @@ def format_table(est: MemoryEstimate, unit: str = "GB") -> str:
                      f"{_gb(extra):>11}{_gb(p.device_bytes):>11}{_gb(p.host_bytes):>11}"
                      f"{_gb(p.nvme_bytes):>11}")
     lines += ["",
-              "states: parameters, gradients, fp32 master weights and Adam moments per device",
+              f"states: parameters, gradients, {_SHORT[est.selected.plan.settings.master_dtype]}"
+              " master weights and Adam moments per device",
               "        (ZeRO, Rajbhandari et al., 2019); host/node and NVMe/node: all of a "
               "node's ranks",
               "extra:  this engine's gather pool (stage 3), gradient in flight (stages 2-3) and buffers",

@@ -213,9 +213,14 @@ def test_bad_master_dtype_raises_value_error(value):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_bf16_master_needs_a_bf16_model(dtype):
-    with pytest.raises(ValueError, match=r"master_dtype='bf16' needs dtype=torch.bfloat16 .*"
-                                         r"got dtype=torch.float"):
+    """The error names the dtype and how each way in sets bf16 compute; an invalid dtype is
+    named as such first."""
+    with pytest.raises(ValueError, match=r"master_dtype='bf16' needs bf16 compute .*got dtype="
+                                         r"torch.float.*dtype=torch.bfloat16; OffloadTrainer: "
+                                         r"TrainingArguments\(bf16=True\)"):
         OffloadEngine(TinyLM(n_blocks=2), dtype=dtype, master_dtype="bf16")
+    with pytest.raises(ValueError, match=r"dtype='bf16' is not valid; choose one of"):
+        OffloadEngine(TinyLM(n_blocks=2), dtype="bf16", master_dtype="bf16")
 
 
 def test_auto_with_bf16_master_keeps_the_state_off_an_accelerator(tmp_path):

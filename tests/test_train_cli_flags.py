@@ -280,6 +280,28 @@ def test_master_dtype_flag_reaches_the_engine_and_is_checked(tmp_path, monkeypat
                             "master is the bf16 weights themselves; or --master-dtype fp32"), err
 
 
+def test_deepspeed_low_precision_keys_reach_the_engine_once(tmp_path, monkeypatch, capsys):
+    """--deepspeed with bf16_master_weights_and_grads and bf16_optimizer_states: the engine
+    gets bf16 masters, bf16 gradient shards and bf16 moments, once each (the CLI's own
+    --master-dtype / --moment-dtype agree with the config or are refused naming both)."""
+    import torch
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps({
+        "bf16": {"enabled": True, "bf16_master_weights_and_grads": True,
+                 "bf16_optimizer_states": True},
+        "zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": "auto"}))
+    seen = _engine_keywords(monkeypatch)
+    summary = train.run(_parse("--preset", "tiny", "--steps", 1, "--no-progress",
+                               "--deepspeed", config, "--master-dtype", "bf16", *FAST))
+    assert (seen["master_dtype"], seen["moment_dtype"], seen["grad_dtype"]) == (
+        "bf16", "bf16", torch.bfloat16)
+    assert (summary["master_dtype"], summary["moment_dtype"]) == ("bf16", "bf16")
+    assert cli.main(["train", "--preset", "tiny", "--steps", "1", "--deepspeed", str(config),
+                     "--master-dtype", "fp32"]) == 2
+    assert ("--master-dtype 'fp32' conflicts with the DeepSpeed config's "
+            "bf16.bf16_master_weights_and_grads" in capsys.readouterr().err)
+
+
 def test_a_bad_size_flag_is_one_line(capsys):
     with pytest.raises(SystemExit) as exc:
         cli.main(["train", "--host-cache-bytes", "2XB"])

@@ -69,6 +69,8 @@ def test_resume_for_more_steps_warns_that_the_schedule_changes(tmp_path, caplog)
     (["--resume", "{api}"], "its checkpoint was not written by offload-zero train --checkpoint"),
     (["--resume", "{ckpt}", "--stage", "2"], "the saved run used --stage 3, this one 2"),
     (["--resume", "{ckpt}", "--dtype", "bf16"], "the saved run used --dtype 'fp32', this one 'bf16'"),
+    (["--resume", "{ckpt}", "--moment-dtype", "int8"],
+     "the saved run used --moment-dtype 'fp32', this one 'int8'"),
     (["--resume", "{ckpt}", "--data", "{text}"], "the saved run trained on other text"),
     (["--checkpoint", "{ckpt}"], "already holds a checkpoint, which this run would overwrite"),
     (["--checkpoint", "{other}"], "is not an offload-zero checkpoint (it holds ['notes.txt'])"),

@@ -316,7 +316,8 @@ def _check_output_paths(args: argparse.Namespace) -> None:
 _DS_FLAGS = {"stage": "stage", "lr": "lr", "weight_decay": "weight_decay",
              "grad_accum": "gradient_accumulation_steps",
              "batch_size": "train_micro_batch_size_per_gpu", "dtype": "dtype",
-             "steps": "total_num_steps", "warmup": "warmup_num_steps", "path": "path"}
+             "steps": "total_num_steps", "warmup": "warmup_num_steps", "path": "path",
+             "master_dtype": "master_dtype", "moment_dtype": "moment_dtype"}
 
 
 def auto_workload(args: argparse.Namespace):
@@ -342,8 +343,8 @@ def explicit_flags(args: argparse.Namespace) -> set:
 
 def apply_deepspeed_config(args: argparse.Namespace):
     """``--deepspeed FILE``: map the config (:func:`offload_zero.deepspeed_config.
-    parse_deepspeed_config`) onto ``args`` (stage, offload, path, dtype, lr, weight decay,
-    accumulation, batch size) and ``args.ds_kwargs`` (the engine keywords no flag has). Flags
+    parse_deepspeed_config`) onto ``args`` (stage, offload, path, dtype, master and moment
+    dtypes, lr, weight decay, accumulation, batch size) and ``args.ds_kwargs`` (the engine keywords no flag has). Flags
     given explicitly must agree with the config (ValueError naming both otherwise); every
     flag's value, given or default, resolves the config's ``"auto"``. Returns the
     :class:`~offload_zero.deepspeed_config.DeepSpeedSettings`."""
@@ -383,6 +384,8 @@ def apply_deepspeed_config(args: argparse.Namespace):
     args.weight_decay = kw.pop("weight_decay", args.weight_decay)
     args.grad_accum = kw.pop("gradient_accumulation_steps")
     args.batch_size = settings.train_micro_batch_size_per_gpu or args.batch_size
+    args.master_dtype = kw.pop("master_dtype", args.master_dtype)
+    args.moment_dtype = kw.pop("moment_dtype", args.moment_dtype)
     dtype = kw.pop("dtype", DTYPES[args.dtype])
     args.dtype = next(k for k, v in DTYPES.items() if v == dtype)
     devices = (kw.setdefault("offload_optimizer", "none"), kw.setdefault("offload_param", "none"))

@@ -139,6 +139,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
                          "continue it")
     run_state = {**run_identity(args), "steps": args.steps, "lr": args.lr, "warmup": args.warmup,
                  "stage": args.stage, "dtype": args.dtype, "update_timing": update_timing,
+                 "master_dtype": args.master_dtype, "moment_dtype": args.moment_dtype,
                  "data": data_id}
     model, tokenizer, description = build_model(args, empty=True)
     params = sum(p.numel() for p in model.parameters())

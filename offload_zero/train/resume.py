@@ -79,15 +79,15 @@ def resumed_step(args: argparse.Namespace, saved: Optional[Dict[str, Any]] = Non
 
     ``saved``: :func:`read_resume_state`'s dict (read here if None). Raises ``ValueError`` (see
     :func:`read_resume_state`), or naming the flag and both values if the saved run's
-    ``--seed``, ``--batch-size``, ``--seq-len``, ``--grad-accum`` (its data order), ``--stage``
-    or ``--dtype``
-    differ from this one's, or if it already did ``--steps`` steps or more. Another ``--steps``,
+    ``--seed``, ``--batch-size``, ``--seq-len``, ``--grad-accum`` (its data order), ``--stage``,
+    ``--dtype``, ``--master-dtype`` or ``--moment-dtype`` (its numbers) differ from this one's, or if it already did ``--steps`` steps or more. Another ``--steps``,
     ``--lr`` or ``--warmup`` is allowed (to train longer, say); with ``warn`` a warning says that
     the learning-rate schedule changes. So is another ``--update-timing``: the same
     numbers either way, and the checkpoint loads into either layout (see
     :func:`offload_zero.checkpoint.load_checkpoint`)."""
     saved = read_resume_state(args) if saved is None else saved
-    mine = {**run_identity(args), "stage": args.stage, "dtype": args.dtype}
+    mine = {**run_identity(args), "stage": args.stage, "dtype": args.dtype,
+            "master_dtype": args.master_dtype, "moment_dtype": args.moment_dtype}
     for key, value in mine.items():
         if key == "grad_accum" and saved.get(key, 1) != value:  # (1 before the flag existed)
             raise ValueError(f"--resume {args.resume!r}: the saved run used --grad-accum "
