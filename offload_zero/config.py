@@ -224,8 +224,8 @@ class EngineConfig:
             the split, fp32 unless a smaller one makes the estimated step faster by more than 5%
             of the compute (see :mod:`offload_zero.placement`); after construction the field
             holds the format in force.
-        master_dtype: ``"fp32"`` (default: exact AdamW) or ``"bf16"``: the master weights'
-            dtype. ``"bf16"`` needs ``dtype=torch.bfloat16`` (ValueError otherwise) and the
+        master_dtype: ``"fp32"`` (default: exact AdamW) or ``"bf16"`` (or ``torch.float32`` /
+            ``torch.bfloat16``; the field then holds the name): the master weights' dtype. ``"bf16"`` needs ``dtype=torch.bfloat16`` (ValueError otherwise) and the
             optimizer state off an accelerator (NotImplementedError otherwise, as for
             ``moment_dtype``): the master is then the bf16 parameter shard itself, updated in
             fp32 by the C++ kernel and stored with stochastic rounding (random bits independent

@@ -466,8 +466,9 @@ class _Resolver:
                              f"it: pass {names[0]}=... beside the config")
         try:
             value = convert(raw)
-        except (TypeError, ValueError):
-            raise ValueError(f"DeepSpeed config key {path!r}={raw!r} is not valid") from None
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"DeepSpeed config key {path!r}={raw!r} is not valid: "
+                             f"{exc}") from None
         if override is not _MISSING and not _same(override, value):
             raise ValueError(f"{names[0]}={override!r} conflicts with the DeepSpeed config's "
                              f"{path}={raw!r} (= {value!r} here); give one of them")

@@ -459,7 +459,8 @@ def _master_dtype(master_dtype, dtype: torch.dtype) -> torch.dtype:
     master = master_dtype_of(master_dtype)
     if master == torch.bfloat16 and dtype != torch.bfloat16:
         raise ValueError(f"master_dtype={master_dtype!r} needs dtype bf16 (the master is the "
-                         f"bf16 parameter shard itself); got dtype={_SHORT[dtype]}")
+                         f"bf16 parameter shard itself); got dtype={_SHORT[dtype]}: give "
+                         "dtype bf16, or master_dtype 'fp32'")
     return master
 
 

@@ -371,6 +371,8 @@ def test_unsupported_types_raise_not_implemented(config, match):
     ({"optimizer": {"params": {"lr": 1e-3}}}, "without optimizer.type"),
     ({"fp16": {"enabled": True, "initial_scale_power": "high"}},
      "'fp16.initial_scale_power'='high' is not valid"),
+    ({"bf16": {"enabled": True, "bf16_master_weights_and_grads": "yes"}},
+     "'bf16.bf16_master_weights_and_grads'='yes' is not valid: 'yes' is not true or false"),
 ])
 def test_bad_values_raise_value_error(config, match):
     with pytest.raises(ValueError, match=match):
