@@ -31,6 +31,17 @@ import torch  # noqa: E402
 torch.set_num_threads(1)
 
 
+@pytest.fixture(params=__import__("offload_zero.optim", fromlist=["available_isas"])
+                .available_isas())
+def isa(request, monkeypatch):
+    """Each instruction set this CPU supports in turn, forced through OFFLOAD_ZERO_ADAM_ISA
+    (the kernel tests' parameter): its name."""
+    from offload_zero.optim import selected_isa
+    monkeypatch.setenv("OFFLOAD_ZERO_ADAM_ISA", request.param)
+    assert selected_isa() == request.param
+    return request.param
+
+
 @pytest.fixture(scope="module")
 def torch_single_thread():
     """torch's reference ops on one thread: on a small shared machine its OpenMP workers

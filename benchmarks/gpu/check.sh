@@ -73,6 +73,24 @@ section() {
   return $rc
 }
 
+# bench_section NAME LIMIT_S FILE TITLE CMD...: `section` CMD, its output also into
+# $OUT_DIR/FILE headed by TITLE, the commit, the date and the command; a failed run or row
+# marks the benchmarks failed
+bench_section() {
+  local name=$1 limit=$2 file=$OUT_DIR/$3 title=$4
+  shift 4
+  {
+    echo "# $title, commit $COMMIT, $DATE"
+    echo "# command: $*"
+  } >"$file"
+  section "$name" "$limit" "$@" | tee -a "$file"
+  local rc=${PIPESTATUS[0]}
+  if ((rc != 0)) || grep -q ' failed: ' "$file"; then
+    echo "== $name: FAILED (exit $rc, or a row failed)"
+    BENCH_FAILED=1
+  fi
+}
+
 main() {
 echo "offload-zero GPU check: commit $COMMIT, $DATE, budget ${BUDGET_S} s, sections: $SECTIONS"
 echo "log: $LOG"
@@ -139,37 +157,19 @@ fi
 # -- bench_step on the GPU ---------------------------------------------------------------------
 if wanted bench && ((FATAL == 0)); then
   mkdir -p "$WORK/nvme"
-  BENCH=("$PY" benchmarks/bench_step.py --device cuda --steps "$BENCH_STEPS" --skip 2
-         --batch 8 --seq 512 --timeout 100 --path "$WORK/nvme"
-         --configs torch,torch+io,ours-cpu,ours-nvme,ours-nvme+sib)
-  {
-    echo "# bench_step on the GPU, commit $COMMIT, $DATE"
-    echo "# command: ${BENCH[*]}"
-  } >"$OUT_DIR/bench_step_gpu.txt"
-  section bench 200 "${BENCH[@]}" | tee -a "$OUT_DIR/bench_step_gpu.txt"
-  rc=${PIPESTATUS[0]}
-  if ((rc != 0)) || grep -q ' failed: ' "$OUT_DIR/bench_step_gpu.txt"; then
-    echo "== bench: FAILED (exit $rc, or a row failed)"
-    BENCH_FAILED=1
-  fi
+  bench_section bench 200 bench_step_gpu.txt "bench_step on the GPU" \
+    "$PY" benchmarks/bench_step.py --device cuda --steps "$BENCH_STEPS" --skip 2 \
+    --batch 8 --seq 512 --timeout 100 --path "$WORK/nvme" \
+    --configs torch,torch+io,ours-cpu,ours-nvme,ours-nvme+sib
 fi
 
 # -- bench_step on the GPU in bf16: fewer state bytes per step --------------------------------
 if wanted bench16 && ((FATAL == 0)); then
   mkdir -p "$WORK/nvme16"
-  BENCH16=("$PY" benchmarks/bench_step.py --device cuda --dtype bf16 --steps "$BENCH_STEPS"
-           --skip 2 --batch 8 --seq 512 --timeout 100 --path "$WORK/nvme16"
-           --configs torch,ours-nvme+sib,ours-nvme+bf16m+bf16w+sib,ours-nvme+cache+int8m+bf16w+sib)
-  {
-    echo "# bench_step on the GPU in bf16, commit $COMMIT, $DATE"
-    echo "# command: ${BENCH16[*]}"
-  } >"$OUT_DIR/bench_step_gpu_bf16.txt"
-  section bench16 150 "${BENCH16[@]}" | tee -a "$OUT_DIR/bench_step_gpu_bf16.txt"
-  rc=${PIPESTATUS[0]}
-  if ((rc != 0)) || grep -q ' failed: ' "$OUT_DIR/bench_step_gpu_bf16.txt"; then
-    echo "== bench16: FAILED (exit $rc, or a row failed)"
-    BENCH_FAILED=1
-  fi
+  bench_section bench16 150 bench_step_gpu_bf16.txt "bench_step on the GPU in bf16" \
+    "$PY" benchmarks/bench_step.py --device cuda --dtype bf16 --steps "$BENCH_STEPS" --skip 2 \
+    --batch 8 --seq 512 --timeout 100 --path "$WORK/nvme16" \
+    --configs torch,ours-nvme+sib,ours-nvme+bf16m+bf16w+sib,ours-nvme+cache+int8m+bf16w+sib
 fi
 
 # -- optional: DeepSpeed ZeRO-3 offload beside ours --------------------------------------------
@@ -185,15 +185,10 @@ if wanted ds; then
   else
     section ds-install 60 "$PY" -m pip install -q --no-index --find-links .whl "${wheels[0]}" \
       || echo "== ds-install: pip could not install ${wheels[0]} offline (its dependencies' wheels may be missing)"
-    DS=("$PY" benchmarks/bench_step.py --device cpu --steps 4 --skip 2 --batch 2 --seq 256
-        --timeout 120 --path "$WORK/nvme" --configs torch,ours-cpu,ds-cpu)
-    {
-      echo "# bench_step with DeepSpeed ZeRO-3 CPU offload (the CPU as device), commit $COMMIT, $DATE"
-      echo "# command: ${DS[*]}"
-    } >"$OUT_DIR/bench_step_ds.txt"
-    section ds 150 "${DS[@]}" | tee -a "$OUT_DIR/bench_step_ds.txt"
-    rc=${PIPESTATUS[0]}
-    ((rc != 0)) && { echo "== ds: FAILED (exit $rc)"; BENCH_FAILED=1; }
+    bench_section ds 150 bench_step_ds.txt \
+      "bench_step with DeepSpeed ZeRO-3 CPU offload (the CPU as device)" \
+      "$PY" benchmarks/bench_step.py --device cpu --steps 4 --skip 2 --batch 2 --seq 256 \
+      --timeout 120 --path "$WORK/nvme" --configs torch,ours-cpu,ds-cpu
   fi
 fi
 
