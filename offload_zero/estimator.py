@@ -84,7 +84,10 @@ class Placement:
         extras: ``{tier: {kind: bytes}}`` per rank — this engine's buffers at the step's peak
             (see [Note: pools] and [Note: bytes in flight] in :mod:`offload_zero.plan`).
         gpus_per_node: ranks per node, to turn per-rank host and NVMe bytes into per-node bytes.
-        engine_supported: False for stage 0 (plain data parallelism; a reference row only).
+        engine_supported: False for stage 0 (plain data parallelism; a reference row only),
+            and for the optimizer state on an accelerator with bf16 masters or low-precision
+            moments (the engine raises NotImplementedError there: their update needs the host
+            kernel).
         update_timing: the engine's ``update_timing`` the row counts.
         plan: the :class:`offload_zero.plan.MemoryPlan` the bytes are summed from.
     """
@@ -342,8 +345,11 @@ def _plan(layout, stage, offload_optimizer, offload_param, world_size, dtype, pr
 def _placement(plan: MemoryPlan, offload: str, gpus_per_node: int) -> "Placement":
     """A plan's bytes as a table row."""
     s = plan.settings
+    host_kernel_only = (s.master_dtype != torch.float32 or s.moment_dtype != torch.float32)
+    supported = s.stage > 0 and not (host_kernel_only and s.accelerator
+                                     and s.optimizer_tier == "device")
     return Placement(s.stage, offload, plan.states(), plan.extras(), gpus_per_node,
-                     engine_supported=s.stage > 0, update_timing=s.update_timing, plan=plan)
+                     engine_supported=supported, update_timing=s.update_timing, plan=plan)
 
 
 # -- public entry point --------------------------------------------------------------------------
@@ -655,6 +661,9 @@ def format_table(est: MemoryEstimate, unit: str = "GB") -> str:
               "node's ranks",
               "extra:  this engine's gather pool (stage 3), gradient in flight (stages 2-3) and buffers",
               "stage 0 is plain data parallelism, shown for reference; the engine runs 1-3"]
+    if any(p.stage > 0 and not p.engine_supported for p in est.table):
+        lines.append("the none rows, for reference: bf16 masters and bf16 or int8 moments need "
+                     "the optimizer state off the accelerator (cpu or nvme)")
     sif = [f"{p.stage} {p.offload}" for p in est.table if p.update_timing == "next_forward"]
     if sif:
         nvme = any(p.update_timing == "next_forward" and p.offload == "nvme" for p in est.table)

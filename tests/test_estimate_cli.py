@@ -149,6 +149,14 @@ def test_master_dtype_flag(capsys):
     assert cli.main(["estimate", "--params", "1e9", "--dtype", "fp32", "--master-dtype",
                      "bf16"]) == 2
     assert "master_dtype='bf16' needs dtype bf16" in capsys.readouterr().err
+    # no verdict for a placement the engine refuses: the state on the GPU with bf16 masters
+    assert cli.main(["estimate", "--params", "1e9", "--master-dtype", "bf16", "--gpu-memory",
+                     "80GB", "--host-memory", "500GB", "--nvme-free", "1TB", "--batch-size",
+                     "1", "--seq-len", "512"]) == 0
+    out = capsys.readouterr().out
+    verdicts = out.split("will it fit")[1]
+    assert "none" not in verdicts and verdicts.count("fits") == 6
+    assert "the none rows, for reference: bf16 masters" in out
 
 
 def test_moment_dtype_and_host_cache_flags(capsys):
