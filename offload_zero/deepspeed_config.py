@@ -597,14 +597,12 @@ def _precision_kwargs(res: _Resolver) -> dict:
         raise ValueError(f"dtype={res.overrides['dtype']} conflicts with the DeepSpeed config, "
                          f"which enables {on[0]}; give one of them")
     # bf16 master weights and gradient shards; bf16 moments (DeepSpeed's low-precision options)
-    master = res.get("bf16.bf16_master_weights_and_grads", _bf16_or_fp32)
-    if master is not None:
-        kw["master_dtype"] = master
-        if master == "bf16":
-            grads = res.get("bf16.bf16_master_weights_and_grads",
-                            lambda v: torch.bfloat16 if v else torch.float32,
-                            names=("grad_dtype",))
-            kw["grad_dtype"] = grads
+    # (only where the config gives the key: an engine keyword alone passes through as it is)
+    path = "bf16.bf16_master_weights_and_grads"
+    if res.given(path):
+        kw["master_dtype"] = res.get(path, _bf16_or_fp32)
+        if res.leaves[path] is True:  # its gradient shards too (checked against grad_dtype=)
+            kw["grad_dtype"] = res.get(path, lambda v: torch.bfloat16, names=("grad_dtype",))
     moments = res.get("bf16.bf16_optimizer_states", _bf16_or_fp32)
     if moments is not None:
         kw["moment_dtype"] = moments

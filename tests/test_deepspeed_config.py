@@ -236,6 +236,19 @@ MAPPED_CASES = {
 }
 
 
+def test_low_precision_keywords_pass_through_without_their_keys():
+    """master_dtype= / moment_dtype= given beside a config without DeepSpeed's bf16 options
+    reach the engine as they are, and nothing else is set for them (no grad_dtype); with the
+    key, a grad_dtype= that disagrees is named."""
+    for kw in ({"master_dtype": "bf16"}, {"moment_dtype": "int8"}):
+        got = parse({"bf16": {"enabled": True}}, **kw).engine_kwargs
+        assert {k: got[k] for k in kw} == kw and "grad_dtype" not in got
+    with pytest.raises(ValueError, match=r"grad_dtype=torch.float32 conflicts with the "
+                                         r"DeepSpeed config's bf16.bf16_master_weights_and_grads"):
+        parse({"bf16": {"enabled": True, "bf16_master_weights_and_grads": True}},
+              grad_dtype=torch.float32)
+
+
 def test_every_mapped_key_has_a_case():
     assert set(MAPPED_CASES) == set(keys_by_kind(MAPPED))
     assert set(keys_by_kind(MAPPED)) | set(keys_by_kind(AUTO)) | set(keys_by_kind(REFUSED)) \
