@@ -157,6 +157,7 @@ def test_master_dtype_flag(capsys):
     verdicts = out.split("will it fit")[1]
     assert "none" not in verdicts and verdicts.count("fits") == 6
     assert "the none rows, for reference: bf16 masters" in out
+    assert "states: parameters, gradients, bf16 master weights and Adam moments" in out
 
 
 def test_moment_dtype_and_host_cache_flags(capsys):
