@@ -24,6 +24,8 @@ if "OFFLOAD_ZERO_CACHE" not in os.environ:
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from offload_zero.optim import available_isas, selected_isa  # noqa: E402
+
 # torch's own ops on one thread in the test process, as the ranks run them: the models are
 # tiny, and two OpenMP workers spinning against the Adam kernel's threads (which do not follow
 # torch's count) made tests up to several times slower on a busy 2-core machine. No test
@@ -31,12 +33,10 @@ import torch  # noqa: E402
 torch.set_num_threads(1)
 
 
-@pytest.fixture(params=__import__("offload_zero.optim", fromlist=["available_isas"])
-                .available_isas())
+@pytest.fixture(params=available_isas())
 def isa(request, monkeypatch):
     """Each instruction set this CPU supports in turn, forced through OFFLOAD_ZERO_ADAM_ISA
     (the kernel tests' parameter): its name."""
-    from offload_zero.optim import selected_isa
     monkeypatch.setenv("OFFLOAD_ZERO_ADAM_ISA", request.param)
     assert selected_isa() == request.param
     return request.param
