@@ -22,7 +22,9 @@ compute dtype with ``torch.optim.AdamW(fused=True)`` (at bf16 purely in bf16: a 
 same arithmetic). Each side first runs ``--warmup`` steps; then ``--rounds`` rounds are timed
 (wall seconds of forward + backward + step, each side's ``--grad-accum`` micro-batches).
 NVMe bytes per step (the engine's swapper counters, mean over the timed steps) are printed
-for ``ours-*`` rows. Peak memory is ``bench_step.py``'s to measure (two models share this
+for ``ours-*`` rows, and the seconds per step the training thread stood waiting for NVMe
+transfers (``memory_report()["nvme"]["wait_s"]``, the block's final drain included): the
+I/O that did not hide behind compute. Peak memory is ``bench_step.py``'s to measure (two models share this
 process).
 
 Usage: PYTHONPATH=. python benchmarks/bench_paired.py --dtype bf16
@@ -88,7 +90,7 @@ def worker(args) -> None:
 
         def moved():
             nvme = engine.memory_report()["nvme"]
-            return nvme["read_bytes"], nvme["written_bytes"]
+            return nvme["read_bytes"], nvme["written_bytes"], nvme["wait_s"]
 
         drain = engine.swapper.wait_all if engine.swapper is not None else None
     else:
@@ -200,21 +202,22 @@ def main() -> None:
           f"{args.rounds} rounds of {args.block} steps a side after {args.warmup} warm-up "
           f"steps each; load average "
           f"{load0[0]:.2f} -> {load1[0]:.2f}")
-    hdr = (f"{'config':<24}{'torch s':>9}{'config s':>10}{'median ratio':>14}"
-           f"{'quartiles':>18}{'R/W MB per step':>18}")
+    hdr = (f"{'config':<30}{'torch s':>9}{'config s':>10}{'median ratio':>14}"
+           f"{'quartiles':>18}{'R/W MB per step':>18}{'waited s/step':>15}")
     print(hdr)
     print("-" * len(hdr))
     for res in results:
         if "error" in res:
-            print(f"{res['config']:<24} {res['error'][:300]}")
+            print(f"{res['config']:<30} {res['error'][:300]}")
             continue
         ratios = [r / t for r, t in zip(res["row"], res["torch"])]
         q1, med, q3 = _quartiles(ratios)
         io = (f"{res['io'][0] / 1e6:9.0f}/{res['io'][1] / 1e6:<8.0f}" if res.get("io")
               else "")
-        print(f"{res['config']:<24}{statistics.median(res['torch']):9.2f}"
+        waited = f"{res['io'][2]:.3f}" if res.get("io") else ""
+        print(f"{res['config']:<30}{statistics.median(res['torch']):9.2f}"
               f"{statistics.median(res['row']):10.2f}{(med - 1) * 100:+13.1f}%"
-              f"{(q1 - 1) * 100:+8.1f}%..{(q3 - 1) * 100:+.1f}%{io:>18}")
+              f"{(q1 - 1) * 100:+8.1f}%..{(q3 - 1) * 100:+.1f}%{io:>18}{waited:>15}")
 
 
 if __name__ == "__main__":

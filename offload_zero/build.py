@@ -436,14 +436,20 @@ def pools_report(parts: EngineParts) -> dict:
 
 def memory_report(acct: TierAccountant, parts: EngineParts, states: UpdateStates) -> dict:
     """``engine.memory_report()``: the accountant's bytes per tier and kind (``acct``), the
-    NVMe bytes the store moved, the scheduler's live units, :func:`pools_report`, the I/O
+    NVMe bytes the swapper moved and the seconds the caller waited for them, the optimizer
+    state's part of those bytes (the store's), the scheduler's live units, :func:`pools_report`, the I/O
     stages not at rest (``states``), the host cache's split (optimizer state on NVMe, and
     the frozen shards it keeps: ``"host_frozen_flat_params"``, ``"host_frozen_bytes"``) and,
     with ``max_host_bytes``, the host budget against the memory plan
     (:func:`offload_zero.plan.host_budget_report`; see :meth:`OffloadEngine.memory_report`).
-    Units: bytes."""
-    rep, store, plan = acct.report(), parts.store, parts.memory_plan
-    for key in ("read_bytes", "written_bytes", "state_read_bytes", "state_written_bytes"):
+    Units: bytes (``"wait_s"``: seconds)."""
+    rep, store, plan, swapper = acct.report(), parts.store, parts.memory_plan, parts.swapper
+    # (the swapper's counters, not the store's: with the optimizer state in host memory the
+    # parameter shards' I/O goes through the same swapper and no NVMe store)
+    rep["nvme"]["read_bytes"] = swapper.bytes_read if swapper is not None else 0
+    rep["nvme"]["written_bytes"] = swapper.bytes_written if swapper is not None else 0
+    rep["nvme"]["wait_s"] = swapper.wait_s if swapper is not None else 0.0
+    for key in ("state_read_bytes", "state_written_bytes"):
         rep["nvme"][key] = getattr(store, key, 0)
     rep["live_units"] = {"current": parts.scheduler.live_units(),
                          "peak": parts.scheduler.live_peak}

@@ -353,7 +353,9 @@ class OffloadEngine:
         Returns ``{"device"|"host"|"nvme": {"current_bytes", "peak_bytes", "by_kind": {...}},
         "live_units": {"current", "peak"}, "pools": {name: {"buffers", "buffer_bytes",
         "capacity_bytes", ...}}}``; ``"nvme"`` also has ``"read_bytes"`` and ``"written_bytes"``
-        (cumulative bytes moved through the swapper), ``"state_read_bytes"`` and
+        (cumulative bytes moved through the swapper: optimizer state and parameter shards),
+        ``"wait_s"`` (cumulative seconds this process's training thread stood waiting for NVMe
+        transfers: the I/O that did not hide behind compute), ``"state_read_bytes"`` and
         ``"state_written_bytes"`` (the optimizer state's part of them, counted as each transfer
         starts); with the optimizer state on NVMe, ``"host_cache"`` gives its split between host
         memory and files (see :meth:`offload_zero.memory.state_stores.NVMeStore.cache_report`)
@@ -366,7 +368,8 @@ class OffloadEngine:
         ``"host_budget"`` gives the budget, the planned and measured host peak and what was
         lowered to fit (:func:`offload_zero.plan.host_budget_report`). ``"io_stages"``: each
         flat parameter whose NVMe bytes are not at rest, ``{name: {"optimizer_state",
-        "parameter_shard"}}`` (see :meth:`UpdateStates.io_report`). Units: bytes.
+        "parameter_shard"}}`` (see :meth:`UpdateStates.io_report`). Units:
+        bytes (``"wait_s"``: seconds).
         """
         return memory_report(self._acct, self._parts, self._states)
 

@@ -150,6 +150,40 @@ def test_zero_byte_transfer_is_done_at_once(make_swapper, backend):
     assert sw.bytes_written == 0
 
 
+def test_wait_s_counts_the_time_callers_block_on_unfinished_transfers(make_swapper,
+                                                                     monkeypatch):
+    """wait() and wait_all() on a transfer still running add the time they block; a wait on a
+    finished one, or a poll, adds nothing."""
+    import threading
+    import time
+    sw = make_swapper(backend="threads", block_size=PAGE, queue_depth=1)
+    sw.allocate("k", PAGE)
+    buf = aligned_empty(PAGE, torch.uint8).fill_(1)
+    sw.swap_out("k", buf).wait()
+    gate = threading.Event()
+    real = os.preadv
+
+    def slow(fd, buffers, offset, *args):
+        gate.wait()
+        time.sleep(0.2)
+        return real(fd, buffers, offset, *args)
+
+    monkeypatch.setattr(os, "preadv", slow)
+    before = sw.wait_s
+    handle = sw.swap_in("k", buf)
+    assert not handle.done() and sw.wait_s == before  # (polling is not waiting)
+    gate.set()
+    handle.wait()
+    blocked = sw.wait_s - before
+    assert 0.15 <= blocked < 5.0
+    handle.wait()  # done already: adds nothing
+    sw.wait_all()
+    assert sw.wait_s - before == blocked
+    sw.swap_in("k", buf)
+    sw.wait_all()
+    assert sw.wait_s - before >= blocked + 0.15
+
+
 # ---- files and folder -----------------------------------------------------------------------
 
 def test_files_mode_size_and_cleanup(tmp_path, backend):

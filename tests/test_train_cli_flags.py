@@ -141,13 +141,16 @@ def test_summary_averages_first_and_last_steps():
     report = {"device": {"current_bytes": 1, "peak_bytes": 10},
               "host": {"current_bytes": 2, "peak_bytes": 20},
               "nvme": {"current_bytes": 0, "peak_bytes": 30, "read_bytes": 40,
-                       "written_bytes": 50}}
+                       "written_bytes": 50, "wait_s": 1.25}}
     losses = [float(v) for v in range(30, 0, -1)]
     s = train.summarize(losses, report, wall_s=2.0, tokens=1000, extra={"steps": 30})
     assert s["first_loss"] == pytest.approx(28.0) and s["last_loss"] == pytest.approx(3.0)
     assert s["peak_bytes"] == {"device": 10, "host": 20, "nvme": 30}
-    assert (s["nvme_read_bytes"], s["nvme_written_bytes"]) == (40, 50)
+    assert (s["nvme_read_bytes"], s["nvme_written_bytes"], s["nvme_wait_s"]) == (40, 50, 1.25)
     assert s["tokens_per_s"] == pytest.approx(500.0)
+    s.update(model="m", params=1, tokenizer="t", offload="nvme", stage=3, dtype="bf16",
+             world_size=1, steps=30, setup_s=0.5)
+    assert "read 40 B | written 50 B | training waited 1.2 s on it" in train.format_summary(s)
     s = train.summarize([4.0, 2.0], report, wall_s=1.0, tokens=1, extra={})
     assert (s["first_loss"], s["last_loss"], s["loss_window_steps"]) == (4.0, 2.0, 1)
     json.dumps(s)

@@ -64,12 +64,15 @@ class SwapIOError(OSError):
 class SwapHandle:
     """Completion handle of one ``swap_in`` / ``swap_out``. Keeps the tensor alive until done.
 
-    ``done()`` polls; ``wait()`` blocks and raises ``SwapIOError`` if any request failed.
+    ``done()`` polls; ``wait()`` blocks and raises ``SwapIOError`` if any request failed. The
+    seconds a ``wait()`` blocks on an unfinished transfer are added to ``counters`` (the
+    swapper's :attr:`Swapper.wait_s`), when given.
     """
 
     def __init__(self, key: str, op: str, tensor: Optional[torch.Tensor], num_requests: int,
-                 on_error=None) -> None:
+                 on_error=None, counters: Optional["_Counters"] = None) -> None:
         self.key = key
+        self._counters = counters
         self.op = op
         self._tensor = tensor  # the buffer travels with its completion handle
         self._remaining = num_requests
@@ -110,7 +113,7 @@ class SwapHandle:
                 names the file, the offset and the errno or the short count).
             TimeoutError: ``timeout_s`` elapsed first.
         """
-        if not self._done.wait(timeout_s):
+        if not _timed_wait(self._done, timeout_s, self._counters):
             raise TimeoutError(f"swap {self.op} of key {self.key!r} not done after {timeout_s} s")
         self.observed = True
         if self._errors:
@@ -159,11 +162,30 @@ class _Request:
         self.handle._request_done(error)
 
 
+def _timed_wait(done: threading.Event, timeout_s: Optional[float],
+                counters: Optional["_Counters"]) -> bool:
+    """``done.wait(timeout_s)``, adding the seconds it blocked to ``counters.wait_s`` (nothing
+    when ``done`` is already set). Returns whether ``done`` is set."""
+    if done.is_set():
+        return True
+    start = time.perf_counter()
+    try:
+        return done.wait(timeout_s)
+    finally:
+        if counters is not None:
+            counters.add_wait(time.perf_counter() - start)
+
+
 class _Counters:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.bytes_read = 0
         self.bytes_written = 0
+        self.wait_s = 0.0
+
+    def add_wait(self, seconds: float) -> None:
+        with self._lock:
+            self.wait_s += seconds
 
     def add(self, is_write: bool, nbytes: int) -> None:
         with self._lock:
@@ -437,6 +459,14 @@ class Swapper:
         return self._counters.bytes_written
 
     @property
+    def wait_s(self) -> float:
+        """Seconds callers have spent blocked in ``SwapHandle.wait()`` and ``wait_all()`` on
+        transfers not yet done, since construction (cumulative; a wait on a finished transfer
+        adds nothing). For the engine, whose training thread is the only one that waits, this
+        is the NVMe I/O that did not hide behind compute."""
+        return self._counters.wait_s
+
+    @property
     def file_bytes(self) -> int:
         """Bytes currently allocated on disk by this swapper (sum of allocated file sizes)."""
         return sum(f.nbytes for f in self._state.files.values())
@@ -538,7 +568,7 @@ class Swapper:
                 f"{swap_file.path!r}")
         num_requests = -(-nbytes // self.block_size)
         handle = SwapHandle(key, "out" if is_write else "in", tensor, num_requests,
-                            on_error=self._note_failure)
+                            on_error=self._note_failure, counters=self._counters)
         base = tensor.data_ptr()
         requests = [
             _Request(handle, swap_file.path, swap_file.fd, offset_bytes + start, base + start,
@@ -565,7 +595,7 @@ class Swapper:
         with self._handles_lock:
             outstanding = list(self._outstanding)
         for handle in outstanding:
-            handle._done.wait()
+            _timed_wait(handle._done, None, self._counters)
         with self._handles_lock:
             failed = [h for h in self._unobserved_failures if not h.observed]
             self._unobserved_failures.clear()

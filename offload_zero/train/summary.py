@@ -40,8 +40,9 @@ def summarize(losses: List[float], report: Dict[str, Any], *, wall_s: float, tok
 
     ``losses`` are per-step training losses (nats/token); ``first_loss``/``last_loss`` average
     the first/last ``max(1, min(5, steps // 3))`` of them. ``report`` is
-    ``engine.memory_report()``; peak bytes per tier and NVMe read/written bytes are taken from
-    it: what the engine holds by its own accounting, not the process's RSS (``extra``'s
+    ``engine.memory_report()``; peak bytes per tier, NVMe read/written bytes and the seconds
+    training waited for them (``nvme_wait_s``: the I/O not hidden behind compute; all three
+    counted from the engine's start-up) are taken from it: what the engine holds by its own accounting, not the process's RSS (``extra``'s
     ``peak_rss_bytes``, from :func:`peak_rss_bytes`). ``wall_s`` is the training loop's wall
     time in seconds and ``tokens`` the number of tokens it consumed on all ranks. ``extra``
     entries are copied in first.
@@ -57,6 +58,7 @@ def summarize(losses: List[float], report: Dict[str, Any], *, wall_s: float, tok
         peak_bytes={tier: _peak(report, tier) for tier in TIERS},
         nvme_read_bytes=int(nvme.get("read_bytes", 0)),
         nvme_written_bytes=int(nvme.get("written_bytes", 0)),
+        nvme_wait_s=float(nvme.get("wait_s", 0.0)),
         wall_s=wall_s,
         tokens=tokens,
         tokens_per_s=tokens / wall_s if wall_s > 0 else 0.0,
@@ -101,7 +103,9 @@ def format_summary(s: Dict[str, Any]) -> str:
     ] + ([f"  peak memory  process peak RSS {fmt_bytes(s['peak_rss_bytes'])} (the OS's count: "
           "torch, the model, activations and all)"] if s.get("peak_rss_bytes") else []) + [
         f"  nvme i/o     read {fmt_bytes(s['nvme_read_bytes'])} | "
-        f"written {fmt_bytes(s['nvme_written_bytes'])}",
+        f"written {fmt_bytes(s['nvme_written_bytes'])}"
+        + (f" | training waited {s['nvme_wait_s']:.1f} s on it (not hidden by compute)"
+           if s.get("nvme_read_bytes") or s.get("nvme_written_bytes") else ""),
         f"  time         {s['wall_s']:.1f} s for {s['steps']} steps "
         + (f"after step {s['resumed_from']} (resumed) " if s.get("resumed_from") is not None else "")
         + f"(+{s['setup_s']:.1f} s setup), {s['tokens_per_s']:,.0f} tokens/s",
@@ -182,7 +186,7 @@ def plot_memory(trace: List[Dict[str, int]], path: str, title: str = "") -> None
 def reduce_across_ranks(losses: List[float], report: Dict[str, Any], peak_rss: int
                          ) -> Tuple[List[float], Dict[str, Any], int]:
     """Make the summary global: mean loss per step over ranks, max peak bytes per tier and
-    max peak RSS (bytes), summed NVMe traffic. Needs the engine's process group (call before
+    max peak RSS (bytes), summed NVMe traffic, the longest NVMe wait (seconds). Needs the engine's process group (call before
     ``engine.close()``)."""
     import torch.distributed as dist
 
@@ -199,7 +203,10 @@ def reduce_across_ranks(losses: List[float], report: Dict[str, Any], peak_rss: i
                            dtype=torch.int64)
     dist.all_reduce(traffic)
     merged = {t: dict(report.get(t, {}), peak_bytes=int(v)) for t, v in zip(tiers, peaks[:3])}
-    merged["nvme"].update(read_bytes=int(traffic[0]), written_bytes=int(traffic[1]))
+    waited = torch.tensor([float(nvme.get("wait_s", 0.0))], dtype=torch.float64)
+    dist.all_reduce(waited, op=dist.ReduceOp.MAX)
+    merged["nvme"].update(read_bytes=int(traffic[0]), written_bytes=int(traffic[1]),
+                          wait_s=float(waited[0]))
     merged["rank0"] = report
     world_size = dist.get_world_size()
     return (loss_sum / world_size).tolist(), merged, int(peaks[3])
