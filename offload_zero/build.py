@@ -279,7 +279,8 @@ class _Builder:
         # one, through which its flat parameters are read one after the other; the root's
         # small flat parameters (a final norm split off by gradient order, frozen ones) go
         # through the block-sized pool like a block's (see [Note: pools])
-        main = self._host_pool(mplan.pool("param_shards"))
+        spec = mplan.pool("param_shards")  # (none when every such shard stays in host memory)
+        main = self._host_pool(spec) if spec is not None else None
         pool_for = lambda fp: main  # noqa: E731
         keep = follows = None
         # a state kept in host memory is, in the master's dtype, the shard itself; in others the

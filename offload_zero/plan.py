@@ -23,14 +23,18 @@ flight ahead of the running one, ``prefetch`` capped at the other blocks):
   bytes, one when the shards live on NVMe (the units ahead are read into host buffers instead);
   ``gather_root`` (device): one slot of the root unit's gathered bytes.
 - ``param_shards`` (host): parameter shards on NVMe; ``f * (ahead + 2) + ring`` buffers of the
-  largest block shard (reads ahead of use for the ``f`` flat parameters of a block, 1, or 2
-  where a block holds trainable and frozen parameters; and 2 more for new shards' write-backs
-  in flight, a write being waited for only when every buffer is in use; none when shards of
-  the master's dtype (fp32, or bf16 with a bf16 master) and their optimizer state are both on
-  NVMe: the shard is the master's bytes and the update writes it once). ``param_shards_root``
-  (host): where a root flat parameter is larger than a block shard, root-sized buffers, one per
-  such outsized flat parameter when all the root is trainable (each keeps its updated shard
-  for the next forward; none for a state kept in host memory that is its own shard), else one.
+  largest shard read from a file through it (reads ahead of use for the ``f`` such flat
+  parameters of a block, 1, or 2 where a block holds trainable and frozen parameters; and 2
+  more for new shards' write-backs in flight, a write being waited for only when every buffer
+  is in use; none when no trainable shard goes through it, or when shards of the master's
+  dtype (fp32, or bf16 with a bf16 master) and their optimizer state are both on NVMe: the
+  shard is the master's bytes and the update writes it once). Shards kept in host memory (a
+  state kept there and its shard, a frozen shard the host cache keeps) and the outsized root
+  parts take none of it: no pool when nothing else is on NVMe. ``param_shards_root``
+  (host): where a root flat parameter is larger than a block shard, buffers of the largest
+  such part on NVMe, one per such outsized flat parameter when all the root is trainable
+  (each keeps its updated shard for the next forward; none for a state kept in host memory
+  that is its own shard), else one.
 - ``optimizer_pipeline`` (host): the optimizer state on NVMe; three buffer sets (read k+1 |
   update k | write k-1), each one whole state of ``min(largest streamed shard, chunk)``
   elements (1024 when nothing streams: every state is in host memory).
@@ -601,19 +605,23 @@ def _pools(layout, shards, s: PlanSettings, fmt: StateFormat, in_host, share, ou
         return ()
     n, k = s.world_size, s.itemsize
     pools = []
-    block_shard = max((sh for f, sh in zip(layout, shards) if f.unit != -1), default=0)
-    root_shard = max((sh for f, sh in zip(layout, shards) if f.unit == -1), default=0)
     if s.param_tier == "nvme":
-        ring = 0 if share else _WRITE_RING
-        pools.append(PoolSpec("param_shards", "host",
-                              _flats_per_block(layout) * (_ahead(layout, s.prefetch) + 2) + ring,
-                              max(block_shard, 1), k))
-        # (a shard whose state is kept in host memory is that master or stays in host
-        # memory beside it: no buffer for it)
+        # only shards read from and written to their files take buffers: a shard whose state
+        # is kept in host memory is that master or stays in host memory beside it, and so
+        # does a frozen shard the host cache keeps; the outsized root parts have their own
+        main = [i for i, f in enumerate(layout) if i not in in_host and i not in outsized]
+        if main:
+            # (write-backs only for trainable shards that are not their master's bytes)
+            ring = _WRITE_RING if not share and any(layout[i].trainable for i in main) else 0
+            pools.append(PoolSpec("param_shards", "host",
+                                  _flats_per_block([layout[i] for i in main])
+                                  * (_ahead(layout, s.prefetch) + 2) + ring,
+                                  max(max(shards[i] for i in main), 1), k))
         on_disk = outsized - in_host
         root_count = len(on_disk) if keep_root else int(bool(on_disk))
         if root_count:
-            pools.append(PoolSpec("param_shards_root", "host", root_count, root_shard, k))
+            pools.append(PoolSpec("param_shards_root", "host", root_count,
+                                  max(shards[i] for i in on_disk), k))
     trainable = [sh for f, sh in zip(layout, shards) if f.trainable]
     if s.accelerator and s.optimizer_tier != "device" and s.param_tier == "device" and trainable:
         pools.append(PoolSpec("staging", "host", 1, max(trainable), k))

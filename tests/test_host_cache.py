@@ -258,8 +258,11 @@ def test_host_cache_keeps_frozen_shards_with_what_the_states_leave(timing, tmp_p
     state and its shard in host memory, and no frozen shard; 1.5 of the blocks' frozen
     shards and the embeddings' more keep the first block's frozen shard (the next one does
     not fit; the embeddings' fit after it): no file of those, two reads a step of the block's
-    and one of the embeddings' fewer, nothing else changed. The NVMe bytes per step are the
-    estimate's plan's, and the weights bit for bit those of the uncached run."""
+    and one of the embeddings' fewer, nothing else changed; a budget of all of it moves
+    nothing. The NVMe bytes per step are the estimate's plan's, and the weights bit for bit
+    those of the uncached run. The parameter-shard read-ahead pool holds buffers only for
+    the shards still read from files: one flat parameter a block and no write-back ring once
+    the trainable shards stay in host memory, none at all once every shard does."""
     from offload_zero.step_time import nvme_traffic
     torch.manual_seed(0)
     model = CacheLM()
@@ -269,7 +272,7 @@ def test_host_cache_keeps_frozen_shards_with_what_the_states_leave(timing, tmp_p
     kw = dict(stage=3, offload="nvme", dtype=torch.bfloat16, update_timing=timing, lr=1e-2,
               weight_decay=0.1, tail_state_in_host=False)
     runs, budgets = [], [0]
-    while len(runs) < 3:
+    while len(runs) < 4:
         budget = budgets[-1]
         traffic = nvme_traffic(placement_bytes(model, 3, "nvme", "nvme", dtype=torch.bfloat16,
                                                accelerator=False, update_timing=timing,
@@ -287,10 +290,14 @@ def test_host_cache_keeps_frozen_shards_with_what_the_states_leave(timing, tmp_p
                              traffic.state_bytes + traffic.param_written_bytes], budget
             files = {f.name for f in folder.rglob("*.swp")}
             eng.apply_pending_updates()
-            runs.append((eng.full_state_dict(), rep, files, moved))
+            pools = eng.memory_report()["pools"]
+            runs.append((eng.full_state_dict(), rep, files, moved, pools))
+            frozen = {name: n for name, n in shard.items() if "frozen" in name}
         budgets.append(state if len(runs) == 1 else state + 2 * (
-            shard["unit0.frozen"] + shard["unit1.frozen"] // 2 + shard["root.frozen"]))
-    (ref, rep0, files0, _), (s1, rep1, files1, moved1), (s2, rep2, files2, moved2) = runs
+            shard["unit0.frozen"] + shard["unit1.frozen"] // 2 + shard["root.frozen"])
+            if len(runs) == 2 else state + 2 * sum(frozen.values()))
+    ((ref, rep0, files0, _, pools0), (s1, rep1, files1, moved1, pools1),
+     (s2, rep2, files2, moved2, pools2), (s3, rep3, files3, moved3, pools3)) = runs
     kept = {"unit0.frozen.param.swp", "root.frozen.param.swp"}
     assert rep0["host_frozen_flat_params"] == rep0["host_frozen_bytes"] == 0 and kept < files0
     # the states (and their shards) first: nothing of them on the disk, no frozen shard kept
@@ -303,5 +310,13 @@ def test_host_cache_keeps_frozen_shards_with_what_the_states_leave(timing, tmp_p
     assert not kept & files2 and "unit1.frozen.param.swp" in files2
     assert moved1[0] - moved2[0] == 2 * (2 * shard["unit0.frozen"] + shard["root.frozen"])
     assert moved2[1] == 0
-    for got in (s1, s2):
+    # everything kept: no file, no byte moved, no read-ahead pool
+    assert rep3["host_frozen_flat_params"] == len(frozen) and moved3 == [0, 0]
+    assert not any(f.endswith(".param.swp") for f in files3)
+    assert "param_shards" not in pools3 and "param_shards" in pools2
+    # the states' shards kept: the pool reads the frozen shards only, one a block, no ring
+    assert pools1["param_shards"]["buffers"] * 2 == pools0["param_shards"]["buffers"] - 2
+    assert pools1["param_shards"]["buffer_bytes"] == 2 * max(
+        n for name, n in frozen.items() if name.startswith("unit"))
+    for got in (s1, s2, s3):
         assert got.keys() == ref.keys() and all(torch.equal(got[k], ref[k]) for k in ref)
