@@ -274,14 +274,17 @@ class _Builder:
         share = mplan.master_is_param_on_nvme
         # in flight at once: (prefetch + 1) units of at most 2 flat parameters, plus the
         # write-back ring of the step. An outsized root unit (embeddings) gets buffers of
-        # its own, so the main pool's buffers are block-sized: one per flat parameter when
+        # its own, so the main pools' buffers are block-sized: one per flat parameter when
         # they are all trainable (each keeps its updated shard for the next forward), else
         # one, through which its flat parameters are read one after the other; the root's
         # small flat parameters (a final norm split off by gradient order, frozen ones) go
-        # through the block-sized pool like a block's (see [Note: pools])
-        spec = mplan.pool("param_shards")  # (none when every such shard stays in host memory)
-        main = self._host_pool(spec) if spec is not None else None
-        pool_for = lambda fp: main  # noqa: E731
+        # through the block-sized pools like a block's; trainable and frozen shards each have
+        # theirs, none when every such shard stays in host memory (see [Note: pools])
+        pools = {name: self._host_pool(mplan.pool(name)) for name in
+                 ("param_shards", "param_shards_frozen") if mplan.pool(name) is not None}
+        main = lambda fp: pools.get(  # noqa: E731
+            "param_shards" if fp.requires_grad else "param_shards_frozen")
+        pool_for = main
         keep = follows = None
         # a state kept in host memory is, in the master's dtype, the shard itself; in others the
         # shard stays in host memory beside it; so does a frozen shard the host cache keeps:
@@ -292,7 +295,7 @@ class _Builder:
             names = flat_param_names(plan[2])
             outsized = {names[i] for i in mplan.outsized_root}
             root = self._host_pool(spec)
-            pool_for = lambda fp: root if fp.name in outsized else main  # noqa: E731
+            pool_for = lambda fp: root if fp.name in outsized else main(fp)  # noqa: E731
             if mplan.keep_root:
                 # the root's buffers are idle between its update and the next forward,
                 # which gathers the root first: the updated shards stay there instead of

@@ -22,15 +22,17 @@ flight ahead of the running one, ``prefetch`` capped at the other blocks):
   the whole parameter: nothing gathered); ``ahead + 1`` slots of the largest block's gathered
   bytes, one when the shards live on NVMe (the units ahead are read into host buffers instead);
   ``gather_root`` (device): one slot of the root unit's gathered bytes.
-- ``param_shards`` (host): parameter shards on NVMe; ``f * (ahead + 2) + ring`` buffers of the
-  largest shard read from a file through it (reads ahead of use for the ``f`` such flat
-  parameters of a block, 1, or 2 where a block holds trainable and frozen parameters; and 2
-  more for new shards' write-backs in flight, a write being waited for only when every buffer
-  is in use; none when no trainable shard goes through it, or when shards of the master's
-  dtype (fp32, or bf16 with a bf16 master) and their optimizer state are both on NVMe: the
-  shard is the master's bytes and the update writes it once). Shards kept in host memory (a
-  state kept there and its shard, a frozen shard the host cache keeps) and the outsized root
-  parts take none of it: no pool when nothing else is on NVMe. ``param_shards_root``
+- ``param_shards`` (host): trainable parameter shards on NVMe; ``f * (ahead + 2) + ring``
+  buffers of the largest such shard read from a file through it (reads ahead of use for the
+  ``f`` such flat parameters of a block, usually 1; and 2 more for new shards' write-backs in
+  flight, a write being waited for only when every buffer is in use; none when shards of the
+  master's dtype (fp32, or bf16 with a bf16 master) and their optimizer state are both on
+  NVMe: the shard is the master's bytes and the update writes it once).
+  ``param_shards_frozen`` (host): the same for frozen shards (``f * (ahead + 2)``, no ring:
+  never written), so that small trainable shards (LoRA's adapters) do not take buffers the
+  size of the frozen base weights. Shards kept in host memory (a state kept there and its
+  shard, a frozen shard the host cache keeps) and the outsized root parts take neither: no
+  such pool when nothing else is on NVMe. ``param_shards_root``
   (host): where a root flat parameter is larger than a block shard, buffers of the largest
   such part on NVMe, one per such outsized flat parameter when all the root is trainable
   (each keeps its updated shard for the next forward; none for a state kept in host memory
@@ -610,13 +612,16 @@ def _pools(layout, shards, s: PlanSettings, fmt: StateFormat, in_host, share, ou
         # is kept in host memory is that master or stays in host memory beside it, and so
         # does a frozen shard the host cache keeps; the outsized root parts have their own
         main = [i for i, f in enumerate(layout) if i not in in_host and i not in outsized]
-        if main:
-            # (write-backs only for trainable shards that are not their master's bytes)
-            ring = _WRITE_RING if not share and any(layout[i].trainable for i in main) else 0
-            pools.append(PoolSpec("param_shards", "host",
-                                  _flats_per_block([layout[i] for i in main])
-                                  * (_ahead(layout, s.prefetch) + 2) + ring,
-                                  max(max(shards[i] for i in main), 1), k))
+        # trainable and frozen shards apart: LoRA's adapters need not take buffers the size
+        # of the frozen base weights (write-backs: trainable shards not their master's bytes)
+        for name, trainable in (("param_shards", True), ("param_shards_frozen", False)):
+            mine = [i for i in main if layout[i].trainable == trainable]
+            if mine:
+                ring = _WRITE_RING if trainable and not share else 0
+                pools.append(PoolSpec(name, "host",
+                                      _flats_per_block([layout[i] for i in mine])
+                                      * (_ahead(layout, s.prefetch) + 2) + ring,
+                                      max(max(shards[i] for i in mine), 1), k))
         on_disk = outsized - in_host
         root_count = len(on_disk) if keep_root else int(bool(on_disk))
         if root_count:

@@ -260,9 +260,10 @@ def test_host_cache_keeps_frozen_shards_with_what_the_states_leave(timing, tmp_p
     not fit; the embeddings' fit after it): no file of those, two reads a step of the block's
     and one of the embeddings' fewer, nothing else changed; a budget of all of it moves
     nothing. The NVMe bytes per step are the estimate's plan's, and the weights bit for bit
-    those of the uncached run. The parameter-shard read-ahead pool holds buffers only for
-    the shards still read from files: one flat parameter a block and no write-back ring once
-    the trainable shards stay in host memory, none at all once every shard does."""
+    those of the uncached run. The parameter-shard read-ahead pools hold buffers only for
+    the shards still read from files, trainable and frozen apart, each sized to its own
+    shards: no trainable pool once their shards stay in host memory, none at all once every
+    shard does."""
     from offload_zero.step_time import nvme_traffic
     torch.manual_seed(0)
     model = CacheLM()
@@ -313,10 +314,16 @@ def test_host_cache_keeps_frozen_shards_with_what_the_states_leave(timing, tmp_p
     # everything kept: no file, no byte moved, no read-ahead pool
     assert rep3["host_frozen_flat_params"] == len(frozen) and moved3 == [0, 0]
     assert not any(f.endswith(".param.swp") for f in files3)
-    assert "param_shards" not in pools3 and "param_shards" in pools2
-    # the states' shards kept: the pool reads the frozen shards only, one a block, no ring
-    assert pools1["param_shards"]["buffers"] * 2 == pools0["param_shards"]["buffers"] - 2
-    assert pools1["param_shards"]["buffer_bytes"] == 2 * max(
-        n for name, n in frozen.items() if name.startswith("unit"))
+    assert not {"param_shards", "param_shards_frozen"} & pools3.keys()
+    # trainable and frozen shards each with a pool of their size (one a block; the frozen
+    # never written: no ring); the states' shards kept: the frozen pool alone
+    largest = {t: 2 * max(fp.shard_numel for fp in eng.flat_params
+                          if fp.requires_grad == t and fp.name.startswith("unit"))
+               for t in (True, False)}
+    assert {n: (p["buffers"], p["buffer_bytes"]) for n, p in pools0.items()
+            if n.startswith("param_shards")} == {"param_shards": (3 + 2, largest[True]),
+                                                 "param_shards_frozen": (3, largest[False])}
+    assert "param_shards" not in pools1 and pools1["param_shards_frozen"] == pools0[
+        "param_shards_frozen"] and pools2["param_shards_frozen"]["buffers"] == 3
     for got in (s1, s2, s3):
         assert got.keys() == ref.keys() and all(torch.equal(got[k], ref[k]) for k in ref)

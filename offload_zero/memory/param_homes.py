@@ -295,11 +295,15 @@ class NVMeParamHome:
         return self.io_stages.in_stage(ShardIO.WRITING)
 
     def _acquire(self, fp) -> torch.Tensor:
-        """A buffer of ``fp``'s pool, retiring write-backs (oldest first) while every buffer
-        is in flight: a small pool (an outsized root's) may hold only writes just started."""
+        """A buffer of ``fp``'s pool, retiring that pool's write-backs (oldest first) while
+        every buffer is in flight: a small pool (an outsized root's) may hold only writes just
+        started."""
         pool = self._pool_for(fp)
-        while pool.in_use == pool.count and self._writes():
-            self._retire(self._writes()[0])
+        while pool.in_use == pool.count:
+            writes = [w for w in self._writes() if self._pool_for(w) is pool]
+            if not writes:
+                break
+            self._retire(writes[0])
         return pool.acquire()
 
     def _retire(self, fp, keep: bool = True) -> None:
