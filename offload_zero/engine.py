@@ -118,6 +118,7 @@ class OffloadEngine:
         self.comm, self.placement = r.comm, r.placement  # (placement: with offload="auto")
         self.device, self.rank, self.world_size = cfg.device, r.comm.rank, r.comm.world_size
         self.module, self._closed = model, False
+        self._backward_interrupted = False  # (Ctrl-C / exit in a backward with updates in it)
         self._acct, self._states = r.acct, r.states  # (see [Note: update states])
         self.lr_scheduler = None  # stepped after each update (see the class docstring)
         self.loss_scaler = r.loss_scaler  # (fp16: scales the loss up, the update scales down)
@@ -227,14 +228,17 @@ class OffloadEngine:
                 # in fp32: a scaled fp16 loss would overflow long before its gradients do
                 loss = loss.float() * self.loss_scaler.scale
             self.scheduler.in_engine_backward = True
+            self._backward_interrupted = False
             try:
                 loss.backward()
             except BaseException as exc:
                 with not_replacing(exc, self.rank, "ending the backward"):
                     self.scheduler.end_backward()  # (the end-of-backward callback did not run)
-                    if (self.config.update_timing == BACKWARD and isinstance(exc, Exception)
-                            and not collective_error(exc)):
-                        self._step()  # (not on Ctrl-C or exit: no more I/O; zero_grad() ends it)
+                    if self.config.update_timing == BACKWARD:
+                        if isinstance(exc, Exception) and not collective_error(exc):
+                            self._step()
+                        else:  # (Ctrl-C or exit: no more I/O; zero_grad() or step() ends it)
+                            self._backward_interrupted = True
                 raise
             finally:
                 self.scheduler.in_engine_backward = False
@@ -244,18 +248,28 @@ class OffloadEngine:
         after an error in backward); the next backward starts afresh. Without a backward since
         the last step (torch's habit of ``step(); zero_grad()``) there is nothing to drop and
         nothing changes: ``update_timing="next_forward"``'s pending updates stay for the next
-        forward. With ``update_timing="backward"`` the weights already changed in backward: this
-        ends the step as :meth:`step` does. With ``gradient_accumulation_steps`` > 1 a
+        forward. With ``update_timing="backward"`` the weights already changed in backward, so
+        a batch cannot be skipped: after a backward that ran to its end this raises
+        RuntimeError saying so (call :meth:`step`, or use ``update_timing="step"`` or
+        ``"next_forward"`` to skip batches); after one a Ctrl-C or exit interrupted, it ends the
+        step as :meth:`step` does. With ``gradient_accumulation_steps`` > 1 a
         :meth:`step` that only ended a micro-batch counts as a step here too (nothing is dropped
         until the next backward), so ``step(); zero_grad()`` after each micro-batch accumulates;
         after a backward it drops every micro-batch's gradient since the last update, and the
         next N :meth:`step` calls make the next update. ``set_to_none`` is accepted as torch's
         optimizers take it and changes nothing: the gradient shards are the engine's buffers,
-        zeroed either way. Raises RuntimeError if the engine is closed."""
+        zeroed either way. Raises RuntimeError if the engine is closed, or as above."""
         self._check_open()
         if self._accum.nothing_to_drop():
             return
         if self.config.update_timing == BACKWARD:
+            if not self._backward_interrupted:
+                raise RuntimeError(
+                    "zero_grad() after backward() with update_timing='backward': backward "
+                    "already applied this batch's updates, unit by unit, and they cannot be "
+                    "dropped; call step() to end the step, or build the engine with "
+                    "update_timing='step' (or 'next_forward' at stage 3) to skip batches with "
+                    "zero_grad()")
             self._step()
             return
         self.grads.zero()  # (pending "next_forward" updates: backward applied them)

@@ -109,6 +109,35 @@ def test_zero_grad_takes_torchs_set_to_none():
     eng.close()
 
 
+@pytest.mark.parametrize("offload", ["cpu", "nvme"])
+def test_zero_grad_cannot_skip_a_batch_that_backward_already_applied(offload, tmp_path):
+    """update_timing="backward" updates each unit in backward: "backward(); zero_grad();
+    step()", torch's way to skip a batch, would keep the update. zero_grad() raises instead,
+    saying to call step() or use another timing, and changes nothing; step() then ends the
+    step and training goes on as in a run that never called zero_grad() (the same weights,
+    bit for bit). Through the optimizer facade and the wrapped model too."""
+    torch.manual_seed(3)
+    model = TinyLM(n_blocks=3)
+    a, b = twins(model, tmp_path, sib_a=True, sib_b=True, offload=offload, stage=3)
+    data = batches(3)
+    with a, b:
+        for i, (x, y) in enumerate(data):
+            a.backward(lm_loss(a(x), y))
+            a.step()
+            b.backward(lm_loss(b(x), y))
+            if i == 1:
+                before = b.full_state_dict()
+                for zero_grad in (b.zero_grad, b.optimizer.zero_grad, b.module.zero_grad):
+                    with pytest.raises(RuntimeError, match="cannot be dropped.*call step"):
+                        zero_grad()
+                after = b.full_state_dict()
+                assert all(torch.equal(before[k], after[k]) for k in before)
+            b.step()
+            b.zero_grad()  # (after step(): nothing to drop, no error)
+        sa, sb = a.full_state_dict(), b.full_state_dict()
+        assert all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
 def test_ctrl_c_in_backward_starts_no_step(tmp_path):
     """Ctrl-C inside backward with update_timing="backward": the engine frees the units and starts no
     more I/O (it used to run the whole step while the interrupt unwound, reading and writing
