@@ -158,3 +158,19 @@ def test_engine_save_pretrained_of_a_peft_model_says_what_saves_it(tmp_path):
                                              r"merge_and_unload\(\)"):
             eng.save_pretrained(tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_peft_adapter_switches_raise_naming_themselves(tmp_path):
+    """peft's disable_adapter() sets requires_grad on the adapters, which a wrapped model
+    refuses: the error names peft's calls and where the alternatives are; the model still
+    trains afterwards, its adapters enabled."""
+    model = lora_llama()
+    with wrap(model, 3, "cpu", tmp_path) as eng:
+        x = tokens(0)
+        before = model(input_ids=x).logits.detach()
+        with pytest.raises(RuntimeError, match=r"peft's disable_adapter\(\).*docs/huggingface"):
+            with torch.no_grad(), model.disable_adapter():
+                model(input_ids=x)
+        assert torch.equal(model(input_ids=x).logits.detach(), before)
+        eng.backward(model(input_ids=x, labels=x).loss)
+        eng.step()
