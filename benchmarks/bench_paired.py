@@ -24,8 +24,8 @@ same arithmetic). Each side first runs ``--warmup`` steps; then ``--rounds`` rou
 NVMe bytes per step (the engine's swapper counters, mean over the timed steps) are printed
 for ``ours-*`` rows, and the seconds per step the training thread stood waiting for NVMe
 transfers (``memory_report()["nvme"]["wait_s"]``, the block's final drain included): the
-I/O that did not hide behind compute. Peak memory is ``bench_step.py``'s to measure (two models share this
-process).
+I/O that did not hide behind compute. Peak memory is ``bench_step.py``'s to measure (two
+models share this process).
 
 Usage: PYTHONPATH=. python benchmarks/bench_paired.py --dtype bf16
        --configs ours-nvme,ours-nvme+cache,ours-nvme+cache+bf16m [--rounds 8] [--block 3]

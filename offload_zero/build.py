@@ -27,8 +27,9 @@ from offload_zero.partition.grads import GradientShards
 from offload_zero.partition.reduce_order import OrderedReduction, grad_order
 from offload_zero.partition.schedule import UnitScheduler, runs_itself
 from offload_zero.partition.units import Unit, plan_flat_params
-from offload_zero.plan import (fit_host_budget, host_budget_report, layout_of,
-                               pipeline_chunk_numel, pipeline_shard_numel, settings_of)
+from offload_zero.host_budget import fit_host_budget, host_budget_report
+from offload_zero.plan import (layout_of, pipeline_chunk_numel, pipeline_shard_numel,
+                               settings_of)
 from offload_zero.update.adam import ShardAdam
 from offload_zero.update.rules import BACKWARD, NEXT_FORWARD
 from offload_zero.update.state import UpdateStates
@@ -441,11 +442,12 @@ def pools_report(parts: EngineParts) -> dict:
 def memory_report(acct: TierAccountant, parts: EngineParts, states: UpdateStates) -> dict:
     """``engine.memory_report()``: the accountant's bytes per tier and kind (``acct``), the
     NVMe bytes the swapper moved and the seconds the caller waited for them, the optimizer
-    state's part of those bytes (the store's), the scheduler's live units, :func:`pools_report`, the I/O
-    stages not at rest (``states``), the host cache's split (optimizer state on NVMe, and
-    the frozen shards it keeps: ``"host_frozen_flat_params"``, ``"host_frozen_bytes"``) and,
-    with ``max_host_bytes``, the host budget against the memory plan
-    (:func:`offload_zero.plan.host_budget_report`; see :meth:`OffloadEngine.memory_report`).
+    state's part of those bytes (the store's), the scheduler's live units,
+    :func:`pools_report`, the I/O stages not at rest (``states``), the host cache's split
+    (optimizer state on NVMe, and the frozen shards it keeps: ``"host_frozen_flat_params"``,
+    ``"host_frozen_bytes"``) and, with ``max_host_bytes``, the host budget against the memory
+    plan (:func:`offload_zero.host_budget.host_budget_report`; see
+    :meth:`OffloadEngine.memory_report`).
     Units: bytes (``"wait_s"``: seconds)."""
     rep, store, plan, swapper = acct.report(), parts.store, parts.memory_plan, parts.swapper
     # (the swapper's counters, not the store's: with the optimizer state in host memory the

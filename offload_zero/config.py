@@ -113,7 +113,7 @@ class EngineConfig:
             they were left to the engine (``left_to_engine``), ``update_timing`` falls back to
             ``"step"`` (no whole-state read-ahead ring) and ``prefetch`` to 0; a placement
             that cannot fit raises ValueError before allocating
-            (:func:`offload_zero.plan.fit_host_budget`; ``memory_report()["host_budget"]``
+            (:func:`offload_zero.host_budget.fit_host_budget`; ``memory_report()["host_budget"]``
             says what was lowered).
         grad_dtype: dtype of the gradient shards kept in host memory when offloading: float32
             (ZeRO-Offload's choice, the default) or bfloat16 (half the host bytes; the C++ Adam
@@ -463,9 +463,9 @@ class EngineConfig:
 
     def lowered(self, update_timing: str, prefetch: int) -> "EngineConfig":
         """This config with the ``update_timing`` and ``prefetch`` a host budget left in force
-        (see :func:`offload_zero.plan.fit_host_budget`): ``self`` when they are unchanged, else
-        a copy holding them (validated already; ``left_to_engine`` kept), which the engine's
-        build and the engine then use, so that ``engine.config`` says what runs. Raises
+        (see :func:`offload_zero.host_budget.fit_host_budget`): ``self`` when they are
+        unchanged, else a copy holding them (validated already; ``left_to_engine`` kept), which
+        the engine's build and the engine then use, so that ``engine.config`` says what runs. Raises
         RuntimeError (an internal error) for a change of a setting not in
         ``left_to_engine``."""
         changes = {name: value for name, value in (("update_timing", update_timing),

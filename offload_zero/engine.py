@@ -380,7 +380,7 @@ class OffloadEngine:
         pipeline, the host staging buffer, the reduce-scatter scratch): exactly
         :attr:`memory_plan`'s pools (see :mod:`offload_zero.plan`). With ``max_host_bytes``,
         ``"host_budget"`` gives the budget, the planned and measured host peak and what was
-        lowered to fit (:func:`offload_zero.plan.host_budget_report`). ``"io_stages"``: each
+        lowered to fit (:func:`offload_zero.host_budget.host_budget_report`). ``"io_stages"``: each
         flat parameter whose NVMe bytes are not at rest, ``{name: {"optimizer_state",
         "parameter_shard"}}`` (see :meth:`UpdateStates.io_report`). Units:
         bytes (``"wait_s"``: seconds).

@@ -49,8 +49,8 @@ import torch.nn as nn
 from offload_zero.config import check_int
 from offload_zero.memory.pool import storage_rebinding_supported
 from offload_zero.memory.state_format import StateFormat, master_dtype_of, moment_dtype_of
-from offload_zero.plan import (KINDS, FlatSpec, MemoryPlan, PlanSettings, fit_host_budget,
-                               layout_of, memory_plan)
+from offload_zero.host_budget import fit_host_budget
+from offload_zero.plan import KINDS, FlatSpec, MemoryPlan, PlanSettings, layout_of, memory_plan
 from offload_zero.plan import shard_numel as _shard_numel  # noqa: F401 (the name callers import)
 from offload_zero.tables import (DTYPE_LONG_NAMES, DTYPES, OFFLOADS, SHORT_NAME as _SHORT,
                                  TIERS, default_offload_param)
@@ -490,7 +490,7 @@ def placement_bytes(model: nn.Module, stage: int, offload_optimizer: str, offloa
     :mod:`offload_zero.memory.host_cache`); ``moment_dtype``: ``"fp32"``, ``"bf16"`` or
     ``"int8"``, the engine's option; ``max_host_bytes``: the engine's option (bytes), whose
     budget streams the optimizer state in smaller chunks as the engine's build does
-    (:func:`offload_zero.plan.fit_host_budget`; a plan that cannot fit is counted as it is,
+    (:func:`offload_zero.host_budget.fit_host_budget`; a plan that cannot fit is counted as it is,
     over the budget); ``optimizer_prefetch``: the engine's option (whole-state read-ahead
     buffers; None: the least the timing needs); ``master_dtype``: ``"fp32"`` or ``"bf16"``, the
     engine's option (ValueError for bf16 with another dtype). Returns a :class:`Placement` whose

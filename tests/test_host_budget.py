@@ -1,4 +1,4 @@
-"""max_host_bytes bounds the host tier of any placement (see plan.fit_host_budget): the
+"""max_host_bytes bounds the host tier of any placement (see host_budget.fit_host_budget): the
 optimizer pipeline streams the state in smaller chunks, then an update_timing left at "auto"
 falls back to the plain step and a prefetch left at its default to 0, with the same weights bit
 for bit; the measured host peak stays within the budget; a budget nothing fits raises first,
@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from offload_zero import OffloadEngine
-from offload_zero.plan import fit_host_budget, memory_plan
+from offload_zero.host_budget import fit_host_budget
+from offload_zero.plan import memory_plan
 from models import TinyLM, adamw_reference, batches, lm_loss
 
 WIDE = dict(n_blocks=3)

@@ -42,10 +42,11 @@ def summarize(losses: List[float], report: Dict[str, Any], *, wall_s: float, tok
     the first/last ``max(1, min(5, steps // 3))`` of them. ``report`` is
     ``engine.memory_report()``; peak bytes per tier, NVMe read/written bytes and the seconds
     training waited for them (``nvme_wait_s``: the I/O not hidden behind compute; all three
-    counted from the engine's start-up) are taken from it: what the engine holds by its own accounting, not the process's RSS (``extra``'s
-    ``peak_rss_bytes``, from :func:`peak_rss_bytes`). ``wall_s`` is the training loop's wall
-    time in seconds and ``tokens`` the number of tokens it consumed on all ranks. ``extra``
-    entries are copied in first.
+    counted from the engine's start-up) are taken from it: what the engine holds by its own
+    accounting, not the process's RSS (``extra``'s ``peak_rss_bytes``, from
+    :func:`peak_rss_bytes`). ``wall_s`` is the training loop's wall time in seconds and
+    ``tokens`` the number of tokens it consumed on all ranks. ``extra`` entries are copied in
+    first.
     """
     k = max(1, min(5, len(losses) // 3))
     nvme = report.get("nvme", {})
@@ -186,8 +187,8 @@ def plot_memory(trace: List[Dict[str, int]], path: str, title: str = "") -> None
 def reduce_across_ranks(losses: List[float], report: Dict[str, Any], peak_rss: int
                          ) -> Tuple[List[float], Dict[str, Any], int]:
     """Make the summary global: mean loss per step over ranks, max peak bytes per tier and
-    max peak RSS (bytes), summed NVMe traffic, the longest NVMe wait (seconds). Needs the engine's process group (call before
-    ``engine.close()``)."""
+    max peak RSS (bytes), summed NVMe traffic, the longest NVMe wait (seconds). Needs the
+    engine's process group (call before ``engine.close()``)."""
     import torch.distributed as dist
 
     if not dist.is_available() or not dist.is_initialized():
