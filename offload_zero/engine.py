@@ -26,6 +26,7 @@ from offload_zero.lifetime import WRAPPED, close_engine, collective_error, not_r
 from offload_zero.lockstep import Phase
 from offload_zero.partition.flat_param import FlatParam
 from offload_zero.update.accumulation import Accumulation
+from offload_zero.update import rules
 from offload_zero.update.rules import BACKWARD
 from offload_zero.update.timings import UpdateTimings
 
@@ -262,15 +263,8 @@ class OffloadEngine:
         self._check_open()
         if self._accum.nothing_to_drop():
             return
-        if self.config.update_timing == BACKWARD:
-            if not self._backward_interrupted:
-                raise RuntimeError(
-                    "zero_grad() after backward() with update_timing='backward': backward "
-                    "already applied this batch's updates, unit by unit, and they cannot be "
-                    "dropped; call step() to end the step, or build the engine with "
-                    "update_timing='step' (or 'next_forward' at stage 3) to skip batches with "
-                    "zero_grad()")
-            self._step()
+        if not rules.check_zero_grad(self.config.update_timing, self._backward_interrupted):
+            self._step()  # (an interrupted "backward": its updates are partly made)
             return
         self.grads.zero()  # (pending "next_forward" updates: backward applied them)
         self._accum.dropped()

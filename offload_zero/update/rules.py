@@ -15,7 +15,8 @@ The timings (see DESIGN.md, "When updates run"):
   otherwise (:func:`resolve`); the training CLI's ``auto`` prefers ``"backward"`` where it
   works (:func:`cli_timing`).
 
-All timings give the same numbers.
+All timings give the same numbers. ``zero_grad()`` after a backward skips the batch except
+under ``"backward"``, whose updates backward already applied (:func:`check_zero_grad`).
 """
 from __future__ import annotations
 
@@ -103,6 +104,25 @@ def check(timing: str, stage: int, gradient_accumulation_steps: int = 1,
     if timing == NEXT_FORWARD and stage != 3:
         raise ValueError(f"update_timing='next_forward' needs stage 3 (units gathered before "
                          f"each forward); got stage={stage}")
+
+
+def check_zero_grad(timing: str, interrupted: bool) -> bool:
+    """Whether ``zero_grad()`` after a backward, under ``timing``, drops the batch's gradients
+    (True: ``"step"`` and ``"next_forward"``, whose updates wait for ``step()``) or must end the
+    step instead (False: ``"backward"`` after a backward that a Ctrl-C or exit interrupted, its
+    updates partly applied). Raises RuntimeError for ``"backward"`` after a backward that ran to
+    its end: its updates are all applied, so the batch cannot be skipped; the message names
+    ``step()`` and the timings that can skip batches."""
+    check_name(timing)
+    if timing != BACKWARD:
+        return True
+    if interrupted:
+        return False
+    raise RuntimeError(
+        "zero_grad() after backward() with update_timing='backward': backward already applied "
+        "this batch's updates, unit by unit, and they cannot be dropped; call step() to end "
+        "the step, or build the engine with update_timing='step' (or 'next_forward' at stage "
+        "3) to skip batches with zero_grad()")
 
 
 def cli_timing(timing: str, stage: int, fp16: bool, grad_accum: int = 1,

@@ -141,6 +141,12 @@ def test_the_timing_rules_are_one_module_for_every_caller(tmp_path):
     assert rules.cli_timing("next_forward", 3, fp16=False) == "next_forward"
     with pytest.raises(ValueError, match=r"update_timing='sideways' is not valid; choose one of"):
         EngineConfig(update_timing="sideways")
+    # zero_grad() after a backward: drops the batch, except under "backward" (refused; after
+    # an interrupted backward it ends the step instead)
+    assert rules.check_zero_grad("step", False) and rules.check_zero_grad("next_forward", True)
+    assert rules.check_zero_grad("backward", True) is False
+    with pytest.raises(RuntimeError, match=r"zero_grad\(\) after backward\(\).*call step\(\)"):
+        rules.check_zero_grad("backward", False)
 
 
 def test_update_states_follow_each_timing_and_refuse_an_illegal_move(tmp_path):
