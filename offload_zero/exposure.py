@@ -61,6 +61,7 @@ import torch
 from torch.utils._pytree import tree_map
 
 from offload_zero.partition.flat_param import FlatParam, ParamEntry
+from offload_zero.peft_calls import PeftCalls
 from offload_zero.update.rules import NEXT_FORWARD
 
 
@@ -133,6 +134,8 @@ class ModelExposure:
         # pickle and copy.deepcopy look __reduce_ex__ up on the instance: the model's hooks
         # (closures) made them fail with a bare AttributeError about a local object
         object.__setattr__(model, "__reduce_ex__", lambda protocol: _refuse_copy(model))
+        # peft's adapter calls: refused before they change anything
+        self._peft = PeftCalls(model)
         self.record_versions()
 
     def _before_read(self, fp) -> None:
@@ -173,6 +176,7 @@ class ModelExposure:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        self._peft.remove()
         eng = self._engine()
         model = None if eng is None else eng.module
         for name in ("save_pretrained", "generate"):

@@ -31,12 +31,12 @@ def lora_llama():
         init_lora_weights=False))
 
 
-def wrap(model, stage, offload, tmp_path, dtype=torch.float32):
+def wrap(model, stage, offload, tmp_path, dtype=torch.float32, **kwargs):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return OffloadEngine(model, offload=offload, stage=stage, dtype=dtype, lr=LR,
                              weight_decay=0.0,
-                             path=str(tmp_path) if offload == "nvme" else None)
+                             path=str(tmp_path) if offload == "nvme" else None, **kwargs)
 
 
 def tokens(i):
@@ -174,3 +174,95 @@ def test_peft_adapter_switches_raise_naming_themselves(tmp_path):
         assert torch.equal(model(input_ids=x).logits.detach(), before)
         eng.backward(model(input_ids=x, labels=x).loss)
         eng.step()
+
+
+def other_lora():
+    return peft.LoraConfig(r=2, target_modules=["k_proj"], init_lora_weights=False)
+
+
+# peft's (and transformers') calls that would change the adapters or the structure
+CHANGING_CALLS = {
+    "load_adapter": lambda m, folder: m.load_adapter(folder, adapter_name="other"),
+    "load_adapter_trainable": lambda m, folder: m.load_adapter(folder, adapter_name="other",
+                                                               is_trainable=True),
+    "add_adapter": lambda m, folder: m.add_adapter("other", other_lora()),
+    "add_weighted_adapter": lambda m, folder: m.add_weighted_adapter(
+        ["default"], [1.0], "mix", combination_type="linear"),
+    "delete_adapter": lambda m, folder: m.delete_adapter("default"),
+    "set_adapter": lambda m, folder: m.set_adapter("default", inference_mode=True),
+    "set_requires_grad": lambda m, folder: m.set_requires_grad("default", False),
+    "disable_adapter_layers": lambda m, folder: m.base_model.disable_adapter_layers(),
+    "enable_adapter_layers": lambda m, folder: m.base_model.enable_adapter_layers(),
+    "merge_adapter": lambda m, folder: m.merge_adapter(),
+    "unmerge_adapter": lambda m, folder: m.unmerge_adapter(),
+    "merge_and_unload": lambda m, folder: m.merge_and_unload(),
+    "unload": lambda m, folder: m.unload(),
+    "transformers' add_adapter": lambda m, folder: m.base_model.model.add_adapter(
+        other_lora(), adapter_name="other"),
+    "transformers' disable_adapters": lambda m, folder: m.base_model.model.disable_adapters(),
+}
+
+
+def model_facts(model):
+    """What a refused call must leave as it was: the modules, the state_dict's keys, peft's
+    adapters, which parameters train, and the logits of one batch."""
+    with torch.no_grad():
+        logits = model(input_ids=tokens(9)).logits.clone()
+    return ([n for n, _ in model.named_modules()], list(model.state_dict()),
+            list(model.peft_config), model.active_adapter,
+            [(n, p.requires_grad) for n, p in model.named_parameters()], logits)
+
+
+@pytest.mark.parametrize("stage,offload", [(1, "none"), (3, "nvme")])
+@pytest.mark.parametrize("call", list(CHANGING_CALLS))
+def test_peft_calls_that_change_the_model_refuse_before_changing_it(call, stage, offload,
+                                                                     tmp_path):
+    """Each call raises NotImplementedError naming itself, saying nothing was changed and
+    what to do; the model keeps its modules, state_dict keys, adapters and bit-identical
+    logits, and a training step then equals torch AdamW on an unwrapped copy."""
+    model = lora_llama()
+    ref = copy.deepcopy(model)
+    ref.save_pretrained(tmp_path / "adapter")
+    opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=LR,
+                            weight_decay=0.0)
+    (tmp_path / "swap").mkdir()
+    with wrap(model, stage, offload, tmp_path / "swap") as eng:
+        before = model_facts(model)
+        name = call.split("' ")[-1].replace("_trainable", "")
+        with pytest.raises(NotImplementedError,
+                           match=rf"{name}\(.*nothing was changed.*before OffloadEngine"):
+            CHANGING_CALLS[call](model, str(tmp_path / "adapter"))
+        after = model_facts(model)
+        assert after[:5] == before[:5]
+        assert torch.equal(after[5], before[5])
+        x = tokens(0)
+        eng.backward(model(input_ids=x, labels=x).loss)
+        eng.step()
+        ref(input_ids=x, labels=x).loss.backward()
+        opt.step()
+        sd = model.state_dict()
+    for n, p in ref.named_parameters():
+        assert (sd[n] - p.detach()).abs().max().item() < 1e-6, n
+
+
+def test_peft_calls_that_change_nothing_fixed_still_work(tmp_path):
+    """load_adapter of the adapter the model has (transformers' Trainer loading its best or
+    resumed checkpoint) loads its weights; set_adapter of the active adapter is accepted."""
+    other = lora_llama()
+    with torch.no_grad():
+        for n, p in other.named_parameters():
+            if "lora_" in n:
+                p.add_(0.5)
+    other.save_pretrained(tmp_path / "adapter")
+    model = lora_llama()
+    (tmp_path / "swap").mkdir()
+    with wrap(model, 3, "nvme", tmp_path / "swap"):
+        model.load_adapter(str(tmp_path / "adapter"), adapter_name="default", is_trainable=True)
+        model.set_adapter("default")
+        x = tokens(0)
+        with torch.no_grad():
+            got, want = model(input_ids=x).logits, other(input_ids=x).logits
+        assert (got - want).abs().max().item() < 1e-6
+        sd = model.state_dict()
+    for n, p in other.named_parameters():
+        assert torch.equal(sd[n], p.detach()), n
