@@ -134,9 +134,16 @@ class ModelExposure:
         # pickle and copy.deepcopy look __reduce_ex__ up on the instance: the model's hooks
         # (closures) made them fail with a bare AttributeError about a local object
         object.__setattr__(model, "__reduce_ex__", lambda protocol: _refuse_copy(model))
-        # peft's adapter calls: refused before they change anything
-        self._peft = PeftCalls(model)
+        # peft's adapter calls: refused before they change anything, disable_adapter() works
+        self._peft = PeftCalls(model, self._settle)
         self.record_versions()
+
+    def _settle(self) -> None:
+        """Apply the updates the engine left pending, while it is open (see [Note: peft adapter
+        calls] in :mod:`offload_zero.peft_calls`)."""
+        eng = self._live()
+        if eng is not None:
+            eng.apply_pending_updates()
 
     def _before_read(self, fp) -> None:
         """A computation outside the engine reads a model parameter that aliases ``fp``'s

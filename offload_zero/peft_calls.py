@@ -1,4 +1,5 @@
-"""peft's adapter calls on a wrapped model: the ones that would change it refuse at once.
+"""peft's adapter calls on a wrapped model: the ones that would change it refuse at once,
+``disable_adapter()`` works.
 
 [Note: peft adapter calls]
 The engine fixes, when it is built, which parameters the model has and which of them train
@@ -21,13 +22,24 @@ attribute on the object that has it, taken off again by ``engine.close()``) by o
 (peft's ``load_state_dict``, which reaches the engine's master weights, as transformers'
 Trainer does for the best checkpoint): it is passed to peft.
 
-``disable_adapter()`` refuses too (peft's would call the tuner's ``disable_adapter_layers()``,
-then ``enable_adapter_layers()`` on the way out, both refused).
+``disable_adapter()`` (LoRA) is supported: peft's own context sets ``requires_grad=False`` on
+the adapters, only so that their gradients are None; what the forward reads is each tuner
+layer's ``_disable_adapters`` flag (a disabled LoRA layer computes ``base_layer(x)`` only, a
+``modules_to_save`` wrapper its original module). :func:`disable_adapter` sets those flags
+alone and restores each one's previous value on exit, so no parameter, flat parameter or
+optimizer state changes: the logits are the base model's, and the adapters, unused, get no
+gradient (as peft's frozen ones would not). Inside the context the adapters'
+``requires_grad`` still reads True. Pending updates (``update_timing="next_forward"``) are
+applied on entry, as for any read between steps: a forward with the adapters off skips
+their modules, and at stage 3 with the LoRA layers as units of their own the prefetch would
+otherwise apply a skipped unit's update into a read-ahead buffer that its gather never frees.
 """
 from __future__ import annotations
 
+import contextlib
 import sys
-from typing import Dict, List, Tuple
+import warnings
+from typing import Callable, Dict, List, Tuple
 
 import torch.nn as nn
 
@@ -41,6 +53,8 @@ _MERGE_HINT = ("to merge a trained adapter, save it with model.save_pretrained(f
                "call PeftModel.from_pretrained(base, folder).merge_and_unload() on a model "
                "that is not wrapped")
 
+_UNWRAPPED_HINT = "for logits without the adapters keep an unwrapped copy of the base model"
+
 # call -> what it changes
 PEFT_MODEL_CALLS: Dict[str, str] = {
     "add_adapter": _ADDS,
@@ -48,7 +62,6 @@ PEFT_MODEL_CALLS: Dict[str, str] = {
     "delete_adapter": _REMOVES,
     "set_adapter": _TRAINS,
     "set_requires_grad": _TRAINS,
-    "disable_adapter": _TRAINS,
 }
 TUNER_CALLS: Dict[str, str] = {
     "add_weighted_adapter": _ADDS,
@@ -79,7 +92,7 @@ def refusal(owner: str, call: str, changes: str, hint: str = "") -> NotImplement
     its parentheses) on a wrapped model: what it would change, that nothing was changed, and
     what to do instead (``hint``, or the one that fits ``changes``)."""
     hint = hint or (_MERGE_HINT if changes in (_MERGES, _UNLOADS) else (
-        "for logits without the adapters keep an unwrapped copy of the base model"))
+        "for logits without the adapters use `with torch.no_grad(), model.disable_adapter():`"))
     whose = owner + ("'" if owner.endswith("s") else "'s")
     return NotImplementedError(
         f"{whose} {call} on a model wrapped by an OffloadEngine: it {changes}, which the "
@@ -94,17 +107,23 @@ class PeftCalls:
 
     Args:
         model: the wrapped model (``engine.module``).
+        settle: called with no argument as ``disable_adapter()`` is entered: applies the
+            updates the engine left pending (``engine.apply_pending_updates`` while it is open;
+            nothing once it is closed).
 
     Nothing is installed on a model without peft or transformers modules. :meth:`remove`
     takes the replacements off (``engine.close()``)."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, settle: Callable[[], None]):
+        self._settle = settle
         self._installed: List[Tuple[nn.Module, str]] = []
         peft = sys.modules.get("peft")
         transformers = sys.modules.get("transformers")
         for module in model.modules():
             if peft is not None and isinstance(module, peft.PeftModel):
                 self._refuse(module, "peft", PEFT_MODEL_CALLS)
+                self._install(module, "disable_adapter",
+                              lambda m=module: disable_adapter(m, self._settle))
             elif peft is not None and isinstance(module, peft.tuners.tuners_utils.BaseTuner):
                 self._refuse(module, "peft", TUNER_CALLS)
             elif transformers is not None and isinstance(module, transformers.PreTrainedModel):
@@ -179,3 +198,45 @@ def _set_adapter_of(module):
         return own(module, adapter_name, inference_mode=inference_mode)
     set_adapter.__doc__ = own.__doc__
     return set_adapter
+
+
+@contextlib.contextmanager
+def disable_adapter(peft_model, settle: Callable[[], None]):
+    """peft's ``with model.disable_adapter():`` on a wrapped model: the forwards inside compute
+    the base model alone; on exit each tuner layer is as it was (see [Note: peft adapter
+    calls]). NotImplementedError, before anything changes, for an adapter other than LoRA
+    or adapters merged into the base weights."""
+    config = peft_model.peft_config[peft_model.active_adapter]
+    peft_type = getattr(config.peft_type, "value", config.peft_type)
+    if peft_type != "LORA":
+        raise refusal("peft", "disable_adapter()", f"(for a {peft_type} adapter) " + _TRAINS,
+                      hint=_UNWRAPPED_HINT)
+    layers = _tuner_layers(peft_model)
+    if any(getattr(layer, "merged", False) for layer in layers):
+        raise refusal("peft", "disable_adapter()", "(with merged adapters) " + _MERGES,
+                      hint=_UNWRAPPED_HINT)
+    if any(getattr(peft_model.peft_config[name], "bias", "none") != "none"
+           for name in peft_model.active_adapters):
+        warnings.warn("disable_adapter() with a LoRA bias other than 'none': the output is not "
+                      "the base model's (as with peft on an unwrapped model)")
+    settle()
+    before = [(layer, layer._disable_adapters) for layer in layers]
+    was_disabled = peft_model._adapters_disabled
+    try:
+        for layer, _ in before:
+            layer._disable_adapters = True
+        peft_model._adapters_disabled = True
+        yield
+    finally:
+        for layer, flag in before:
+            layer._disable_adapters = flag
+        peft_model._adapters_disabled = was_disabled
+
+
+def _tuner_layers(peft_model) -> List[nn.Module]:
+    """The modules whose ``_disable_adapters`` flag peft's LoRA forward reads: the tuner layers
+    and the ``modules_to_save`` / trainable-token wrappers."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+    from peft.utils.other import AuxiliaryTrainingWrapper
+    return [m for m in peft_model.base_model.model.modules()
+            if isinstance(m, (BaseTunerLayer, AuxiliaryTrainingWrapper))]

@@ -263,9 +263,9 @@ class ModelParam(nn.Parameter):
                 f"{self._oz_label}: requires_grad={bool(requires_grad)} after wrapping would "
                 "not reach the OffloadEngine, which fixed which parameters train (their "
                 "gradient and Adam state) when it was built: freeze or unfreeze before "
-                "OffloadEngine(model, ...) (as for get_peft_model); peft's disable_adapter(), "
-                "disable_adapter_layers(), set_adapter() and load_adapter() set it on the "
-                "adapters and are not supported on a wrapped model (see docs/huggingface.md)")
+                "OffloadEngine(model, ...) (as for get_peft_model); peft's calls that switch "
+                "adapters refuse while wrapped, and its disable_adapter() works (see "
+                "docs/huggingface.md)")
         return self
 
     def __deepcopy__(self, memo):
