@@ -295,15 +295,24 @@ class NVMeParamHome:
         return self.io_stages.in_stage(ShardIO.WRITING)
 
     def _acquire(self, fp) -> torch.Tensor:
-        """A buffer of ``fp``'s pool, retiring that pool's write-backs (oldest first) while
-        every buffer is in flight: a small pool (an outsized root's) may hold only writes just
-        started."""
+        """A buffer of ``fp``'s pool. While every buffer is in flight, that pool's write-backs
+        are retired (oldest first: a small pool, an outsized root's, may hold only writes just
+        started), then its reads ahead that no gather has taken are dropped, oldest first: the
+        prefetch follows the last forward's order, and a forward that skips a unit (a branch
+        not taken, an expert without tokens) or runs them in another order leaves those reads
+        waiting for a gather that may never come. A dropped one is read again if its unit
+        runs (:meth:`fetch`); a kept shard's write goes on (:meth:`done_with`)."""
         pool = self._pool_for(fp)
         while pool.in_use == pool.count:
             writes = [w for w in self._writes() if self._pool_for(w) is pool]
-            if not writes:
+            if writes:
+                self._retire(writes[0])
+                continue
+            unread = [r for r in self.io_stages.in_stage(ShardIO.READING, ShardIO.KEPT)
+                      if r is not fp and self._pool_for(r) is pool]
+            if not unread:
                 break
-            self._retire(writes[0])
+            self.done_with(unread[0])
         return pool.acquire()
 
     def _retire(self, fp, keep: bool = True) -> None:
