@@ -19,6 +19,7 @@ import torch.nn as nn
 from offload_zero.config import EngineConfig, Tier, warn_user
 from offload_zero.lifetime import exit_on_sigterm
 from offload_zero.memory.accounting import StateKind, TierAccountant
+from offload_zero.memory.host_cache import REPORT_KEYS
 from offload_zero.memory.param_homes import HostParamHome, NVMeParamHome
 from offload_zero.memory.pool import GatherPool, HostBufferPool, storage_rebinding_supported
 from offload_zero.memory.state_stores import DeviceStore, HostStore, NVMeStore
@@ -149,6 +150,7 @@ class _Builder:
         self._build_updates()
         self._build_scheduler(pool_for)
         check_pools(p, self.rank)
+        check_host_cache(p, self.rank)
         if cfg.activation_checkpointing:
             _checkpoint_blocks(model, p.blocks,
                                cfg.offload_activations and self.device.type != "cpu")
@@ -443,10 +445,9 @@ def memory_report(acct: TierAccountant, parts: EngineParts, states: UpdateStates
     """``engine.memory_report()``: the accountant's bytes per tier and kind (``acct``), the
     NVMe bytes the swapper moved and the seconds the caller waited for them, the optimizer
     state's part of those bytes (the store's), the scheduler's live units,
-    :func:`pools_report`, the I/O stages not at rest (``states``), the host cache's split
-    (optimizer state on NVMe, and the frozen shards it keeps: ``"host_frozen_flat_params"``,
-    ``"host_frozen_bytes"``) and, with ``max_host_bytes``, the host budget against the memory
-    plan (:func:`offload_zero.host_budget.host_budget_report`; see
+    :func:`pools_report`, the I/O stages not at rest (``states``), :func:`host_cache_report`
+    and, with ``max_host_bytes``, the host budget against the memory plan
+    (:func:`offload_zero.host_budget.host_budget_report`; see
     :meth:`OffloadEngine.memory_report`).
     Units: bytes (``"wait_s"``: seconds)."""
     rep, store, plan, swapper = acct.report(), parts.store, parts.memory_plan, parts.swapper
@@ -461,13 +462,31 @@ def memory_report(acct: TierAccountant, parts: EngineParts, states: UpdateStates
                          "peak": parts.scheduler.live_peak}
     rep["pools"] = pools_report(parts)
     rep["io_stages"] = states.io_report()  # (see [Note: update states])
-    if isinstance(store, NVMeStore):
-        rep["host_cache"] = store.cache_report()
-        rep["host_cache"].update({k: plan.host_cache[k] for k in (
-            "host_frozen_flat_params", "host_frozen_bytes")})  # (the plan's: shards never move)
+    rep["host_cache"] = host_cache_report(parts)
     if plan.settings.max_host_bytes is not None:
         rep["host_budget"] = host_budget_report(plan, rep["host"]["peak_bytes"])
     return rep
+
+
+def host_cache_report(parts: EngineParts) -> Dict[str, int]:
+    """``memory_report()["host_cache"]``: where the optimizer state and the parameter shards
+    of ``parts`` are kept, host memory or NVMe, as the store and the parameter home allocated
+    them: every key of :data:`offload_zero.memory.host_cache.REPORT_KEYS`, 0 where nothing
+    applies (see [Note: host cache report] there). Units: bytes (and counts)."""
+    rep = dict.fromkeys(REPORT_KEYS, 0)
+    for part in (parts.store, parts.param_home):
+        if part is not None:
+            rep.update(part.cache_report())
+    return rep
+
+
+def check_host_cache(parts: EngineParts, rank: int) -> None:
+    """Raise RuntimeError (rank-prefixed, an internal error) unless :func:`host_cache_report`
+    is exactly the memory plan's ``host_cache``."""
+    built, planned = host_cache_report(parts), parts.memory_plan.host_cache
+    if built != planned:
+        raise RuntimeError(f"rank {rank}: internal error: the host cache built {built} "
+                           f"differs from the memory plan's {planned}")
 
 
 def check_pools(parts: EngineParts, rank: int) -> None:

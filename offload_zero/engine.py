@@ -365,10 +365,16 @@ class OffloadEngine:
         ``"wait_s"`` (cumulative seconds this process's training thread stood waiting for NVMe
         transfers: the I/O that did not hide behind compute), ``"state_read_bytes"`` and
         ``"state_written_bytes"`` (the optimizer state's part of them, counted as each transfer
-        starts); with the optimizer state on NVMe, ``"host_cache"`` gives its split between host
-        memory and files (see :meth:`offload_zero.memory.state_stores.NVMeStore.cache_report`)
-        and the frozen parameter shards it keeps in host memory (``"host_frozen_flat_params"``,
-        ``"host_frozen_bytes"``).
+        starts). ``"host_cache"``, in every configuration with the same keys (0 where nothing
+        applies): where this rank keeps its optimizer state and its parameter shards, host
+        memory or NVMe, as counts of flat parameters and bytes: ``"host_flat_params"``,
+        ``"nvme_flat_params"``, ``"host_state_bytes"``, ``"nvme_state_bytes"`` (master weights
+        and moments), ``"host_param_flat_params"``, ``"nvme_param_flat_params"``,
+        ``"host_param_bytes"``, ``"nvme_param_bytes"`` (compute-dtype parameter shards in host
+        memory, or read from NVMe by each gather), ``"host_frozen_flat_params"``,
+        ``"host_frozen_bytes"`` (the frozen ones among the shards in host memory); equal to
+        :attr:`memory_plan`'s ``host_cache`` (see [Note: host cache report] in
+        :mod:`offload_zero.memory.host_cache`).
         ``"pools"`` lists the fixed buffers sized at start-up, each with its ``"tier"`` (the
         device gather pool for unsharded units, parameter-shard read-ahead, the NVMe optimizer
         pipeline, the host staging buffer, the reduce-scatter scratch): exactly

@@ -265,9 +265,11 @@ class MemoryPlan:
         outsized_root: indices of the root's flat parameters larger than a block shard whose
             parameter shards on NVMe go through ``param_shards_root``.
         keep_root: the root's updated shards stay in their buffers for the next forward.
-        host_cache: the optimizer state's split, as ``NVMeStore.cache_report()``, plus the
-            frozen shards kept (``"host_frozen_flat_params"``, ``"host_frozen_bytes"``), or
-            None when the state is not on NVMe.
+        host_cache: where the optimizer state and the parameter shards are kept, host memory
+            or NVMe: counts of flat parameters and bytes, the same keys in every configuration
+            (:data:`offload_zero.memory.host_cache.REPORT_KEYS`, zeros where nothing applies;
+            see [Note: host cache report] in :mod:`offload_zero.memory.host_cache`): what
+            ``memory_report()["host_cache"]`` reports.
         params_in_host: indices of frozen flat parameters whose shard (on NVMe otherwise)
             stays in host memory with what ``host_cache_bytes`` leaves after the states (rule
             3 of [Note: host cache]).
@@ -290,7 +292,7 @@ class MemoryPlan:
     in_host: FrozenSet[int]
     outsized_root: FrozenSet[int]
     keep_root: bool
-    host_cache: Optional[Dict[str, int]]
+    host_cache: Dict[str, int]
     shrunk: Tuple[str, ...] = ()
     params_in_host: FrozenSet[int] = frozenset()
 
@@ -372,19 +374,7 @@ def memory_plan(layout: Sequence[FlatSpec], settings: PlanSettings) -> MemoryPla
     states = _model_states(layout, shards, s, fmt, in_host, frozen)
     outsized, keep_root = _outsized_root(layout, shards)
     pools = _pools(layout, shards, s, fmt, in_host | frozen, share, outsized, keep_root)
-    host_cache = None
-    if s.optimizer_tier == "nvme":
-        per = _host_state_bytes_per_element(s, fmt)
-        held = [i for i in in_host if layout[i].trainable]
-        host_cache = {"host_flat_params": len(held),
-                      "nvme_flat_params": sum(1 for i, f in enumerate(layout)
-                                              if f.trainable and i not in in_host),
-                      "host_state_bytes": int(sum(per * shards[i] for i in held)),
-                      "nvme_state_bytes": int(sum(_state_bytes(fmt, shards[i], s.padded)
-                                                  for i, f in enumerate(layout)
-                                                  if f.trainable and i not in in_host)),
-                      "host_frozen_flat_params": len(frozen),
-                      "host_frozen_bytes": int(sum(k * shards[i] for i in frozen))}
+    host_cache = _host_cache(layout, shards, s, fmt, in_host, frozen)
     return MemoryPlan(
         settings=s, layout=layout, shard_numel=shards, model_states=states, pools=pools,
         in_flight=_in_flight(layout, shards, s), master_aliased=_aliased(s),
@@ -451,6 +441,51 @@ def _frozen_in_host(layout, shards, s: PlanSettings, fmt: StateFormat, in_host):
     left = s.host_cache_bytes - sum(per * shards[i] for i in in_host)
     flat = _flat_info(layout, shards)
     return frozenset(plan_frozen_cache(flat, left, s.itemsize))
+
+
+def _host_cache(layout, shards, s: PlanSettings, fmt: StateFormat, in_host, frozen):
+    """:attr:`MemoryPlan.host_cache`: [Note: host cache report] in
+    :mod:`offload_zero.memory.host_cache`, from the same decisions as :func:`_model_states`
+    (``in_host``: states kept in host memory; ``frozen``: frozen shards kept there). Bytes."""
+    trainable = [i for i, f in enumerate(layout) if f.trainable]
+    opt = {i: shards[i] * (s.world_size if s.stage == 0 else 1) for i in trainable}
+    if s.optimizer_tier == "nvme":
+        held, alias = [i for i in trainable if i in in_host], _host_alias(s)
+        on_nvme = [i for i in trainable if i not in in_host]
+    else:
+        held, alias = (trainable if s.optimizer_tier == "host" else []), _aliased(s)
+        on_nvme = []
+    everything = range(len(layout))
+    if s.param_tier == "host":
+        host_params, read = list(everything), []
+    elif s.param_tier == "nvme":
+        # a kept state's shard of the master's dtype is that host master: in neither
+        host_params = [i for i in everything if i in frozen
+                       or (i in in_host and not s.master_is_compute)]
+        read = [i for i in everything if i not in frozen and i not in in_host]
+    else:
+        host_params, read = [], []
+    host_frozen = [i for i in host_params if not layout[i].trainable]
+    k = s.itemsize
+    return {"host_flat_params": len(held), "nvme_flat_params": len(on_nvme),
+            "host_state_bytes": int(sum(_host_state_bytes(fmt, opt[i], alias, s.padded)
+                                        for i in held)),
+            "nvme_state_bytes": int(sum(_state_bytes(fmt, opt[i], s.padded) for i in on_nvme)),
+            "host_param_flat_params": len(host_params),
+            "nvme_param_flat_params": len(read),
+            "host_param_bytes": int(sum(k * shards[i] for i in host_params)),
+            "nvme_param_bytes": int(sum(k * shards[i] for i in read)),
+            "host_frozen_flat_params": len(host_frozen),
+            "host_frozen_bytes": int(sum(k * shards[i] for i in host_frozen))}
+
+
+def _host_state_bytes(fmt: StateFormat, numel, alias: bool, padded: bool):
+    """Host bytes of one state of ``numel`` elements kept in host memory, as the store
+    allocates it: master (none when ``alias``: the parameter shard is the master) and moments
+    with int8 moments' scales; unpadded, the per-element arithmetic."""
+    if not padded:
+        return (fmt.resident_bytes_per_element - (fmt.master_itemsize if alias else 0)) * numel
+    return (0 if alias else fmt.master_itemsize * numel) + fmt.resident_moment_bytes(numel)
 
 
 def _outsized_root(layout, shards):

@@ -146,7 +146,7 @@ class StepTime:
 def nvme_traffic(plan) -> NVMeTraffic:
     """The NVMe bytes per step of ``plan`` (a :class:`offload_zero.plan.MemoryPlan`), by
     [Note: step-time model]."""
-    state = plan.host_cache["nvme_state_bytes"] if plan.host_cache else 0
+    state = plan.host_cache["nvme_state_bytes"]
     if plan.settings.param_tier != "nvme":
         return NVMeTraffic(state, 0, 0)
     k = plan.settings.itemsize

@@ -63,12 +63,20 @@ def _run(model, tmp_path, name, budget, measure_each_step, **kw):
         on_nvme = [fp for fp in eng.trainable if fp not in in_host]
         per_step = _state_bytes(eng, on_nvme)  # the plan's formula: read and written each step
         rep = eng.memory_report()
+        params_on_nvme = eng.config.offload_param == "nvme"
+        # with the shards on NVMe, a cached state's shard stays in host memory: beside it, or
+        # in fp32 as the master itself; the others' are read from NVMe
+        beside = [fp for fp in in_host if fp.itemsize != 4] if params_on_nvme else []
+        read = on_nvme if params_on_nvme else []
         assert rep["host_cache"] == {
             "host_flat_params": len(in_host), "nvme_flat_params": len(on_nvme),
             "host_state_bytes": rep["host"]["by_kind"]["master_weights"]["current_bytes"]
             + rep["host"]["by_kind"]["moments"]["current_bytes"],
-            "nvme_state_bytes": per_step, "host_frozen_flat_params": 0, "host_frozen_bytes": 0}
-        params_on_nvme = eng.config.offload_param == "nvme"
+            "nvme_state_bytes": per_step, "host_param_flat_params": len(beside),
+            "host_param_bytes": sum(fp.itemsize * fp.shard_numel for fp in beside),
+            "nvme_param_flat_params": len(read),
+            "nvme_param_bytes": sum(fp.itemsize * fp.shard_numel for fp in read),
+            "host_frozen_flat_params": 0, "host_frozen_bytes": 0}
         start = _moved(rep, params_on_nvme)
         for i, (x, y) in enumerate(batches(STEPS)):
             eng.backward(lm_loss(eng(x), y))
@@ -327,3 +335,105 @@ def test_host_cache_keeps_frozen_shards_with_what_the_states_leave(timing, tmp_p
         "param_shards_frozen"] and pools2["param_shards_frozen"]["buffers"] == 3
     for got in (s1, s2, s3):
         assert got.keys() == ref.keys() and all(torch.equal(got[k], ref[k]) for k in ref)
+
+
+# -- memory_report()["host_cache"] in every configuration -----------------------------------------
+REPORT_KEYS = {"host_flat_params", "nvme_flat_params", "host_state_bytes", "nvme_state_bytes",
+               "host_param_flat_params", "nvme_param_flat_params", "host_param_bytes",
+               "nvme_param_bytes", "host_frozen_flat_params", "host_frozen_bytes"}
+# host_cache_bytes, as a share of (all trainable states' bytes, all frozen shards' bytes)
+BUDGETS = {"none": (0, 0), "states": (0.37, 0), "frozen": (1, 0.5), "all": (1, 1)}
+
+
+def _report_cells():
+    cells = []
+    for stage in (1, 2, 3):
+        for param in (("none", "cpu", "nvme") if stage == 3 else ("none",)):
+            for opt in ("none", "cpu", "nvme"):
+                for budget in (BUDGETS if opt == "nvme" else ("none",)):
+                    cells += [(stage, opt, param, budget, dtype)
+                              for dtype in (torch.float32, torch.bfloat16)]
+    return cells
+
+
+def _frozen_cache_lm():
+    """CacheLM with each block's ``up`` and the embeddings frozen: a frozen and a trainable flat
+    parameter in every unit."""
+    torch.manual_seed(0)
+    model = CacheLM()
+    for p in [model.emb.weight, *(p for b in model.blocks for p in b.up.parameters())]:
+        p.requires_grad_(False)
+    return model
+
+
+@pytest.mark.parametrize("stage,opt,param,budget,dtype", _report_cells())
+def test_host_cache_report_has_every_key_and_the_bytes_kept(stage, opt, param, budget, dtype,
+                                                            tmp_path):
+    """Every stage x optimizer tier x parameter tier x host_cache_bytes (none, ~37% of the
+    states, the states and half the frozen shards, everything) x dtype: memory_report() has a
+    "host_cache" section with the same keys, equal to the plan's, whose bytes are the shards
+    (K bytes per element) and states (4 bytes per element of fp32 master, unless it is the
+    parameter shard itself, plus 8 of moments) of the flat parameters the plan keeps in host
+    memory or on NVMe, and to the accountant's bytes of those kinds."""
+    model = _frozen_cache_lm()
+    k = torch.empty(0, dtype=dtype).element_size()
+    from offload_zero.estimator import _shard_numel, model_layout
+    layout = model_layout(model)
+    shards = [_shard_numel(s.numel, 1, k, True) for s in layout]
+    states, frozen = (sum(w * n for s, n in zip(layout, shards) if s.trainable == t)
+                      for w, t in ((12, True), (k, False)))
+    share_states, share_frozen = BUDGETS[budget]
+    kw = ({"host_cache_bytes": int(share_states * states + share_frozen * frozen)}
+          if opt == "nvme" else {})
+    with OffloadEngine(model, stage=stage, offload=opt, offload_param=param, dtype=dtype,
+                       path=str(tmp_path) if "nvme" in (opt, param) else None, **kw) as eng:
+        rep, plan = eng.memory_report(), eng.memory_plan
+        fps = eng.flat_params
+        assert [(fp.numel, fp.requires_grad) for fp in fps] == [(s.numel, s.trainable)
+                                                               for s in plan.layout]
+        trainable = {i for i, fp in enumerate(fps) if fp.requires_grad}
+        # the flat parameters whose state (shard) the plan keeps in host memory / on NVMe
+        state_host = {"none": set(), "cpu": trainable, "nvme": set(plan.in_host)}[opt]
+        state_nvme = trainable - state_host if opt == "nvme" else set()
+        # a shard whose NVMe state the plan keeps in host memory stays there too: beside it,
+        # or in fp32 as the master itself (in neither parameter count)
+        kept = set(plan.in_host)
+        beside = set() if dtype == torch.float32 else kept
+        param_host = {"none": set(), "cpu": set(range(len(fps))),
+                      "nvme": set(plan.params_in_host) | beside}[param]
+        param_nvme = (set(range(len(fps))) - set(plan.params_in_host) - kept
+                      if param == "nvme" else set())
+        aliased = param == "none" and dtype == torch.float32  # (a CPU device)
+        numel = lambda idx: sum(fps[i].shard_numel for i in idx)  # noqa: E731
+        frozen_host = param_host - trainable
+        expected = {
+            "host_flat_params": len(state_host), "nvme_flat_params": len(state_nvme),
+            "host_state_bytes": (8 if aliased else 12) * numel(state_host),
+            "nvme_state_bytes": 12 * numel(state_nvme),
+            "host_param_flat_params": len(param_host), "nvme_param_flat_params": len(param_nvme),
+            "host_param_bytes": k * numel(param_host), "nvme_param_bytes": k * numel(param_nvme),
+            "host_frozen_flat_params": len(frozen_host),
+            "host_frozen_bytes": k * numel(frozen_host)}
+        got = rep["host_cache"]
+        assert got.keys() == REPORT_KEYS
+        assert got == expected == plan.host_cache
+        kinds = {t: {kind: rep[t]["by_kind"][kind]["current_bytes"] for kind in KINDS}
+                 for t in TIERS}
+        assert got["host_state_bytes"] == (kinds["host"]["master_weights"]
+                                           + kinds["host"]["moments"])
+        assert (got["host_param_bytes"], got["nvme_param_bytes"]) == (
+            kinds["host"]["parameters"], kinds["nvme"]["parameters"])
+        if opt == "nvme":  # the budgets' cells: none, part, all of the states, then the frozen
+            # (the state tail_state_in_host keeps is kept whatever the budget; what part of
+            # the states leaves may take frozen shards)
+            states, shards = {"none": (0, 0), "states": (1, None), "frozen": (2, 1),
+                              "all": (2, 2)}[budget]
+            assert _share(len(state_host - {plan.tail}) if states == 0 else len(state_host),
+                          len(trainable)) == states
+            if param == "nvme" and shards is not None:
+                assert _share(len(frozen_host), len(fps) - len(trainable)) == shards
+
+
+def _share(part, whole):
+    """0: none of ``whole``, 1: some, 2: all (an empty whole: 0)."""
+    return 0 if part == 0 else (2 if part == whole else 1)

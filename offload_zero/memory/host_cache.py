@@ -39,6 +39,36 @@ the host master itself; in another dtype it stays in host memory beside its stat
 but not against ``host_cache_bytes``), written by the update and read by the gathers there,
 so the disk is spared its K bytes written per step and its reads. The pool buffers such a
 shard would have gone through are not planned either (an outsized root part's own buffer).
+
+[Note: host cache report]
+``memory_report()["host_cache"]`` says where this rank keeps its optimizer state and its
+parameter shards, host memory or NVMe, with the keys of :data:`REPORT_KEYS` in every
+configuration (offload settings, stage 1/2/3), 0 where nothing applies (state or shards on the
+device). Counts are flat parameters; bytes are this rank's, as allocated:
+
+- ``host_flat_params`` / ``host_state_bytes``: trainable flat parameters whose optimizer state
+  (master weights, moments, int8 moments' scales) is in host memory, and its bytes: every one
+  with ``offload_optimizer="cpu"``; with ``"nvme"`` those rules 1-2 keep. A master that is the
+  parameter shard itself (a CPU device, a master of the compute dtype) adds no bytes.
+- ``nvme_flat_params`` / ``nvme_state_bytes``: those whose state is in NVMe files, and the
+  files' bytes (padding included): what each step reads and writes once. (Their int8
+  moments' scales stay in host memory, counted in neither.)
+- ``host_param_flat_params`` / ``host_param_bytes``: flat parameters whose compute-dtype
+  parameter shard has memory of its own in host memory (stage 3), K bytes per element: every
+  one with ``offload_param="cpu"``; with ``"nvme"`` the frozen shards rule 3 keeps and the
+  trainable shards kept beside their state in host memory in a dtype other than the master's.
+  A shard of the master's dtype whose state is kept is that host master: counted in
+  ``host_state_bytes``, in neither parameter count.
+- ``nvme_param_flat_params`` / ``nvme_param_bytes``: flat parameters whose shard each gather
+  reads from NVMe (its own file, or its master's bytes in the optimizer's file), K bytes per
+  element.
+- ``host_frozen_flat_params`` / ``host_frozen_bytes``: the frozen ones among
+  ``host_param_*``.
+
+What ``host_cache_bytes`` took is ``host_state_bytes`` with the state on NVMe, plus
+``host_frozen_bytes`` with the shards on NVMe too. The plan states the same figures
+(:attr:`offload_zero.plan.MemoryPlan.host_cache`); the engine reports what its store and its
+parameter home allocated and checks after building that the two agree.
 """
 from __future__ import annotations
 
@@ -47,6 +77,12 @@ from typing import List, Optional, Sequence, Set, Tuple
 # (block, trainable, shard_numel): block is the block's position in forward order, None for the
 # root unit; shard_numel in elements
 FlatInfo = Tuple[Optional[int], bool, int]
+
+# the keys of memory_report()["host_cache"] and MemoryPlan.host_cache, in every configuration
+# (see [Note: host cache report]): counts of flat parameters, then bytes
+REPORT_KEYS = ("host_flat_params", "nvme_flat_params", "host_state_bytes", "nvme_state_bytes",
+               "host_param_flat_params", "nvme_param_flat_params", "host_param_bytes",
+               "nvme_param_bytes", "host_frozen_flat_params", "host_frozen_bytes")
 
 
 def cache_order(flat: Sequence[FlatInfo], blocks_reversed: bool = False) -> List[int]:

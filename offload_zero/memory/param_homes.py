@@ -27,13 +27,25 @@ class HostParamHome:
 
     def __init__(self, accountant: TierAccountant, host_alloc):
         self._acct, self._alloc = accountant, host_alloc
+        self._held: Dict[object, int] = {}  # {fp: bytes of its host shard}
 
     def adopt(self, fp, device_shard: torch.Tensor) -> torch.Tensor:
         """Move ``fp``'s initial shard home; returns the tensor ``fp.sharded`` becomes."""
         host = self._alloc(device_shard.numel(), device_shard.dtype)
         host.copy_(device_shard)
-        self._acct.add(Tier.HOST, StateKind.PARAMS, host.numel() * host.element_size())
+        self._held[fp] = host.numel() * host.element_size()
+        self._acct.add(Tier.HOST, StateKind.PARAMS, self._held[fp])
         return host
+
+    def cache_report(self) -> dict:
+        """The parameter shards held here (see [Note: host cache report] in
+        :mod:`offload_zero.memory.host_cache`): ``{"host_param_flat_params",
+        "host_frozen_flat_params"}`` (counts: all, frozen) and ``{"host_param_bytes",
+        "host_frozen_bytes"}`` (their host bytes). Units: bytes."""
+        frozen = [n for fp, n in self._held.items() if not fp.requires_grad]
+        return {"host_param_flat_params": len(self._held),
+                "host_param_bytes": sum(self._held.values()),
+                "host_frozen_flat_params": len(frozen), "host_frozen_bytes": sum(frozen)}
 
     def fetch(self, fp) -> None:
         """Nothing to bring in: the shard is resident."""
@@ -64,8 +76,9 @@ class HostParamHome:
 
     def release(self, fp) -> None:
         """Forget ``fp`` (engine close)."""
-        if fp.sharded is not None and fp.sharded.numel():
-            self._acct.sub(Tier.HOST, StateKind.PARAMS, fp.sharded.numel() * fp.sharded.element_size())
+        nbytes = self._held.pop(fp, 0)
+        if nbytes:
+            self._acct.sub(Tier.HOST, StateKind.PARAMS, nbytes)
 
     def close(self) -> None:
         """Nothing beyond :meth:`release`."""
@@ -187,6 +200,18 @@ class NVMeParamHome:
         finally:
             pool.release(buf)
         return None
+
+    def cache_report(self) -> dict:
+        """The parameter shards' split between host memory and NVMe (see [Note: host cache
+        report] in :mod:`offload_zero.memory.host_cache`): those kept in host memory
+        (:meth:`HostParamHome.cache_report`'s keys) and ``"nvme_param_flat_params"``,
+        ``"nvme_param_bytes"``: the shards each gather reads from NVMe (a file of their own or
+        their master's bytes), and their bytes. Units: bytes."""
+        held = self._host.cache_report() if self._host is not None else {}
+        read = [n for n in self._sizes.values() if n]
+        return {"host_param_flat_params": 0, "host_param_bytes": 0,
+                "host_frozen_flat_params": 0, "host_frozen_bytes": 0, **held,
+                "nvme_param_flat_params": len(read), "nvme_param_bytes": sum(read)}
 
     def _from_store(self, fp) -> bool:
         source = self.master_source

@@ -140,6 +140,17 @@ class _TensorStore:
         for dst, src in zip(self._state[fp], (master, exp_avg, exp_avg_sq)):
             dst.copy_(src)
 
+    def cache_report(self) -> dict:
+        """The optimizer state's split between host memory and NVMe (see [Note: host cache
+        report] in :mod:`offload_zero.memory.host_cache`): every state in host memory for a
+        :class:`HostStore` (``"host_flat_params"``, a count, and ``"host_state_bytes"``: the
+        master weights and moments allocated, a master aliased to the parameter shard none),
+        nothing for a :class:`DeviceStore`; nothing on NVMe. Units: bytes."""
+        held = self._held if self.tier is Tier.HOST else {}
+        return {"host_flat_params": len(held), "nvme_flat_params": 0,
+                "host_state_bytes": sum(mb + sb for mb, sb in held.values()),
+                "nvme_state_bytes": 0}
+
     def close(self) -> None:
         """Release every tensor; idempotent."""
         for fp, (mb, sb) in self._held.items():
@@ -537,13 +548,12 @@ class NVMeStore(ReadAheadRing):
 
     def cache_report(self) -> dict:
         """The optimizer state's split between host memory and NVMe (see [Note: host cache]
-        in :mod:`offload_zero.memory.host_cache`): ``{"host_flat_params", "nvme_flat_params"}``
+        and [Note: host cache report] in :mod:`offload_zero.memory.host_cache`):
+        ``{"host_flat_params", "nvme_flat_params"}``
         (counts) and ``{"host_state_bytes", "nvme_state_bytes"}``: bytes of master weights and
         moments kept in host memory (:meth:`keep_in_host`), and bytes of the state files, which
         each step reads and writes once (every flat parameter updated). Units: bytes."""
-        return {"host_flat_params": len(self._host._held),
-                "nvme_flat_params": len(self._numel),
-                "host_state_bytes": sum(mb + sb for mb, sb in self._host._held.values()),
+        return {**self._host.cache_report(), "nvme_flat_params": len(self._numel),
                 "nvme_state_bytes": sum(self.state_file_bytes(fp) for fp in self._numel)}
 
     def state_file_bytes(self, fp) -> int:
