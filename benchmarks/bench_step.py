@@ -349,7 +349,7 @@ def worker(args) -> None:
             rep = engine.memory_report()
             nvme = rep["nvme"]
             return (nvme["state_read_bytes"], nvme["state_written_bytes"], nvme["read_bytes"],
-                    nvme["written_bytes"], rep.get("host_cache", {}).get("nvme_state_bytes", 0))
+                    nvme["written_bytes"], rep["host_cache"]["nvme_state_bytes"])
     elif config.startswith("ds-"):
         _, step = _ds_init(args, dtype, config, args.path)
     else:
